@@ -1,0 +1,39 @@
+# ravnest-node: every target does its own set-up, so a fresh clone needs only `make demo` or `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test check lint typecheck protos clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/ravnest-node demo
+
+lint: setup
+	$(VENV)/bin/ruff check ravnest_node tests
+
+typecheck: setup
+	$(VENV)/bin/mypy ravnest_node
+
+check: lint typecheck
+
+test: check
+	$(PY) -m pytest -q
+
+# Regenerate the committed protobuf/gRPC code (tests/test_protos.py checks it is up to date).
+protos: setup
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
+		protos/ravnest_node/proto/control.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,306 @@
+"""`ravnest-node demo`: a local swarm of node processes on 127.0.0.1, trained end to end.
+
+The demo starts node 0 (the coordinator, which also trains stage 0), waits until it announces
+its address, starts the other nodes with `--join` to it, then follows the coordinator's progress
+stream, printing one line per step (or every few steps). When the run is done it stops every
+node with SIGTERM, waits for them, prints the summary and (with `--summary-json`) writes it.
+Ctrl-C or SIGTERM stops the whole swarm the same way. Node logs go to <work-dir>/node-<i>/node.log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+
+from ravnest_node.cli.settings import to_env
+from ravnest_node.daemon.node import LogLevel
+from ravnest_node.errors import ConfigError, RunFailed
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.state import write_atomic
+from ravnest_node.transport.options import TransportConfig, channel_options
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class DemoConfig:
+    """A local swarm: N node processes on this machine."""
+
+    nodes: int = 3
+    """Node processes to start (each trains one stage; 1 = the whole model in one process)."""
+    work_dir: Path | None = None
+    """Where node state and logs go (default: a new temporary directory)."""
+    summary_json: Path | None = None
+    """Write the run summary (JSON) here when training finishes."""
+    compute_threads: int = field(default=0, metadata={"flag": "--threads"})
+    """Torch threads per node (0 = this machine's cores divided among the nodes)."""
+    log_level: LogLevel = "info"
+    """Log level of the node processes (their logs go to files in the work dir)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The training run."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """Limits and timeouts of the gRPC transport."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= 64:
+            raise ConfigError(f"nodes={self.nodes}: must be between 1 and 64")
+        num_blocks = get_model(self.train.model).num_blocks()
+        if self.nodes > num_blocks:
+            raise ConfigError(
+                f"nodes={self.nodes}: model {self.train.model} has only {num_blocks} blocks, "
+                "so at most that many stages"
+            )
+        if self.compute_threads < 0:
+            raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
+
+    @property
+    def threads_per_node(self) -> int:
+        return self.compute_threads or max(1, (os.cpu_count() or 1) // self.nodes)
+
+
+@dataclass(slots=True)
+class _Node:
+    index: int
+    state_dir: Path
+    proc: asyncio.subprocess.Process
+    log: Path
+    address: str = ""
+
+
+class Demo:
+    """Runs one demo; `run()` returns the summary, or None if stopped before the end."""
+
+    def __init__(self, cfg: DemoConfig, out: TextIO) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.nodes: list[_Node] = []
+        self._stop = asyncio.Event()
+        if cfg.work_dir is not None:
+            cfg.work_dir.mkdir(parents=True, exist_ok=True)
+            self.work_dir = cfg.work_dir
+        else:
+            self.work_dir = Path(tempfile.mkdtemp(prefix="ravnest-demo-"))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _print(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    async def run(self) -> dict[str, Any] | None:
+        cfg = self.cfg
+        model = get_model(cfg.train.model)
+        self._print(
+            f"ravnest-node demo: {cfg.nodes} node(s) training {cfg.train.model} "
+            f"({model.num_parameters() / 1e6:.2f} M parameters) for {cfg.train.steps} steps "
+            f"of {cfg.train.batch_size} samples; work dir {self.work_dir}"
+        )
+        try:
+            coordinator = await self._spawn(0, join=None)
+            if coordinator is None:
+                return None
+            for i in range(1, cfg.nodes):
+                if await self._spawn(i, join=coordinator.address) is None:
+                    return None
+            return await self._follow(coordinator.address)
+        finally:
+            await self._shutdown()
+
+    async def _spawn(self, index: int, join: str | None) -> _Node | None:
+        cfg = self.cfg
+        state_dir = self.work_dir / f"node-{index}"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        log_path = state_dir / "node.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAVNEST_")}
+        env |= to_env(cfg.train, ("train",)) | to_env(cfg.transport, ("transport",))
+        env["PYTHONUNBUFFERED"] = "1"
+        args = [
+            "start",
+            "--listen", "127.0.0.1:0",
+            "--state-dir", str(state_dir),
+            "--threads", str(cfg.threads_per_node),
+            "--log-level", cfg.log_level,
+        ]  # fmt: skip
+        args += ["--join", join] if join else ["--swarm-size", str(cfg.nodes)]
+        log_file = await asyncio.to_thread(open, log_path, "ab")
+        with log_file:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "ravnest_node", *args,
+                stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
+                env=env,
+            )  # fmt: skip
+        node = _Node(index=index, state_dir=state_dir, proc=proc, log=log_path)
+        self.nodes.append(node)
+        ready = await self._until(self._read_ready(node))
+        if ready is None:
+            return None
+        node.address = ready["address"]
+        self._print(f"node {index} ready at {node.address} (pid {proc.pid})")
+        return node
+
+    async def _read_ready(self, node: _Node) -> dict[str, Any]:
+        assert node.proc.stdout is not None
+        line = await node.proc.stdout.readline()
+        if not line:
+            code = await node.proc.wait()
+            raise RunFailed(
+                f"node {node.index} exited ({code}) before it was ready{self._tail(node)}"
+            )
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    async def _until(self, work: Any) -> Any:
+        """Await `work` unless a stop is requested or a node dies first (then RunFailed)."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._stop.wait())
+        deaths = [asyncio.ensure_future(n.proc.wait()) for n in self.nodes]
+        try:
+            done, _ = await asyncio.wait([task, stop, *deaths], return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            if stop in done:
+                return None
+            dead = next(n for n, d in zip(self.nodes, deaths, strict=True) if d in done)
+            raise RunFailed(
+                f"node {dead.index} exited with status {dead.proc.returncode} during the run"
+                f"{self._tail(dead)}"
+            )
+        finally:
+            for t in (task, stop, *deaths):
+                t.cancel()
+
+    async def _follow(self, coordinator: str) -> dict[str, Any] | None:
+        async with grpc.aio.insecure_channel(
+            coordinator, options=channel_options(self.cfg.transport)
+        ) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            call = stub.WatchProgress(pb.WatchProgressRequest())
+            every = max(1, self.cfg.train.steps // 25)
+            try:
+                while True:
+                    event = await self._until(call.read())
+                    if event is None:
+                        return None
+                    if event is grpc.aio.EOF:
+                        raise RunFailed("the coordinator ended the progress stream early")
+                    assert isinstance(event, pb.Progress)
+                    if event.done:
+                        summary: dict[str, Any] = json.loads(event.summary_json)
+                        return summary
+                    if event.step % every == 0 or event.step == 1:
+                        self._print(_progress_line(event))
+            except grpc.aio.AioRpcError as exc:
+                if self._stop.is_set():
+                    return None
+                await self._explain_death(self.nodes[0])
+                raise RunFailed(f"lost the coordinator: {exc.details()}") from None
+            finally:
+                call.cancel()
+
+    async def _explain_death(self, node: _Node) -> None:
+        """If `node` is exiting, wait for it and raise RunFailed with its status and log."""
+        try:
+            code = await asyncio.wait_for(node.proc.wait(), self.cfg.transport.stop_grace_s + 5)
+        except TimeoutError:
+            return
+        raise RunFailed(f"node {node.index} exited with status {code}{self._tail(node)}")
+
+    async def _shutdown(self) -> None:
+        """SIGTERM every node still running, wait for it; SIGKILL what outlives the grace."""
+        for node in self.nodes:
+            if node.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    node.proc.send_signal(signal.SIGTERM)
+        grace = self.cfg.transport.stop_grace_s + 5.0
+        for node in self.nodes:
+            try:
+                await asyncio.wait_for(node.proc.wait(), grace)
+            except TimeoutError:
+                self._print(f"node {node.index} did not stop within {grace:g} s; killing it")
+                node.proc.kill()
+                await node.proc.wait()
+            if node.proc.stdout is not None:
+                await node.proc.stdout.read()
+
+    def _tail(self, node: _Node, lines: int = 8) -> str:
+        try:
+            text = node.log.read_text(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "; last log lines:\n  " + "\n  ".join(text) if text else ""
+
+
+def _progress_line(event: pb.Progress) -> str:
+    rate = event.samples / event.wall_s if event.wall_s > 0 else 0.0
+    return (
+        f"step {event.step:>5}/{event.steps}  loss {event.loss:7.4f}  "
+        f"{rate:6.1f} samples/s  sent {_human_bytes(event.bytes_on_wire)}"
+    )
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """The summary as a person reads it."""
+    drop = (s["initial_loss"] - s["final_loss"]) / s["initial_loss"] * 100
+    lines = [
+        f"trained {s['model']} ({s['num_params'] / 1e6:.2f} M parameters) on {s['nodes']} "
+        f"node(s): {s['steps']} steps, {s['samples']} samples in {s['wall_s']:.1f} s "
+        f"({s['samples_per_s']:.1f} samples/s)",
+        f"loss {s['initial_loss']:.4f} -> {s['final_loss']:.4f} ({-drop:+.1f}%)",
+        f"bytes on wire {_human_bytes(s['bytes_on_wire'])} "
+        f"({s['bytes_per_sample']:,.0f} per sample, codec {s['codec']})",
+        f"final parameter L2 norm {s['final_params_l2']:.6f}",
+    ]
+    lines += [
+        f"  stage {st['index']}: blocks [{st['blocks'][0]}, {st['blocks'][1]}) "
+        f"on {st['address']} (node {st['node_id']})"
+        for st in s["stages"]
+    ]
+    return lines
+
+
+def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
+    """Run the demo in a fresh event loop; the exit status for the CLI."""
+
+    async def main() -> dict[str, Any] | None:
+        demo = Demo(cfg, out)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, demo.stop)
+        try:
+            return await demo.run()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    started = time.monotonic()
+    summary = asyncio.run(main())
+    if summary is None:
+        print(f"demo stopped after {time.monotonic() - started:.1f} s", file=out, flush=True)
+        return 0
+    for line in summary_lines(summary):
+        print(line, file=out)
+    if cfg.summary_json is not None:
+        write_atomic(cfg.summary_json, json.dumps(summary, indent=2).encode())
+        print(f"summary written to {cfg.summary_json}", file=out)
+    out.flush()
+    return 0

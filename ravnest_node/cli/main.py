@@ -1,0 +1,124 @@
+"""The `ravnest-node` command: argument parsing, config files, exit statuses.
+
+Exit status: 0 after a normal end or a stop by SIGINT/SIGTERM; 1 when a training run failed;
+2 for a usage or configuration error (one line on standard error), as argparse does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ravnest_node import __version__
+from ravnest_node.cli import settings
+from ravnest_node.cli.demo import DemoConfig, run_demo
+from ravnest_node.daemon.node import NodeConfig, NodeDaemon, NodeInfo
+from ravnest_node.errors import ConfigError, RunFailed, StartupError
+from ravnest_node.models import model_names
+
+PROG = "ravnest-node"
+
+DESCRIPTION = """\
+ravnest-node turns several ordinary machines into one training swarm for a model that none of
+them could train alone. Each machine runs one node; the model is cut into stages, one per node;
+activations stream forward and gradients back between neighbouring stages over gRPC.
+
+Start here:
+  ravnest-node demo                       a local 3-node swarm trains the default model
+  ravnest-node start --swarm-size 3       a coordinator node that waits for 2 more nodes
+  ravnest-node start --join HOST:PORT     a node that joins that coordinator
+
+Every flag can also be set in a TOML file (--config) or as a RAVNEST_* environment variable,
+e.g. --steps is `steps` under [train] and RAVNEST_TRAIN_STEPS; flags win over the environment,
+which wins over the file.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    models = ", ".join(model_names())
+
+    start = commands.add_parser(
+        "start",
+        help="run one node daemon",
+        description="Run one node daemon until SIGINT/SIGTERM. Without --join it is also the "
+        "coordinator: it waits for --swarm-size nodes (itself included), hands out the plan and "
+        f"the training run (models: {models}). It prints one JSON line when ready.",
+    )
+    start.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
+    settings.add_arguments(start, NodeConfig)
+
+    demo = commands.add_parser(
+        "demo",
+        help="train the default model on a local swarm of node processes",
+        description="Start --nodes node processes on 127.0.0.1, train, print progress and a "
+        f"summary, stop them all. Models: {models}.",
+    )
+    demo.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
+    settings.add_arguments(demo, DemoConfig)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _start(cfg: NodeConfig) -> int:
+    _setup_logging(cfg.log_level)
+
+    def announce(info: NodeInfo) -> None:
+        event = {"event": "ready", "node_id": info.node_id, "address": info.address,
+                 "pid": info.pid, "coordinator": info.coordinator}  # fmt: skip
+        print(json.dumps(event), flush=True)
+
+    async def main() -> None:
+        daemon = NodeDaemon(cfg)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, daemon.stop)
+        await daemon.run(announce)
+
+    try:
+        asyncio.run(main())
+    except StartupError as exc:
+        return _fail(str(exc))
+    except RunFailed as exc:
+        print(f"{PROG}: training failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "start":
+            node_cfg = settings.load(NodeConfig, args=args, env=os.environ, toml_path=args.config)
+            return _start(node_cfg)
+        demo_cfg = settings.load(DemoConfig, args=args, env=os.environ, toml_path=args.config)
+        return run_demo(demo_cfg)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except RunFailed as exc:
+        print(f"{PROG}: demo failed: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,250 @@
+"""The coordinator service: membership, the plan, and the run's progress.
+
+In the foundation one node acts as coordinator (the node started without `--join`). It waits
+until `swarm_size` nodes have joined, publishes a static plan (epoch 1), collects each stage's
+reports and turns them into progress events and, at the end, the run summary. State lives in
+memory; the discovery/coordination issue adds elections and a SQLite store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ravnest_node.coordination.static_plan import Member, static_plan
+from ravnest_node.data import StdlibBytes
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.state import write_atomic
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "ravnest.v1"
+_MAX_ID_LEN = 128
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    """Serves `ravnest.v1.Coordinator`. All methods run on the node's event loop."""
+
+    def __init__(
+        self,
+        *,
+        train: TrainConfig,
+        swarm_size: int,
+        swarm_id: str,
+        summary_path: Path | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._train = train
+        self._model = get_model(train.model)
+        self._swarm_size = swarm_size
+        self._swarm_id = swarm_id
+        self._summary_path = summary_path
+        self._clock = clock
+        self._members: list[Member] = []
+        self._plan: pb.Plan | None = None
+        self._changed = asyncio.Condition()
+        self._started_at = 0.0
+        self._losses: dict[int, float] = {}
+        self._bytes_sent: dict[str, int] = {}
+        self._final: dict[int, pb.StageReport] = {}
+        self._events: list[pb.Progress] = []
+        data = StdlibBytes(seq_len=self._model.input_spec(1).shape[1], seed=train.seed)
+        self._fingerprint = data.fingerprint
+
+    @property
+    def plan(self) -> pb.Plan | None:
+        return self._plan
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ----- membership and plan ----------------------------------------------------------------
+    async def Join(
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.JoinReply:
+        if not 0 < len(request.node_id) <= _MAX_ID_LEN or not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "join needs node_id and address")
+        if request.protocol != PROTOCOL:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol {request.protocol!r} is not {PROTOCOL!r}",
+            )
+        for index, member in enumerate(self._members):
+            if member.node_id == request.node_id:
+                if member.address != request.address:
+                    await context.abort(
+                        grpc.StatusCode.ALREADY_EXISTS,
+                        f"node {request.node_id} already joined from {member.address}",
+                    )
+                return self._join_reply(index)
+        if len(self._members) >= self._swarm_size:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the swarm is full ({self._swarm_size} nodes) and its plan is fixed",
+            )
+        self._members.append(Member(node_id=request.node_id, address=request.address))
+        log.info(
+            "node %s joined from %s (%d/%d)",
+            request.node_id,
+            request.address,
+            len(self._members),
+            self._swarm_size,
+        )
+        if len(self._members) == self._swarm_size:
+            self._publish_plan()
+        await self._notify()
+        return self._join_reply(len(self._members) - 1)
+
+    def _join_reply(self, index: int) -> pb.JoinReply:
+        return pb.JoinReply(
+            swarm_id=self._swarm_id, member_index=index, swarm_size=self._swarm_size
+        )
+
+    def _publish_plan(self) -> None:
+        self._plan = static_plan(
+            epoch=1,
+            swarm_id=self._swarm_id,
+            model=self._model,
+            members=self._members,
+            run=self._train.to_proto(self._fingerprint),
+        )
+        self._started_at = self._clock()
+        for s in self._plan.stages:
+            log.info(
+                "plan epoch 1: stage %d = blocks [%d, %d) on %s",
+                s.index,
+                s.first_block,
+                s.stop_block,
+                s.address,
+            )
+
+    async def WatchPlan(
+        self, request: pb.WatchPlanRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.Plan]:
+        sent_epoch = 0
+
+        def newer_plan() -> bool:
+            return self._plan is not None and self._plan.epoch > sent_epoch
+
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(newer_plan)
+            assert self._plan is not None
+            sent_epoch = self._plan.epoch
+            yield self._plan
+
+    # ----- progress ---------------------------------------------------------------------------
+    async def Report(
+        self, request: pb.StageReport, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReportReply:
+        plan = self._plan
+        if plan is None or request.plan_epoch != plan.epoch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "report for an unknown plan")
+        assert plan is not None
+        if not (
+            request.stage < len(plan.stages)
+            and plan.stages[request.stage].node_id == request.node_id
+        ):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"node {request.node_id!r} does not own stage {request.stage}",
+            )
+        self._bytes_sent[request.node_id] = request.bytes_sent
+        last = len(plan.stages) - 1
+        if request.done:
+            self._final[request.stage] = request
+            if len(self._final) == len(plan.stages):
+                self._events.append(self._finish(plan))
+        elif request.stage == last and 0 < request.step <= self._train.steps:
+            self._losses[request.step] = request.loss
+            self._events.append(self._progress(request.step, request.loss))
+        await self._notify()
+        return pb.ReportReply()
+
+    def _progress(self, step: int, loss: float) -> pb.Progress:
+        return pb.Progress(
+            step=step,
+            steps=self._train.steps,
+            loss=loss,
+            samples=step * self._train.batch_size,
+            wall_s=self._clock() - self._started_at,
+            bytes_on_wire=sum(self._bytes_sent.values()),
+        )
+
+    def _finish(self, plan: pb.Plan) -> pb.Progress:
+        summary = self.summary(plan)
+        if self._summary_path is not None:
+            write_atomic(self._summary_path, json.dumps(summary, indent=2).encode())
+        event = self._progress(self._train.steps, summary["final_loss"])
+        event.done = True
+        event.summary_json = json.dumps(summary)
+        return event
+
+    def summary(self, plan: pb.Plan) -> dict[str, Any]:
+        """The run summary; every figure comes from what the stages reported."""
+        t = self._train
+        wall_s = self._clock() - self._started_at
+        samples = t.steps * t.batch_size
+        losses = [self._losses.get(step, math.nan) for step in range(1, t.steps + 1)]
+        bytes_on_wire = sum(self._bytes_sent.values())
+        return {
+            "system": "ravnest-node",
+            "model": t.model,
+            "nodes": len(plan.stages),
+            "steps": t.steps,
+            "batch_size": t.batch_size,
+            "microbatches": t.microbatches,
+            "samples": samples,
+            "wall_s": wall_s,
+            "samples_per_s": samples / wall_s if wall_s > 0 else math.nan,
+            "initial_loss": losses[0],
+            "final_loss": losses[-1],
+            "loss_history": losses,
+            "bytes_on_wire": bytes_on_wire,
+            "bytes_per_sample": bytes_on_wire / samples,
+            "final_params_l2": math.sqrt(sum(r.params_sq_sum for r in self._final.values())),
+            "num_params": sum(r.num_params for r in self._final.values()),
+            "codec": t.codec,
+            "max_staleness": t.max_staleness,
+            "seed": t.seed,
+            "lr": t.lr,
+            "data_fingerprint": self._fingerprint,
+            "stages": [
+                {
+                    "index": s.index,
+                    "blocks": [s.first_block, s.stop_block],
+                    "node_id": s.node_id,
+                    "address": s.address,
+                }
+                for s in plan.stages
+            ],
+        }
+
+    async def WatchProgress(
+        self, request: pb.WatchProgressRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.Progress]:
+        sent = 0
+
+        def new_events() -> bool:
+            return len(self._events) > sent
+
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(new_events)
+            for event in self._events[sent:]:
+                yield event
+                if event.done:
+                    return
+            sent = len(self._events)

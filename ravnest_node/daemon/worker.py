@@ -1,0 +1,268 @@
+"""A node's worker role: join the coordinator, take a stage from the plan, train it.
+
+The worker owns the stage runtime of the current plan and the client half of the boundary
+stream to the next stage; the daemon's gRPC server hands it the server half (the stream from
+the previous stage) through `open_session`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+
+from ravnest_node.coordination.coordinator import PROTOCOL
+from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.pipeline.stage import StageRuntime, StageSpec, StepReport
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.transport.boundary import (
+    Accept,
+    BoundaryLink,
+    LinkCounters,
+    Refusal,
+    run_client_stream,
+)
+from ravnest_node.transport.frames import FrameLimits
+from ravnest_node.transport.options import TransportConfig, channel_options
+
+log = logging.getLogger(__name__)
+
+
+@asynccontextmanager
+async def open_channel(address: str, transport: TransportConfig) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to a peer, ready to use; PeerUnavailable if it does not answer in time."""
+    channel = grpc.aio.insecure_channel(address, options=channel_options(transport))
+    try:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), transport.connect_timeout_s)
+        except TimeoutError:
+            raise PeerUnavailable(
+                f"no answer from {address} within {transport.connect_timeout_s:g} s"
+            ) from None
+        yield channel
+    finally:
+        await channel.close(grace=None)
+
+
+@dataclass(slots=True)
+class _Session:
+    runtime: StageRuntime
+    upstream_node_id: str
+    upstream_failed: asyncio.Future[None]
+
+
+class Worker:
+    """Trains the stage this node is given. One per node."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        address: str,
+        coordinator: str,
+        compute_threads: int,
+        transport: TransportConfig,
+        compute: Executor,
+        counters: LinkCounters,
+    ) -> None:
+        self.node_id = node_id
+        self._address = address
+        self._coordinator = coordinator
+        self._threads = compute_threads
+        self._transport = transport
+        self._compute = compute
+        self.counters = counters
+        self.limits = FrameLimits(
+            max_message_bytes=transport.max_message_bytes,
+            max_header_bytes=transport.max_header_bytes,
+        )
+        self.plan: pb.Plan | None = None
+        self._session: _Session | None = None
+        self._has_stage = asyncio.Event()
+        self.frames_refused = 0
+
+    @property
+    def runtime(self) -> StageRuntime | None:
+        return self._session.runtime if self._session else None
+
+    @property
+    def upstream_node_id(self) -> str:
+        return self._session.upstream_node_id if self._session else ""
+
+    # ----- the server half of the upstream boundary -------------------------------------------
+    async def open_session(self, peer_node_id: str, epoch: int) -> tuple[BoundaryLink, Accept]:
+        """Called by the gRPC server when the previous stage opens its boundary stream. The
+        previous stage may have the plan a moment before this node: wait for it, within the
+        connect timeout."""
+        if self._session is None:
+            try:
+                await asyncio.wait_for(self._has_stage.wait(), self._transport.connect_timeout_s)
+            except TimeoutError:
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, "this node has no stage yet") from None
+        session, plan = self._session, self.plan
+        assert session is not None and plan is not None
+        if epoch != plan.epoch:
+            raise Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stream is for plan epoch {epoch}, this node is at epoch {plan.epoch}",
+            )
+        if session.runtime.spec.is_first:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the first stage has no upstream")
+        if peer_node_id != session.upstream_node_id:
+            raise Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"unknown peer {peer_node_id!r}: the plan's upstream is {session.upstream_node_id}",
+            )
+        if session.runtime.upstream is not None:
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, "the upstream stream is already open")
+        link = BoundaryLink(peer_node_id, self.counters, outbox_size=2 * plan.run.microbatches)
+        session.runtime.upstream = link
+        return link, session.runtime.accept
+
+    def close_session(self, link: BoundaryLink, error: BaseException | None) -> None:
+        session = self._session
+        if session is None or session.runtime.upstream is not link:
+            return
+        session.runtime.upstream = None
+        # A clean end is the upstream's way of saying it is done; anything else mid-run is a fault.
+        finished = error is None and session.runtime.received_all_forwards
+        if not finished and not session.runtime.done and not session.upstream_failed.done():
+            reason = f"upstream stream from {link.peer} ended before the run did"
+            if error is not None:
+                reason += f": {error}"
+            session.upstream_failed.set_exception(PeerUnavailable(reason))
+
+    def on_refused(self, reason: str) -> None:
+        self.frames_refused += 1
+
+    # ----- the run ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Join, wait for the plan, train the stage; returns when this stage's run is done."""
+        async with open_channel(self._coordinator, self._transport) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            try:
+                await stub.Join(
+                    pb.JoinRequest(
+                        node_id=self.node_id,
+                        address=self._address,
+                        compute_threads=self._threads,
+                        protocol=PROTOCOL,
+                    )
+                )
+                watch = stub.WatchPlan(pb.WatchPlanRequest(node_id=self.node_id))
+                plan = await watch.read()
+                watch.cancel()
+            except grpc.aio.AioRpcError as exc:
+                raise PeerRefused(
+                    f"coordinator {self._coordinator}: {exc.code().name}: {exc.details()}"
+                ) from None
+            if plan is grpc.aio.EOF:
+                raise PeerUnavailable(f"coordinator {self._coordinator} closed the plan stream")
+            await self._train(plan, stub)
+
+    async def _train(self, plan: pb.Plan, stub: pb_grpc.CoordinatorStub) -> None:
+        mine = [s for s in plan.stages if s.node_id == self.node_id]
+        if len(mine) != 1:
+            raise RunFailed(f"plan epoch {plan.epoch} gives this node {len(mine)} stages, not 1")
+        me = mine[0]
+        try:
+            run = TrainConfig.from_proto(plan.run)
+        except ConfigError as exc:
+            raise RunFailed(f"cannot run the plan's training spec: {exc}") from None
+        spec = StageSpec(
+            index=me.index,
+            num_stages=len(plan.stages),
+            first_block=me.first_block,
+            stop_block=me.stop_block,
+        )
+        model = get_model(run.model)
+        reports: asyncio.Queue[StepReport] = asyncio.Queue()
+
+        async def report(r: StepReport) -> None:
+            reports.put_nowait(r)
+
+        blocks = await asyncio.get_running_loop().run_in_executor(
+            self._compute, model.build_stage, run.seed, spec.first_block, spec.stop_block
+        )
+        runtime = StageRuntime(
+            spec=spec,
+            model=model,
+            blocks=blocks,
+            run=run,
+            compute=self._compute,
+            report=report,
+        )
+        if spec.is_first and runtime.data_fingerprint != plan.run.data_fingerprint:
+            raise RunFailed(
+                "this node's training data differs from the coordinator's "
+                f"({runtime.data_fingerprint} vs {plan.run.data_fingerprint}): "
+                "use the same Python version on every node"
+            )
+        downstream = None if spec.is_last else plan.stages[me.index + 1]
+        upstream_id = "" if spec.is_first else plan.stages[me.index - 1].node_id
+        loop = asyncio.get_running_loop()
+        self.plan = plan
+        self._session = _Session(runtime, upstream_id, loop.create_future())
+        self._has_stage.set()
+        log.info(
+            "stage %d of %d: blocks [%d, %d) of %s",
+            spec.index,
+            spec.num_stages,
+            spec.first_block,
+            spec.stop_block,
+            run.model,
+        )
+
+        async def send_reports() -> None:
+            while True:
+                r = await reports.get()
+                await stub.Report(
+                    pb.StageReport(
+                        node_id=self.node_id,
+                        stage=spec.index,
+                        plan_epoch=plan.epoch,
+                        step=r.step,
+                        loss=r.loss,
+                        bytes_sent=self.counters.total_bytes,
+                        done=r.done,
+                        params_sq_sum=r.params_sq_sum,
+                        num_params=r.num_params,
+                    )
+                )
+                if r.done:
+                    return
+
+        async def watch_upstream() -> None:
+            session = self._session
+            assert session is not None
+            await session.upstream_failed  # raises PeerUnavailable if the stream breaks
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(send_reports())
+            upstream_watch = tg.create_task(watch_upstream())
+            if downstream is not None:
+                async with open_channel(downstream.address, self._transport) as channel:
+                    link = BoundaryLink(downstream.node_id, self.counters, 2 * run.microbatches)
+                    runtime.downstream = link
+                    tg.create_task(runtime.run())
+                    await run_client_stream(
+                        channel,
+                        link,
+                        node_id=self.node_id,
+                        epoch=plan.epoch,
+                        limits=self.limits,
+                        accept=runtime.accept,
+                        on_refused=self.on_refused,
+                    )
+            else:
+                await runtime.run()
+            upstream_watch.cancel()
+        log.info("stage %d finished %d steps", spec.index, runtime.version)

@@ -1,0 +1,117 @@
+"""Training data every Python install has: the bytes of the standard library's source files.
+
+The corpus is the ``*.py`` files in the directory of the module `os` (not recursive), sorted by
+name and concatenated. Batches are random windows drawn from a generator seeded by the step, so
+any node, or a resumed run, can make step ``k``'s batch without replaying steps ``0..k-1``.
+Nodes compare `StdlibBytes.fingerprint` to check they read the same corpus (it differs between
+Python versions).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from ravnest_node.errors import ConfigError
+
+__all__ = ["StdlibBytes", "stdlib_dir"]
+
+
+def stdlib_dir() -> Path:
+    """The directory of the standard library module `os`, where the corpus is read from."""
+    return Path(os.__file__).parent
+
+
+@functools.lru_cache(maxsize=1)
+def _load_corpus(directory: Path) -> tuple[torch.Tensor, str]:
+    """The concatenated ``*.py`` bytes of `directory` as a uint8 tensor, and their fingerprint.
+
+    Cached per process: every `StdlibBytes` shares the one tensor, which must not be written to.
+    """
+    data = bytearray()
+    for path in sorted(directory.glob("*.py"), key=lambda p: p.name):
+        data += path.read_bytes()
+    if not data:
+        raise ConfigError(f"no *.py files found in {directory}; cannot build the stdlib corpus")
+    fingerprint = hashlib.sha256(data).hexdigest()[:16]
+    return torch.frombuffer(data, dtype=torch.uint8), fingerprint
+
+
+class StdlibBytes:
+    """Random byte windows from the standard library's source, a pure function of the step.
+
+    With ``num_shards > 1`` the corpus is split into ``num_shards`` contiguous ranges of (almost)
+    equal size and shard ``shard`` draws only from its own range, so different shards never see
+    the same bytes (data-parallel replicas each take one shard).
+    """
+
+    def __init__(self, *, seq_len: int, seed: int, shard: int = 0, num_shards: int = 1) -> None:
+        if seq_len < 1:
+            raise ConfigError(f"seq_len must be at least 1, got {seq_len}")
+        if num_shards < 1:
+            raise ConfigError(f"num_shards must be at least 1, got {num_shards}")
+        if not 0 <= shard < num_shards:
+            raise ConfigError(f"shard must be in 0..{num_shards - 1}, got {shard}")
+        self._corpus, self._fingerprint = _load_corpus(stdlib_dir())
+        self.seq_len = seq_len
+        self.seed = seed
+        self.shard = shard
+        self.num_shards = num_shards
+        n = self.num_bytes
+        self._lo = n * shard // num_shards
+        self._hi = n * (shard + 1) // num_shards
+        if self._hi - self._lo < seq_len + 1:
+            raise ConfigError(
+                f"shard {shard} of {num_shards} holds {self._hi - self._lo} bytes, fewer than "
+                f"seq_len + 1 = {seq_len + 1}; use fewer shards or a shorter seq_len"
+            )
+        self._offsets = torch.arange(seq_len + 1)
+
+    @property
+    def num_bytes(self) -> int:
+        """Size of the whole corpus (all shards) in bytes."""
+        return int(self._corpus.numel())
+
+    @property
+    def byte_range(self) -> tuple[int, int]:
+        """The ``[start, stop)`` byte offsets of this shard in the corpus; windows stay inside."""
+        return self._lo, self._hi
+
+    @property
+    def fingerprint(self) -> str:
+        """First 16 hex digits of the SHA-256 of the corpus bytes."""
+        return self._fingerprint
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets for `step`: two uint8 tensors ``[batch_size, seq_len]``.
+
+        ``y[:, t] == x[:, t + 1]``: targets are the inputs shifted by one byte. The result is a
+        pure function of (seed, shard, num_shards, step, batch_size) and the corpus. Raises
+        `ValueError` for a negative step or a batch size below 1.
+        """
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        generator = torch.Generator().manual_seed(self._step_seed(step, batch_size))
+        # A window is seq_len + 1 bytes starting at `start`, all inside [lo, hi).
+        starts = torch.randint(
+            self._lo, self._hi - self.seq_len, (batch_size,), generator=generator
+        )
+        windows = self._corpus[starts[:, None] + self._offsets]
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def _step_seed(self, step: int, batch_size: int) -> int:
+        key = f"stdlib-bytes:{self.seed}:{self.shard}:{self.num_shards}:{step}:{batch_size}"
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+    def __repr__(self) -> str:
+        return (
+            f"StdlibBytes(seq_len={self.seq_len}, seed={self.seed}, shard={self.shard}, "
+            f"num_shards={self.num_shards}, num_bytes={self.num_bytes}, "
+            f"fingerprint={self.fingerprint!r})"
+        )

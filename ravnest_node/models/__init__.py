@@ -1,0 +1,24 @@
+"""Models as ordered lists of blocks (the contract in `base`), and the registry of presets."""
+
+from ravnest_node.models.base import (
+    MODEL_PRESETS,
+    BlockModel,
+    TensorSpec,
+    get_model,
+    model_names,
+    register_model,
+    run_blocks,
+)
+from ravnest_node.models.bytelm import ByteLM, ByteLMConfig
+
+__all__ = [
+    "MODEL_PRESETS",
+    "BlockModel",
+    "ByteLM",
+    "ByteLMConfig",
+    "TensorSpec",
+    "get_model",
+    "model_names",
+    "register_model",
+    "run_blocks",
+]

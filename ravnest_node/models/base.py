@@ -1,0 +1,166 @@
+"""The block contract: how a model is presented to the swarm, and the registry of presets.
+
+A swarm trains one model cut into contiguous *stages*; each node runs one stage. To be cut, a
+model is written as an ordered list of *blocks* (`BlockModel.build_blocks`) with a relative
+compute cost per block (`BlockModel.block_costs`) that the planner balances, and tensor specs that
+say what crosses every possible cut (`BlockModel.output_spec`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ravnest_node.errors import ConfigError
+
+__all__ = [
+    "MODEL_PRESETS",
+    "BlockModel",
+    "TensorSpec",
+    "get_model",
+    "model_names",
+    "register_model",
+    "run_blocks",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Name, shape and dtype of a tensor that enters, leaves or crosses a model."""
+
+    name: str
+    """What the tensor is, e.g. "tokens", "hidden", "logits", "targets"."""
+    shape: tuple[int, ...]
+    """Full shape, batch dimension first."""
+    dtype: torch.dtype
+    """Element type."""
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
+
+    @property
+    def size_bytes(self) -> int:
+        """Size of a dense tensor of this spec, in bytes."""
+        return self.numel * self.dtype.itemsize
+
+
+class BlockModel(ABC):
+    """A model written as an ordered list of blocks, so that it can be cut into pipeline stages.
+
+    The contract every implementation keeps, and that the pipeline relies on:
+
+    * **One tensor in, one tensor out.** Block ``i``'s ``forward`` takes exactly one tensor, the
+      output of block ``i - 1``; block 0 takes the input tensor (``input_spec``). Each block returns
+      one tensor, of ``output_spec(i, batch)``. The last block returns the model output that
+      ``loss`` consumes together with the targets (``target_spec``). Chaining all blocks
+      (`run_blocks`) therefore *is* the model, and any cut between block ``i`` and ``i + 1`` is a
+      valid stage boundary across which exactly one tensor travels forward (the activation) and one
+      travels back (its gradient).
+    * **No sharing.** Blocks share no parameters or buffers (no weight tying across blocks), so
+      each stage owns and updates its parameters alone.
+    * **No state between calls.** A block's output depends only on its input and its parameters:
+      no caches, no running statistics, no dropout or other randomness, so that a forward pass can
+      be recomputed and two nodes holding the same parameters compute the same thing.
+    * **Deterministic construction.** ``build_blocks(seed)`` builds all blocks, in order, under
+      ``torch.random.fork_rng`` with ``torch.manual_seed(seed)``: the same seed gives bit-identical
+      parameters on every node, whichever blocks that node keeps, and the caller's global RNG
+      state is left untouched.
+    * **Costs.** ``block_costs()`` has one non-negative, finite entry per block: its relative
+      compute cost per sample (e.g. forward FLOPs). Only ratios matter; the planner uses them to
+      balance stages.
+
+    Shapes are per batch: every ``*_spec(batch)`` method returns the full shape for a batch of
+    ``batch`` samples.
+    """
+
+    name: str
+    """Registry name of this model, e.g. ``"bench-small"``."""
+
+    @abstractmethod
+    def build_blocks(self, seed: int) -> list[torch.nn.Module]:
+        """Build all blocks in order, deterministically from `seed` (see the class docstring)."""
+
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """Number of blocks: ``len(build_blocks(seed))``, also ``len(block_costs())``."""
+
+    @abstractmethod
+    def block_costs(self) -> list[float]:
+        """Relative compute cost of each block per sample (non-negative, finite)."""
+
+    @abstractmethod
+    def input_spec(self, batch: int) -> TensorSpec:
+        """The tensor block 0 consumes."""
+
+    @abstractmethod
+    def output_spec(self, block: int, batch: int) -> TensorSpec:
+        """The tensor block `block` returns; raises `ValueError` if `block` is out of range."""
+
+    @abstractmethod
+    def target_spec(self, batch: int) -> TensorSpec:
+        """The targets that `loss` takes next to the last block's output."""
+
+    @abstractmethod
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Scalar mean loss of the last block's `output` against `targets`."""
+
+    def build_stage(self, seed: int, start: int, stop: int) -> list[torch.nn.Module]:
+        """Blocks ``[start, stop)`` of ``build_blocks(seed)``, the parameters a stage owns.
+
+        All blocks are built so that the RNG stream, hence every parameter, is the same as on a
+        node that keeps other blocks. Raises `ValueError` for an empty or out-of-range range.
+        """
+        n = self.num_blocks()
+        if not 0 <= start < stop <= n:
+            raise ValueError(
+                f"stage range [{start}, {stop}) is not a non-empty range of the {n} blocks of "
+                f"{self.name!r}; need 0 <= start < stop <= {n}"
+            )
+        return self.build_blocks(seed)[start:stop]
+
+    def num_parameters(self) -> int:
+        """Total number of parameters over all blocks."""
+        return sum(p.numel() for block in self.build_blocks(0) for p in block.parameters())
+
+
+def run_blocks(blocks: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """Run `x` through `blocks` in order and return the last output (`x` itself if empty)."""
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+MODEL_PRESETS: dict[str, Callable[[], BlockModel]] = {}
+"""Registry: model name -> zero-argument factory. Filled by `register_model`; the built-in presets
+are registered when `ravnest_node.models` is imported."""
+
+
+def register_model(name: str, factory: Callable[[], BlockModel]) -> None:
+    """Add a preset to `MODEL_PRESETS`; raises `ValueError` if `name` is already taken."""
+    if name in MODEL_PRESETS:
+        raise ValueError(f"model name {name!r} is already registered")
+    MODEL_PRESETS[name] = factory
+
+
+def model_names() -> list[str]:
+    """Registered model names, sorted."""
+    return sorted(MODEL_PRESETS)
+
+
+def get_model(name: str) -> BlockModel:
+    """A fresh instance of the preset `name`; raises `ConfigError` if there is no such preset."""
+    try:
+        factory = MODEL_PRESETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model {name!r}; choose one of: {', '.join(model_names())}"
+        ) from None
+    return factory()

@@ -1,0 +1,111 @@
+"""The run spec: what every stage of a swarm must agree on to train one model the same way.
+
+The coordinator's `TrainConfig` becomes the `RunSpec` protobuf inside every plan, so workers
+need no training flags of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ravnest_node.compression import CODECS
+from ravnest_node.errors import ConfigError
+from ravnest_node.models import get_model
+from ravnest_node.proto import control_pb2 as pb
+
+CodecName = Literal["none", "fp16", "bf16"]
+_CODEC_TO_PB = {"none": pb.CODEC_NONE, "fp16": pb.CODEC_FP16, "bf16": pb.CODEC_BF16}
+_PB_TO_CODEC: dict[int, CodecName] = {v: k for k, v in _CODEC_TO_PB.items()}  # type: ignore[misc]
+assert set(_CODEC_TO_PB) == set(CODECS), "every registered codec needs a wire enum value"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TrainConfig:
+    """The training run a coordinator hands to its swarm."""
+
+    model: str = "bench-small"
+    """Model preset to train (see `ravnest-node demo --help` for the list)."""
+    steps: int = 200
+    """Optimizer steps to train for."""
+    batch_size: int = 16
+    """Samples per optimizer step."""
+    microbatches: int = 4
+    """Microbatches each step is split into as it flows through the pipeline."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    seed: int = 0
+    """Seed of model initialisation and data order; the same seed gives the same run."""
+    codec: CodecName = "none"
+    """Codec for activations and activation gradients on the wire."""
+    max_staleness: int = 0
+    """Updates a stage may apply between a microbatch's forward and backward (0 = synchronous)."""
+    fault_skip_step_stage: int | None = None
+    """Test only: the stage with this index skips its optimizer step (to prove tests catch it)."""
+
+    def __post_init__(self) -> None:
+        get_model(self.model)  # raises ConfigError naming the known presets
+        if self.steps < 1:
+            raise ConfigError(f"steps={self.steps}: must be at least 1")
+        if self.batch_size < 1 or self.microbatches < 1:
+            raise ConfigError("batch_size and microbatches must be at least 1")
+        if self.batch_size % self.microbatches:
+            raise ConfigError(
+                f"batch_size={self.batch_size} must be divisible by microbatches="
+                f"{self.microbatches}"
+            )
+        if not self.lr > 0 or self.weight_decay < 0:
+            raise ConfigError("lr must be > 0 and weight_decay >= 0")
+        if self.seed < 0:
+            raise ConfigError(f"seed={self.seed}: must not be negative")
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec={self.codec!r}: choose one of {', '.join(CODECS)}")
+        if self.max_staleness != 0:
+            # Asynchronous stale-bounded updates are their own issue; refusing beats pretending.
+            raise ConfigError(
+                f"max_staleness={self.max_staleness}: only 0 (synchronous) is implemented so far"
+            )
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+    def to_proto(self, data_fingerprint: str) -> pb.RunSpec:
+        spec = pb.RunSpec(
+            model=self.model,
+            steps=self.steps,
+            batch_size=self.batch_size,
+            microbatches=self.microbatches,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            seed=self.seed,
+            codec=_CODEC_TO_PB[self.codec],
+            max_staleness=self.max_staleness,
+            data_fingerprint=data_fingerprint,
+        )
+        if self.fault_skip_step_stage is not None:
+            spec.fault_skip_step_stage = self.fault_skip_step_stage
+        return spec
+
+    @classmethod
+    def from_proto(cls, spec: pb.RunSpec) -> TrainConfig:
+        """The run spec of a received plan; ConfigError if it is not one this node can run."""
+        codec = _PB_TO_CODEC.get(spec.codec)
+        if codec is None:
+            raise ConfigError(f"plan names codec {spec.codec}, which this node does not know")
+        return cls(
+            model=spec.model,
+            steps=spec.steps,
+            batch_size=spec.batch_size,
+            microbatches=spec.microbatches,
+            lr=spec.lr,
+            weight_decay=spec.weight_decay,
+            seed=spec.seed,
+            codec=codec,
+            max_staleness=spec.max_staleness,
+            fault_skip_step_stage=(
+                spec.fault_skip_step_stage if spec.HasField("fault_skip_step_stage") else None
+            ),
+        )

@@ -1,0 +1,332 @@
+"""The stage runtime: one node's share of the model, trained in step with its neighbours.
+
+A stage owns blocks [first_block, stop_block) of the model. The first stage reads data and
+produces microbatches; every stage runs forward on what it receives and sends the activation
+downstream; the last stage computes the loss and starts the backward pass; activation gradients
+flow back upstream, and each stage steps its own optimizer once it has the gradients of all
+microbatches of a step.
+
+With `max_staleness=0` (the only mode so far) a step is synchronous: every microbatch of step t
+is computed with the weights of version t (the number of optimizer steps applied), which frames
+carry and `accept` checks, so the swarm computes exactly what one process would. All torch work
+runs on one compute thread; the event loop only moves bytes and makes decisions. Frames are
+checked against the plan on the event loop as they arrive (`accept`), before they are queued:
+a refused frame changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import partial
+from typing import ParamSpec, TypeVar
+
+import torch
+
+from ravnest_node.compression import get_codec
+from ravnest_node.data import StdlibBytes
+from ravnest_node.errors import FrameError
+from ravnest_node.models import BlockModel
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.transport.boundary import BoundaryLink
+from ravnest_node.transport.frames import Expected, Frame, FrameKind, check_tensors, encode_frame
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+HIDDEN = "hidden"
+TARGETS = "targets"
+GRAD = "grad"
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """Where a stage sits in its pipeline."""
+
+    index: int
+    num_stages: int
+    first_block: int
+    stop_block: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What a stage tells the coordinator after each optimizer step."""
+
+    step: int
+    loss: float
+    done: bool
+    params_sq_sum: float = math.nan
+    num_params: int = 0
+
+
+class StageRuntime:
+    """Trains one stage. `run()` returns once the run's last step is applied."""
+
+    def __init__(
+        self,
+        *,
+        spec: StageSpec,
+        model: BlockModel,
+        blocks: list[torch.nn.Module],
+        run: TrainConfig,
+        compute: Executor,
+        report: Callable[[StepReport], Awaitable[None]],
+        upstream: BoundaryLink | None = None,
+        downstream: BoundaryLink | None = None,
+    ) -> None:
+        self.spec = spec
+        self.run_config = run
+        self._model = model
+        self._compute = compute
+        self._report = report
+        self.upstream = upstream
+        self.downstream = downstream
+        self._codec = get_codec(run.codec)
+        self._raw = get_codec("none")
+        m = run.microbatches
+        mb = run.microbatch_size
+        self._blocks = torch.nn.Sequential(*blocks)
+        self._optimizer = torch.optim.AdamW(
+            self._blocks.parameters(), lr=run.lr, weight_decay=run.weight_decay
+        )
+        self._data = (
+            StdlibBytes(seq_len=model.input_spec(1).shape[1], seed=run.seed)
+            if spec.is_first
+            else None
+        )
+        targets = model.target_spec(mb)
+        self._expected_forward = [Expected(TARGETS, targets.shape, targets.dtype)]
+        if not spec.is_first:
+            hidden = model.output_spec(spec.first_block - 1, mb)
+            self._expected_forward.insert(0, Expected(HIDDEN, hidden.shape, hidden.dtype))
+        out = model.output_spec(spec.stop_block - 1, mb)
+        self._expected_backward = [Expected(GRAD, out.shape, out.dtype)]
+        self._total_microbatches = run.steps * m
+        # Frames received and accepted, waiting for the compute loop; bounded by the protocol:
+        # at most one step's microbatches per direction are ever in flight.
+        self.inbox: asyncio.Queue[Frame] = asyncio.Queue(maxsize=2 * m)
+        self._next_forward_seq = 0  # next forward frame we accept from upstream
+        self._awaiting_grad: set[int] = set()  # sent downstream, gradient not yet received
+        self._stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq -> (input, output)
+        self.version = 0  # optimizer steps applied
+        self._step_loss = 0.0
+        self._step_done = 0  # microbatches of the current step whose backward is done
+        self.frames_accepted = 0
+
+    # ----- decisions, on the event loop -------------------------------------------------------
+    def accept(self, frame: Frame) -> None:
+        """Check a received frame against the plan and queue it; FrameError (and no change)
+        if it does not fit. Runs on the event loop, so it never races the compute loop's
+        bookkeeping."""
+        self._check(frame)
+        try:
+            self.inbox.put_nowait(frame)
+        except asyncio.QueueFull:
+            raise FrameError("more frames in flight than the schedule allows") from None
+        if frame.kind is FrameKind.FORWARD:
+            self._next_forward_seq += 1
+        else:
+            self._awaiting_grad.discard(frame.seq)
+        self.frames_accepted += 1
+
+    def _check(self, frame: Frame) -> None:
+        m = self.run_config.microbatches
+        if frame.kind is FrameKind.FORWARD:
+            if self.spec.is_first:
+                raise FrameError("the first stage takes no forward frames")
+            check_tensors(frame, self._expected_forward)
+            if frame.seq >= self._total_microbatches:
+                raise FrameError(
+                    f"forward seq {frame.seq} is past the run's last microbatch "
+                    f"{self._total_microbatches - 1}"
+                )
+            if frame.seq != self._next_forward_seq:
+                raise FrameError(f"forward seq {frame.seq}, expected {self._next_forward_seq}")
+            # Synchronous steps: microbatch seq belongs to step seq // m, computed with version
+            # seq // m. (Compared with the seq, not with our own version, which may still be
+            # one behind while our optimizer step runs.)
+            if frame.version != frame.seq // m:
+                raise FrameError(
+                    f"forward seq {frame.seq} carries weight version {frame.version}, "
+                    f"expected {frame.seq // m}"
+                )
+        else:
+            if self.spec.is_last:
+                raise FrameError("the last stage takes no gradient frames")
+            check_tensors(frame, self._expected_backward)
+            if frame.seq not in self._awaiting_grad:
+                raise FrameError(f"gradient for microbatch {frame.seq}, which is not in flight")
+            if frame.version != frame.seq // m:
+                raise FrameError(
+                    f"gradient seq {frame.seq} carries version {frame.version}, "
+                    f"expected {frame.seq // m}"
+                )
+
+    @property
+    def received_all_forwards(self) -> bool:
+        return self._next_forward_seq >= self._total_microbatches
+
+    @property
+    def data_fingerprint(self) -> str:
+        return self._data.fingerprint if self._data is not None else ""
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._stash)
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.run_config.steps
+
+    # ----- the loop ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Train until the last step is applied, then send the final report."""
+        m = self.run_config.microbatches
+        produced = self.version * m
+        while not self.done:
+            # The first stage feeds the pipeline: all microbatches of the current step, with the
+            # current weights; then it waits for their gradients (synchronous, max_staleness=0).
+            if self.spec.is_first and produced < (self.version + 1) * m:
+                await self._produce(produced)
+                produced += 1
+                continue
+            frame = await self.inbox.get()
+            if frame.kind is FrameKind.FORWARD:
+                await self._on_forward(frame.seq, frame)
+            else:
+                await self._on_backward(frame)
+        params_sq_sum, num_params = await self._call(self._param_stats)
+        await self._report(
+            StepReport(
+                step=self.version,
+                loss=math.nan,
+                done=True,
+                params_sq_sum=params_sq_sum,
+                num_params=num_params,
+            )
+        )
+        if self.downstream is not None:
+            await self.downstream.close()
+
+    async def _produce(self, seq: int) -> None:
+        assert self._data is not None
+        m = self.run_config.microbatches
+        step, i = divmod(seq, m)
+        x, y = self._data.batch(step, self.run_config.batch_size)
+        mb = self.run_config.microbatch_size
+        tensors = {HIDDEN: x[i * mb : (i + 1) * mb], TARGETS: y[i * mb : (i + 1) * mb]}
+        await self._on_forward(seq, tensors)
+
+    async def _on_forward(self, seq: int, received: Frame | dict[str, torch.Tensor]) -> None:
+        version = self.version
+        if self.spec.is_last:
+            loss, message = await self._call(self._forward_loss_backward, seq, received, version)
+            self._step_loss += loss
+            if message is not None:
+                assert self.upstream is not None
+                await self.upstream.send(message)
+            await self._microbatch_done()
+        else:
+            message = await self._call(self._forward, seq, received, version)
+            assert self.downstream is not None
+            self._awaiting_grad.add(seq)
+            await self.downstream.send(message)
+
+    async def _on_backward(self, frame: Frame) -> None:
+        message = await self._call(self._backward, frame)
+        if message is not None:
+            assert self.upstream is not None
+            await self.upstream.send(message)
+        await self._microbatch_done()
+
+    async def _microbatch_done(self) -> None:
+        self._step_done += 1
+        if self._step_done < self.run_config.microbatches:
+            return
+        await self._call(self._optimizer_step)
+        self.version += 1
+        loss = self._step_loss if self.spec.is_last else math.nan
+        self._step_done, self._step_loss = 0, 0.0
+        await self._report(StepReport(step=self.version, loss=loss, done=False))
+
+    async def _call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._compute, partial(fn, *args, **kwargs))
+
+    # ----- torch work, on the compute thread --------------------------------------------------
+    def _inputs(
+        self, received: Frame | dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tensors = received.decode() if isinstance(received, Frame) else received
+        x = tensors[HIDDEN]
+        if not self.spec.is_first:
+            x.requires_grad_(True)  # its gradient goes back upstream
+        return x, tensors[TARGETS]
+
+    def _forward(self, seq: int, received: Frame | dict[str, torch.Tensor], version: int) -> bytes:
+        x, targets = self._inputs(received)
+        out = self._blocks(x)
+        self._stash[seq] = (x, out)
+        return encode_frame(
+            FrameKind.FORWARD,
+            seq,
+            version,
+            [(HIDDEN, out.detach(), self._codec), (TARGETS, targets, self._raw)],
+        )
+
+    def _forward_loss_backward(
+        self, seq: int, received: Frame | dict[str, torch.Tensor], version: int
+    ) -> tuple[float, bytes | None]:
+        x, targets = self._inputs(received)
+        out = self._blocks(x)
+        loss = self._model.loss(out, targets) / self.run_config.microbatches
+        torch.autograd.backward(loss)
+        return loss.item(), self._grad_frame(seq, version, x)
+
+    def _backward(self, frame: Frame) -> bytes | None:
+        x, out = self._stash.pop(frame.seq)
+        torch.autograd.backward(out, frame.decode()[GRAD])
+        return self._grad_frame(frame.seq, frame.version, x)
+
+    def _grad_frame(self, seq: int, version: int, x: torch.Tensor) -> bytes | None:
+        if self.spec.is_first:
+            return None
+        assert x.grad is not None
+        return encode_frame(FrameKind.BACKWARD, seq, version, [(GRAD, x.grad, self._codec)])
+
+    def _optimizer_step(self) -> None:
+        if self.run_config.fault_skip_step_stage == self.spec.index:
+            log.warning("fault injection: stage %d skips its optimizer step", self.spec.index)
+        else:
+            self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+
+    def _param_stats(self) -> tuple[float, int]:
+        with torch.no_grad():
+            total = sum(float(p.double().square().sum()) for p in self._blocks.parameters())
+            count = sum(p.numel() for p in self._blocks.parameters())
+        return total, count
+
+    def params_sha256(self) -> str:
+        """Digest of the stage's parameters, to show that something did or did not change them."""
+        digest = hashlib.sha256()
+        with torch.no_grad():
+            for p in self._blocks.parameters():
+                digest.update(p.detach().contiguous().numpy().tobytes())
+        return digest.hexdigest()

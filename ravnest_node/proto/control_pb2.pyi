@@ -1,0 +1,187 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_NONE: _ClassVar[Codec]
+    CODEC_FP16: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+CODEC_UNSPECIFIED: Codec
+CODEC_NONE: Codec
+CODEC_FP16: Codec
+CODEC_BF16: Codec
+
+class JoinRequest(_message.Message):
+    __slots__ = ("node_id", "address", "compute_threads", "protocol")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_THREADS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    compute_threads: int
+    protocol: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("swarm_id", "member_index", "swarm_size")
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    swarm_id: str
+    member_index: int
+    swarm_size: int
+    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ...) -> None: ...
+
+class WatchPlanRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class RunSpec(_message.Message):
+    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "codec", "max_staleness", "data_fingerprint", "fault_skip_step_stage")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FAULT_SKIP_STEP_STAGE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    steps: int
+    batch_size: int
+    microbatches: int
+    lr: float
+    weight_decay: float
+    seed: int
+    codec: Codec
+    max_staleness: int
+    data_fingerprint: str
+    fault_skip_step_stage: int
+    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ...) -> None: ...
+
+class StageAssignment(_message.Message):
+    __slots__ = ("index", "first_block", "stop_block", "node_id", "address")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    STOP_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    first_block: int
+    stop_block: int
+    node_id: str
+    address: str
+    def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("epoch", "swarm_id", "run", "stages")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    swarm_id: str
+    run: RunSpec
+    stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
+    def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
+
+class StageReport(_message.Message):
+    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    stage: int
+    plan_epoch: int
+    step: int
+    loss: float
+    bytes_sent: int
+    done: bool
+    params_sq_sum: float
+    num_params: int
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ...) -> None: ...
+
+class ReportReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchProgressRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("step", "steps", "loss", "samples", "wall_s", "bytes_on_wire", "done", "summary_json", "error")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_ON_WIRE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_JSON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    steps: int
+    loss: float
+    samples: int
+    wall_s: float
+    bytes_on_wire: int
+    done: bool
+    summary_json: str
+    error: str
+    def __init__(self, step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., wall_s: _Optional[float] = ..., bytes_on_wire: _Optional[int] = ..., done: _Optional[bool] = ..., summary_json: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    STOP_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    RUN_DONE_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    plan_epoch: int
+    stage: int
+    first_block: int
+    stop_block: int
+    version: int
+    microbatches_in_flight: int
+    frames_accepted: int
+    frames_refused: int
+    bytes_sent: int
+    params_sha256: str
+    run_done: bool
+    upstream_node_id: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,42 @@
+"""Files a node keeps in its state directory, written so that a crash never leaves half a file."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+NODE_ID_FILE = "node_id"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`: readers see the old file or the new one, never a mix.
+
+    Writes a temporary file beside it, fsyncs it, renames it over `path`, fsyncs the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_or_create_node_id(state_dir: Path | None) -> str:
+    """This node's stable id: kept in `state_dir`, created on first start. Without a state
+    directory the node gets a fresh id each time it starts."""
+    if state_dir is None:
+        return secrets.token_hex(8)
+    path = state_dir / NODE_ID_FILE
+    if path.exists():
+        node_id = path.read_text().strip()
+        if node_id and len(node_id) <= 64 and node_id.isalnum():
+            return node_id
+    node_id = secrets.token_hex(8)
+    write_atomic(path, node_id.encode())
+    return node_id

@@ -1,0 +1,199 @@
+"""Boundary streams: one gRPC bidirectional stream per pipeline boundary.
+
+Stage k opens `/ravnest.v1.Pipeline/Boundary` on stage k+1's server. Activations flow in the
+request direction, activation gradients in the response direction, both as tensor frames
+(`frames.py`) in raw-bytes messages: no protobuf (de)serialisation of large tensors.
+
+Each side of a stream is a `BoundaryLink`: a bounded outbox drained by a writer (so `send`
+blocks when the peer is slow: HTTP/2 flow control is the backpressure) and a reader that parses
+every received message and hands it to an `accept` callback, which validates it against the plan.
+A frame refused by `accept` ends the stream with INVALID_ARGUMENT and a reason, and nothing
+else changes. Bytes written are counted here, in the transport: that counter is what benchmarks
+report as bytes on wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from ravnest_node.errors import FrameError, PeerRefused, PeerUnavailable
+from ravnest_node.transport.frames import Frame, FrameLimits, parse_frame
+
+log = logging.getLogger(__name__)
+
+SERVICE = "ravnest.v1.Pipeline"
+METHOD = "Boundary"
+PATH = f"/{SERVICE}/{METHOD}"
+# Initial metadata of a boundary stream: who is sending, under which plan epoch.
+NODE_ID_KEY = "ravnest-node-id"
+EPOCH_KEY = "ravnest-plan-epoch"
+
+
+class Refusal(Exception):
+    """A stream is refused as a whole (not one frame): carries the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class LinkCounters:
+    """Data-plane traffic of one node, per peer."""
+
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    frames_sent: dict[str, int] = field(default_factory=dict)
+
+    def add(self, peer: str, nbytes: int) -> None:
+        self.bytes_sent[peer] = self.bytes_sent.get(peer, 0) + nbytes
+        self.frames_sent[peer] = self.frames_sent.get(peer, 0) + 1
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_sent.values())
+
+
+Accept = Callable[[Frame], None]
+
+
+class BoundaryLink:
+    """One side of a boundary stream, as the stage runtime sees it."""
+
+    def __init__(self, peer: str, counters: LinkCounters, outbox_size: int) -> None:
+        self.peer = peer
+        self._counters = counters
+        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=outbox_size)
+
+    async def send(self, message: bytes) -> None:
+        """Queue one frame; waits while the outbox is full (the peer or the link is slow)."""
+        await self._outbox.put(message)
+
+    async def close(self) -> None:
+        """No more frames from this side; the writer ends the stream after the queued ones."""
+        await self._outbox.put(None)
+
+    async def pump_writes(self, write: Callable[[bytes], Awaitable[Any]]) -> None:
+        """Write queued frames until `close`; counts each message's bytes once written."""
+        while (message := await self._outbox.get()) is not None:
+            await write(message)
+            self._counters.add(self.peer, len(message))
+
+
+async def pump_reads(
+    read: Callable[[], Awaitable[Any]],
+    limits: FrameLimits,
+    accept: Accept,
+    on_refused: Callable[[str], None],
+) -> None:
+    """Read, parse and hand over frames until the other side ends its half of the stream.
+
+    Raises FrameError for the first frame that is malformed or refused by `accept`, after
+    telling `on_refused` why."""
+    while (message := await read()) is not grpc.aio.EOF:
+        try:
+            if not isinstance(message, bytes):
+                raise FrameError("boundary messages must be raw bytes")
+            accept(parse_frame(message, limits))
+        except FrameError as exc:
+            on_refused(str(exc))
+            raise
+
+
+async def run_client_stream(
+    channel: grpc.aio.Channel,
+    link: BoundaryLink,
+    *,
+    node_id: str,
+    epoch: int,
+    limits: FrameLimits,
+    accept: Accept,
+    on_refused: Callable[[str], None],
+) -> None:
+    """Open the boundary stream to the downstream stage and move frames both ways until both
+    sides have finished. Raises PeerRefused / PeerUnavailable for gRPC failures and FrameError
+    for a frame the downstream sent that `accept` refused."""
+    call = channel.stream_stream(PATH)(
+        metadata=((NODE_ID_KEY, node_id), (EPOCH_KEY, str(epoch))),
+    )
+
+    async def write_all() -> None:
+        await link.pump_writes(call.write)
+        await call.done_writing()
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(write_all())
+            tg.create_task(pump_reads(call.read, limits, accept, on_refused))
+    except BaseExceptionGroup as group:
+        exc = group.exceptions[0]
+        if not isinstance(exc, grpc.aio.AioRpcError):
+            raise exc from None
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            raise PeerUnavailable(f"stream to {link.peer} broke: {exc.details()}") from None
+        raise PeerRefused(
+            f"{link.peer} refused the boundary stream: {exc.code().name}: {exc.details()}"
+        ) from None
+
+
+class BoundaryServer:
+    """The server half: a generic raw-bytes handler for `PATH`.
+
+    `open_session(peer_node_id, epoch)` returns (link, accept) for the stage that owns this
+    boundary, or raises Refusal; `on_refused(reason)` records why a frame was refused."""
+
+    def __init__(
+        self,
+        open_session: Callable[[str, int], Awaitable[tuple[BoundaryLink, Accept]]],
+        close_session: Callable[[BoundaryLink, BaseException | None], None],
+        on_refused: Callable[[str], None],
+        limits: FrameLimits,
+    ) -> None:
+        self._open_session = open_session
+        self._close_session = close_session
+        self._on_refused = on_refused
+        self._limits = limits
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE, {METHOD: grpc.stream_stream_rpc_method_handler(self._serve)}
+        )
+
+    async def _serve(self, _requests: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        peer_id = str(metadata.get(NODE_ID_KEY, ""))
+        try:
+            epoch = int(str(metadata.get(EPOCH_KEY, "")))
+        except ValueError:
+            epoch = -1
+        try:
+            link, accept = await self._open_session(peer_id, epoch)
+        except Refusal as refusal:
+            log.warning("refused boundary stream from %s: %s", context.peer(), refusal.reason)
+            await context.abort(refusal.code, refusal.reason)
+            return
+        # The writer lives exactly as long as this call: cancelled in `finally`.
+        writer = asyncio.create_task(link.pump_writes(context.write))
+        error: BaseException | None = None
+        try:
+            await pump_reads(context.read, self._limits, accept, self._on_refused)
+            # The upstream finished sending; end our half once our queued frames are out.
+            await link.close()
+            await writer
+        except FrameError as exc:
+            error = exc
+            reason = f"frame refused: {exc}"
+            log.warning("%s (from %s)", reason, context.peer())
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            writer.cancel()
+            self._close_session(link, error)

@@ -1,0 +1,245 @@
+"""Tensor frames: the messages of the data plane.
+
+One gRPC message of the raw-bytes method `/ravnest.v1.Pipeline/Boundary` is one frame:
+
+```
+offset 0   4 bytes   magic b"RVF1"
+offset 4   4 bytes   header length H, unsigned little-endian
+offset 8   H bytes   msgpack header (a map, see below)
+offset 8+H           the tensors' payloads, concatenated in header order
+```
+
+The header is a map with the keys `kind` (1 = forward activation, 2 = activation gradient),
+`seq` (microbatch sequence number), `version` (weight version the sender computed it with) and
+`tensors`, a list of maps with `name`, `shape` (list of ints), `dtype` (a name in
+`WIRE_DTYPES`), `codec` (a name in `CODECS`) and `nbytes` (payload length).
+
+`parse_frame` checks the structure before anything is allocated: the header length against
+`FrameLimits.max_header_bytes` before unpacking, msgpack unpacking with tight container limits,
+every field's type and range, known dtype and codec names, and that the payload lengths add up to
+the message length and match what the codec implies for the shape. Checking a parsed frame
+against what the plan expects (names, shapes, dtypes, sequence numbers) is the stage's job
+(`check_tensors`). Nothing here unpickles or dispatches by name.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from math import prod
+from typing import Any
+
+import msgpack
+import torch
+
+from ravnest_node.compression import CODECS, WIRE_DTYPES, Codec, dtype_name
+from ravnest_node.errors import FrameError
+
+MAGIC = b"RVF1"
+_PREFIX = struct.Struct("<4sI")
+
+
+class FrameKind(IntEnum):
+    FORWARD = 1
+    BACKWARD = 2
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLimits:
+    """Bounds a received frame must respect before any of it is decoded."""
+
+    max_message_bytes: int
+    max_header_bytes: int = 4096
+    max_tensors: int = 8
+    max_ndim: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class TensorHeader:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    codec: Codec
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A parsed, structurally valid frame; payloads are views into the received message."""
+
+    kind: FrameKind
+    seq: int
+    version: int
+    headers: tuple[TensorHeader, ...]
+    payloads: tuple[memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.payloads)
+
+    def decode(self) -> dict[str, torch.Tensor]:
+        """The frame's tensors by name (copies out of the message)."""
+        return {
+            h.name: h.codec.decode(p, h.shape, h.dtype)
+            for h, p in zip(self.headers, self.payloads, strict=True)
+        }
+
+
+def encode_frame(
+    kind: FrameKind,
+    seq: int,
+    version: int,
+    tensors: Sequence[tuple[str, torch.Tensor, Codec]],
+) -> bytes:
+    """One frame carrying `tensors` (name, tensor, codec); codecs that do not apply to a
+    tensor's dtype (e.g. fp16 on integer targets) fall back to `none`."""
+    metas: list[dict[str, Any]] = []
+    payloads: list[bytes] = []
+    for name, tensor, codec in tensors:
+        chosen = codec if codec.applies_to(tensor.dtype) else CODECS["none"]
+        payload = chosen.encode(tensor)
+        metas.append(
+            {
+                "name": name,
+                "shape": list(tensor.shape),
+                "dtype": dtype_name(tensor.dtype),
+                "codec": chosen.name,
+                "nbytes": len(payload),
+            }
+        )
+        payloads.append(payload)
+    header = msgpack.packb(
+        {"kind": int(kind), "seq": seq, "version": version, "tensors": metas}, use_bin_type=True
+    )
+    return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *payloads])
+
+
+def _field(table: dict[Any, Any], key: str, kind: type, what: str) -> Any:
+    value = table.get(key)
+    # bool is an int in Python; a header that says `seq: true` is malformed, not 1.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise FrameError(f"{what}: field {key!r} must be {kind.__name__}, got {value!r:.40}")
+    return value
+
+
+def _parse_tensor(meta: Any, index: int, limits: FrameLimits) -> TensorHeader:
+    what = f"tensor {index}"
+    if not isinstance(meta, dict):
+        raise FrameError(f"{what}: expected a map")
+    name = _field(meta, "name", str, what)
+    shape = _field(meta, "shape", list, what)
+    if len(shape) > limits.max_ndim:
+        raise FrameError(f"{what} {name!r}: {len(shape)} dimensions, at most {limits.max_ndim}")
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 < d <= limits.max_message_bytes:
+            raise FrameError(f"{what} {name!r}: bad dimension {d!r:.40} in shape")
+    dtype_str = _field(meta, "dtype", str, what)
+    dtype = WIRE_DTYPES.get(dtype_str)
+    if dtype is None:
+        raise FrameError(
+            f"{what} {name!r}: unknown dtype {dtype_str!r:.40}; known: {', '.join(WIRE_DTYPES)}"
+        )
+    codec_name = _field(meta, "codec", str, what)
+    codec = CODECS.get(codec_name)
+    if codec is None:
+        raise FrameError(f"{what} {name!r}: unknown codec {codec_name!r:.40}")
+    nbytes = _field(meta, "nbytes", int, what)
+    # prod() of validated dims cannot overflow Python ints; compare before any allocation.
+    if prod(shape) * dtype.itemsize > limits.max_message_bytes:
+        raise FrameError(f"{what} {name!r}: shape {shape} is larger than the message limit")
+    expected = codec.payload_nbytes(shape, dtype)
+    if nbytes != expected:
+        raise FrameError(
+            f"{what} {name!r}: nbytes {nbytes} does not match {expected} for shape {shape} "
+            f"{dtype_str} with codec {codec_name}"
+        )
+    return TensorHeader(name=name, shape=tuple(shape), dtype=dtype, codec=codec, nbytes=nbytes)
+
+
+def parse_frame(message: bytes, limits: FrameLimits) -> Frame:
+    """Parse and structurally validate one received message; raises FrameError saying why not."""
+    if len(message) > limits.max_message_bytes:
+        raise FrameError(
+            f"message of {len(message)} bytes exceeds the limit of {limits.max_message_bytes}"
+        )
+    if len(message) < _PREFIX.size:
+        raise FrameError(f"message of {len(message)} bytes is too short to be a frame")
+    magic, header_len = _PREFIX.unpack_from(message)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}; not a ravnest frame")
+    if header_len > limits.max_header_bytes:
+        raise FrameError(
+            f"header of {header_len} bytes exceeds the limit of {limits.max_header_bytes}"
+        )
+    header_end = _PREFIX.size + header_len
+    if header_end > len(message):
+        raise FrameError("header runs past the end of the message")
+    try:
+        header = msgpack.unpackb(
+            message[_PREFIX.size : header_end],
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limits.max_header_bytes,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=max(limits.max_tensors, limits.max_ndim),
+            max_map_len=8,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise FrameError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise FrameError("header must be a map")
+    kind_value = _field(header, "kind", int, "header")
+    try:
+        kind = FrameKind(kind_value)
+    except ValueError:
+        raise FrameError(f"header: unknown frame kind {kind_value}") from None
+    seq = _field(header, "seq", int, "header")
+    version = _field(header, "version", int, "header")
+    if seq < 0 or version < 0:
+        raise FrameError("header: seq and version must not be negative")
+    metas = _field(header, "tensors", list, "header")
+    if not 0 < len(metas) <= limits.max_tensors:
+        raise FrameError(f"header: {len(metas)} tensors, expected 1 to {limits.max_tensors}")
+    headers = tuple(_parse_tensor(m, i, limits) for i, m in enumerate(metas))
+    body = memoryview(message)[header_end:]
+    if sum(h.nbytes for h in headers) != len(body):
+        raise FrameError(
+            f"payload is {len(body)} bytes, the header lists {sum(h.nbytes for h in headers)}"
+        )
+    payloads = []
+    offset = 0
+    for h in headers:
+        payloads.append(body[offset : offset + h.nbytes])
+        offset += h.nbytes
+    return Frame(kind=kind, seq=seq, version=version, headers=headers, payloads=tuple(payloads))
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """One tensor a frame of some kind must carry, as the plan says."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def check_tensors(frame: Frame, expected: Sequence[Expected]) -> None:
+    """Raise FrameError unless the frame carries exactly the expected tensors, in order."""
+    got = [h.name for h in frame.headers]
+    want = [e.name for e in expected]
+    if got != want:
+        raise FrameError(f"{frame.kind.name.lower()} frame carries tensors {got}, expected {want}")
+    for h, e in zip(frame.headers, expected, strict=True):
+        if h.shape != e.shape:
+            raise FrameError(
+                f"tensor {h.name!r}: shape {list(h.shape)} does not match "
+                f"the plan's {list(e.shape)}"
+            )
+        if h.dtype != e.dtype:
+            raise FrameError(
+                f"tensor {h.name!r}: dtype {dtype_name(h.dtype)} does not match the plan's "
+                f"{dtype_name(e.dtype)}"
+            )

@@ -1,0 +1,64 @@
+"""Transport settings and the gRPC channel/server options derived from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ravnest_node.errors import ConfigError
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TransportConfig:
+    """How a node talks to its peers."""
+
+    max_message_bytes: int = 64 * 2**20
+    """Largest gRPC message (one tensor frame) a node sends or accepts, in bytes."""
+    max_header_bytes: int = 4096
+    """Largest msgpack frame header a node accepts, in bytes (checked before unpacking)."""
+    stop_grace_s: float = 3.0
+    """Seconds that open streams get to finish when a node stops."""
+    connect_timeout_s: float = 30.0
+    """Seconds to wait for a peer's server (coordinator, neighbour) to answer before giving up."""
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.max_message_bytes <= 2**31 - 1:
+            raise ConfigError(
+                f"max_message_bytes={self.max_message_bytes}: must be between 1024 and 2**31-1"
+            )
+        if not 64 <= self.max_header_bytes <= self.max_message_bytes:
+            raise ConfigError(
+                f"max_header_bytes={self.max_header_bytes}: must be between 64 and "
+                "max_message_bytes"
+            )
+        if self.stop_grace_s < 0 or self.connect_timeout_s <= 0:
+            raise ConfigError("stop_grace_s must be >= 0 and connect_timeout_s > 0 (seconds)")
+
+
+def _message_limits(cfg: TransportConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+    ]
+
+
+def server_options(cfg: TransportConfig) -> list[tuple[str, int]]:
+    """Options for a node's gRPC server."""
+    return [
+        *_message_limits(cfg),
+        # Without this, gRPC binds a port another server already listens on (SO_REUSEPORT),
+        # and two nodes silently share one address.
+        ("grpc.so_reuseport", 0),
+        # Peers ping idle streams (see channel_options); allow it instead of answering GOAWAY.
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def channel_options(cfg: TransportConfig) -> list[tuple[str, int]]:
+    """Options for channels a node opens to its peers."""
+    return [
+        *_message_limits(cfg),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]

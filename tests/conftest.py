@@ -1,0 +1,131 @@
+"""Helpers for tests that run real `ravnest-node` processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.proto import control_pb2_grpc as pb_grpc
+
+# Keep the suite predictable on a 2-core machine: one torch thread per node process.
+NODE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RAVNEST_")} | {
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def ravnest(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ravnest_node", *args]
+
+
+def read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
+    """One line of the process's stdout, or b"" at EOF; fails the test after `timeout_s`."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        buf = b""
+        while not buf.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                raise AssertionError(f"no complete line from pid {proc.pid} within {timeout_s} s")
+            chunk = os.read(proc.stdout.fileno(), 1)
+            if not chunk:
+                return buf
+            buf += chunk
+        return buf
+
+
+def wait_for_line(proc: subprocess.Popen[bytes], needle: str, timeout_s: float) -> list[str]:
+    """Lines of stdout up to and including the first that contains `needle`."""
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    while True:
+        line = read_line(proc, max(0.1, deadline - time.monotonic())).decode()
+        if not line:
+            raise AssertionError(f"stdout ended before {needle!r}; got {lines}")
+        lines.append(line)
+        if needle in line:
+            return lines
+
+
+class Procs:
+    """Processes a test started; whatever is still running at the end is killed (by pid)."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def popen(self, args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        kwargs.setdefault("env", NODE_ENV)
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+        proc = subprocess.Popen(args, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def start_node(
+        self, state_dir: Path, *args: str, **kwargs: Any
+    ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+        """`ravnest-node start` with its log in state_dir/node.log; returns (proc, ready event)."""
+        state_dir.mkdir(parents=True, exist_ok=True)
+        log = open(state_dir / "node.log", "ab")  # noqa: SIM115 - closed by the child's exit
+        proc = self.popen(
+            ravnest("start", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+                    "--threads", "1", *args),
+            stderr=log, **kwargs,
+        )  # fmt: skip
+        log.close()
+        line = read_line(proc, 60)
+        if not line:
+            proc.wait(10)
+            raise AssertionError(
+                f"node exited ({proc.returncode}) before ready:\n"
+                + (state_dir / "node.log").read_text()
+            )
+        event: dict[str, Any] = json.loads(line)
+        assert event["event"] == "ready"
+        return proc, event
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.cleanup()
+
+
+def pid_alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def progress_events(coordinator: str, timeout_s: float = 120) -> Iterator[pb.Progress]:
+    """The coordinator's progress stream (blocking), ending with the summary event."""
+    with grpc.insecure_channel(coordinator) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        yield from stub.WatchProgress(pb.WatchProgressRequest(), timeout=timeout_s)

@@ -1,0 +1,105 @@
+"""The command line: help, one-line errors with exit status 2, config sources on the real tree."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ravnest_node.cli import settings
+from ravnest_node.cli.main import main
+from ravnest_node.daemon.node import NodeConfig
+from ravnest_node.errors import ConfigError
+
+from .conftest import NODE_ENV, ravnest
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ravnest(*args), env=NODE_ENV, capture_output=True, text=True, timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("ravnest-node: error:")
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_help_explains_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("start", "demo", "--join", "RAVNEST_TRAIN_STEPS"):
+        assert text in out
+    with pytest.raises(SystemExit):
+        main(["start", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--listen", "--state-dir", "--join", "--swarm-size", "--model", "--codec"):
+        assert flag in out
+
+
+def test_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run("start", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path))
+    _one_line_error(result, f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_unknown_model_is_a_one_line_error() -> None:
+    _one_line_error(_run("start", "--model", "gpt-9"), "unknown model 'gpt-9'", "bench-small")
+    _one_line_error(_run("demo", "--model", "gpt-9"), "unknown model 'gpt-9'")
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[train\nsteps = 3\n", "bad.toml"),
+        ("[train]\nstpes = 3\n", "unknown setting 'stpes'"),
+        ("[train]\nsteps = 'many'\n", "steps must be an integer"),
+        ("listen = 'nowhere'\n", "is not HOST:PORT"),
+    ],
+)
+def test_malformed_config_file_is_a_one_line_error(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    _one_line_error(_run("start", "--config", str(path)), needle)
+
+
+def test_missing_config_file_is_a_one_line_error(tmp_path: Path) -> None:
+    _one_line_error(_run("demo", "--config", str(tmp_path / "nope.toml")), "not found")
+
+
+def test_file_env_and_flags_fill_the_same_fields(tmp_path: Path) -> None:
+    path = tmp_path / "node.toml"
+    path.write_text(
+        "swarm_size = 2\n[train]\nsteps = 5\nlr = 0.001\n[transport]\nstop_grace_s = 1.5\n"
+    )
+    env = {"RAVNEST_TRAIN_STEPS": "7", "RAVNEST_TRAIN_CODEC": "bf16"}
+    parser = main.__globals__["_parser"]()
+    args = parser.parse_args(["start", "--steps", "9", "--config", str(path)])
+    cfg = settings.load(NodeConfig, args=args, env=env, toml_path=path)
+    assert cfg.swarm_size == 2 and cfg.train.lr == 0.001 and cfg.transport.stop_grace_s == 1.5
+    assert cfg.train.codec == "bf16"  # env over file
+    assert cfg.train.steps == 9  # flag over env
+    with pytest.raises(ConfigError, match="RAVNEST_TRAIN_STEPS"):
+        settings.load(NodeConfig, env={"RAVNEST_TRAIN_STEPS": "x"})
+
+
+def test_to_env_round_trips_the_training_config() -> None:
+    cfg = settings.load(NodeConfig, env={"RAVNEST_TRAIN_LR": "0.0007", "RAVNEST_TRAIN_SEED": "3"})
+    again = settings.load(NodeConfig, env=settings.to_env(cfg.train, ("train",)))
+    assert again.train == cfg.train
+
+
+def test_unimplemented_staleness_is_refused_not_ignored() -> None:
+    _one_line_error(_run("demo", "--max-staleness", "2"), "max_staleness=2")

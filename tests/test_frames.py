@@ -1,0 +1,131 @@
+"""Tensor frames: round trips, and every malformed input refused before allocation."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ravnest_node.compression import CODECS, get_codec
+from ravnest_node.errors import FrameError
+from ravnest_node.transport.frames import (
+    MAGIC,
+    Expected,
+    FrameKind,
+    FrameLimits,
+    check_tensors,
+    encode_frame,
+    parse_frame,
+)
+
+LIMITS = FrameLimits(max_message_bytes=1 << 20)
+
+
+def _raw_frame(header: object, payload: bytes = b"") -> bytes:
+    packed = msgpack.packb(header, use_bin_type=True)
+    return MAGIC + struct.pack("<I", len(packed)) + packed + payload
+
+
+def _header(**tensor: object) -> dict[str, object]:
+    meta = {"name": "hidden", "shape": [2, 3], "dtype": "float32", "codec": "none", "nbytes": 24}
+    meta.update(tensor)
+    return {"kind": 1, "seq": 0, "version": 0, "tensors": [meta]}
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_round_trip_every_codec(codec: str) -> None:
+    x = torch.randn(4, 8, 16)
+    y = torch.randint(0, 256, (4, 8), dtype=torch.uint8)
+    message = encode_frame(FrameKind.FORWARD, 7, 1, [("hidden", x, get_codec(codec)),
+                                                     ("targets", y, get_codec(codec))])  # fmt: skip
+    frame = parse_frame(message, LIMITS)
+    assert (frame.kind, frame.seq, frame.version) == (FrameKind.FORWARD, 7, 1)
+    out = frame.decode()
+    assert torch.equal(out["targets"], y)  # integers always travel losslessly
+    tol = {"none": 0.0, "fp16": 1e-3, "bf16": 1e-2}[codec]
+    assert out["hidden"].dtype == torch.float32
+    assert torch.allclose(out["hidden"], x, rtol=tol, atol=tol)
+    if codec == "none":
+        assert torch.equal(out["hidden"], x)
+
+
+def test_payload_size_is_counted_exactly() -> None:
+    x = torch.zeros(2, 3)
+    message = encode_frame(FrameKind.BACKWARD, 0, 0, [("grad", x, get_codec("fp16"))])
+    assert parse_frame(message, LIMITS).nbytes == 2 * 3 * 2
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        (b"RV", "too short"),
+        (b"XXXX" + struct.pack("<I", 0), "bad magic"),
+        (MAGIC + struct.pack("<I", 10_000), "header of 10000 bytes exceeds"),
+        (MAGIC + struct.pack("<I", 50) + b"\x00" * 10, "runs past the end"),
+        (MAGIC + struct.pack("<I", 1) + b"\xc1", "not valid msgpack"),
+        (_raw_frame([1, 2]), "must be a map"),
+        (_raw_frame({**_header(), "kind": 9}), "unknown frame kind"),
+        (_raw_frame({**_header(), "seq": True}), "'seq' must be int"),
+        (_raw_frame({**_header(), "seq": -1}), "must not be negative"),
+        (_raw_frame({**_header(), "tensors": []}), "0 tensors"),
+        (_raw_frame(_header(dtype="complex128"), b"\0" * 24), "unknown dtype 'complex128'"),
+        (_raw_frame(_header(codec="pickle"), b"\0" * 24), "unknown codec 'pickle'"),
+        (_raw_frame(_header(shape=[2, -3]), b"\0" * 24), "bad dimension"),
+        (_raw_frame(_header(shape=[1] * 9), b"\0" * 4), "exceeds max_array_len"),
+        (_raw_frame(_header(shape=[1 << 20, 1 << 20], nbytes=4 << 40)), "larger than the message"),
+        (_raw_frame(_header(nbytes=25), b"\0" * 25), "nbytes 25 does not match 24"),
+        (_raw_frame(_header(), b"\0" * 23), "payload is 23 bytes"),
+        (_raw_frame(_header(name=7), b"\0" * 24), "'name' must be str"),
+    ],
+)
+def test_malformed_frames_are_refused(message: bytes, reason: str) -> None:
+    with pytest.raises(FrameError, match=reason):
+        parse_frame(message, LIMITS)
+
+
+def test_oversized_message_is_refused_before_parsing() -> None:
+    with pytest.raises(FrameError, match="exceeds the limit"):
+        parse_frame(b"\0" * (LIMITS.max_message_bytes + 1), LIMITS)
+
+
+def test_check_tensors_against_the_plan() -> None:
+    x = torch.zeros(2, 3)
+    frame = parse_frame(
+        encode_frame(FrameKind.FORWARD, 0, 0, [("hidden", x, get_codec("none"))]), LIMITS
+    )
+    check_tensors(frame, [Expected("hidden", (2, 3), torch.float32)])
+    with pytest.raises(FrameError, match=r"shape \[2, 3\] does not match the plan's \[2, 4\]"):
+        check_tensors(frame, [Expected("hidden", (2, 4), torch.float32)])
+    with pytest.raises(FrameError, match="dtype float32 does not match the plan's float16"):
+        check_tensors(frame, [Expected("hidden", (2, 3), torch.float16)])
+    with pytest.raises(FrameError, match="expected"):
+        check_tensors(frame, [Expected("grad", (2, 3), torch.float32)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_never_crash_the_parser(data: bytes) -> None:
+    with contextlib.suppress(FrameError):
+        parse_frame(data, LIMITS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mutated_frames_are_parsed_or_refused(data: st.DataObject) -> None:
+    good = bytearray(
+        encode_frame(FrameKind.FORWARD, 3, 0, [("hidden", torch.randn(2, 5), get_codec("none"))])
+    )
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(good) - 1))
+        good[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(good)))
+    try:
+        frame = parse_frame(bytes(good[:cut]), LIMITS)
+    except FrameError:
+        return
+    frame.decode()  # whatever passed the checks must decode without error

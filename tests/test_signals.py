@@ -1,0 +1,53 @@
+"""Stopping: SIGTERM or Ctrl-C ends a daemon or a demo within 10 s, exit 0, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import Procs, pid_alive, progress_events, ravnest, wait_for_line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_idle_daemon_stops_on_signal(procs: Procs, tmp_path: Path, sig: signal.Signals) -> None:
+    # A coordinator waiting for a second node that never comes: idle but fully up.
+    proc, ready = procs.start_node(tmp_path / "n0", "--swarm-size", "2")
+    assert ready["coordinator"] is True
+    proc.send_signal(sig)
+    assert proc.wait(10) == 0
+    assert "node" in (tmp_path / "n0" / "node.log").read_text()
+
+
+def test_training_daemon_stops_on_sigterm(procs: Procs, tmp_path: Path) -> None:
+    coord, ready = procs.start_node(
+        tmp_path / "n0", "--swarm-size", "2", "--model", "tiny", "--steps", "100000"
+    )
+    worker, _ = procs.start_node(tmp_path / "n1", "--join", ready["address"])
+    assert next(progress_events(ready["address"])).step >= 1  # training is under way
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(10) == 0
+    coord.send_signal(signal.SIGTERM)
+    assert coord.wait(10) in (0, 1)  # 1 if it noticed first that its peer left mid-run
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["sigint-demo", "ctrl-c-group"])
+def test_demo_stops_on_interrupt(procs: Procs, tmp_path: Path, whole_group: bool) -> None:
+    demo = procs.popen(
+        ravnest("demo", "--model", "tiny", "--nodes", "3", "--steps", "100000",
+                "--work-dir", str(tmp_path), "--threads", "1"),
+        start_new_session=True, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    lines = wait_for_line(demo, "step ", timeout_s=120)
+    pids = [int(m) for line in lines for m in re.findall(r"\(pid (\d+)\)", line)]
+    assert len(pids) == 3
+    if whole_group:  # what a terminal's Ctrl-C does: every process of the group gets SIGINT
+        os.killpg(demo.pid, signal.SIGINT)
+    else:
+        demo.send_signal(signal.SIGINT)
+    assert demo.wait(10) == 0
+    assert not [pid for pid in pids if pid_alive(pid)]
