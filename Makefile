@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test check lint typecheck protos clean
+.PHONY: setup demo test check lint typecheck protos docs clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ test: check
 protos: setup
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
 		protos/ravnest_node/proto/control.proto
+
+# Regenerate docs/configuration.md from the config dataclasses (tests/test_docs.py checks it).
+docs: setup
+	$(PY) -m ravnest_node.cli.reference > docs/configuration.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

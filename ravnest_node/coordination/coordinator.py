@@ -161,7 +161,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"node {request.node_id!r} does not own stage {request.stage}",
             )
-        self._bytes_sent[request.node_id] = request.bytes_sent
+        # Counters only grow; max() keeps a late-arriving older report from undoing a newer one.
+        previous = self._bytes_sent.get(request.node_id, 0)
+        self._bytes_sent[request.node_id] = max(previous, request.bytes_sent)
         last = len(plan.stages) - 1
         if request.done:
             self._final[request.stage] = request

@@ -1,0 +1,103 @@
+"""The stage's admission decisions, without sockets: what the plan allows is queued, the rest
+is refused with a reason and changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ravnest_node.compression import get_codec
+from ravnest_node.errors import FrameError
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.pipeline.stage import StageRuntime, StageSpec, StepReport
+from ravnest_node.transport.frames import Frame, FrameKind, FrameLimits, encode_frame, parse_frame
+
+RUN = TrainConfig(model="tiny", steps=2, batch_size=16, microbatches=4)
+NONE = get_codec("none")
+
+
+async def _no_report(_: StepReport) -> None:
+    raise AssertionError("no step should complete in these tests")
+
+
+@pytest.fixture
+def stage() -> Iterator[StageRuntime]:
+    model = get_model("tiny")
+    with ThreadPoolExecutor(1) as pool:
+        yield StageRuntime(
+            spec=StageSpec(index=1, num_stages=3, first_block=2, stop_block=3),
+            model=model,
+            blocks=model.build_stage(0, 2, 3),
+            run=RUN,
+            compute=pool,
+            report=_no_report,
+        )
+
+
+def _forward(seq: int, version: int | None = None, hidden: tuple[int, ...] = (4, 32, 64)) -> Frame:
+    message = encode_frame(
+        FrameKind.FORWARD,
+        seq,
+        seq // 4 if version is None else version,
+        [
+            ("hidden", torch.zeros(hidden), NONE),
+            ("targets", torch.zeros(4, 32, dtype=torch.uint8), NONE),
+        ],
+    )
+    return parse_frame(message, FrameLimits(max_message_bytes=1 << 24))
+
+
+def _grad(seq: int) -> Frame:
+    message = encode_frame(
+        FrameKind.BACKWARD, seq, seq // 4, [("grad", torch.zeros(4, 32, 64), NONE)]
+    )
+    return parse_frame(message, FrameLimits(max_message_bytes=1 << 24))
+
+
+def _refused(stage: StageRuntime, frame: Frame, reason: str) -> None:
+    before = (stage.inbox.qsize(), stage.frames_accepted, stage.received_all_forwards)
+    with pytest.raises(FrameError, match=reason):
+        stage.accept(frame)
+    assert (stage.inbox.qsize(), stage.frames_accepted, stage.received_all_forwards) == before
+
+
+def test_forward_frames_in_order_are_queued(stage: StageRuntime) -> None:
+    stage.accept(_forward(0))
+    stage.accept(_forward(1))
+    assert stage.inbox.qsize() == 2 and stage.frames_accepted == 2
+    _refused(stage, _forward(1), "forward seq 1, expected 2")
+    _refused(stage, _forward(5), "forward seq 5, expected 2")
+
+
+def test_wrong_version_shape_or_kind_is_refused(stage: StageRuntime) -> None:
+    _refused(stage, _forward(0, version=1), "carries weight version 1, expected 0")
+    _refused(stage, _forward(0, hidden=(4, 32, 65)), r"shape \[4, 32, 65\]")
+    _refused(stage, _grad(0), "gradient for microbatch 0, which is not in flight")
+
+
+def test_frames_past_the_run_are_refused(stage: StageRuntime) -> None:
+    for seq in range(8):  # 2 steps x 4 microbatches: the inbox holds 2 x 4
+        stage.accept(_forward(seq))
+    assert stage.received_all_forwards
+    _refused(stage, _forward(8), "past the run's last microbatch 7")
+
+
+def test_a_flood_beyond_the_schedule_is_refused() -> None:
+    model = get_model("tiny")
+    run = TrainConfig(model="tiny", steps=10, batch_size=16, microbatches=4)
+    with ThreadPoolExecutor(1) as pool:
+        stage = StageRuntime(
+            spec=StageSpec(index=1, num_stages=3, first_block=2, stop_block=3),
+            model=model,
+            blocks=model.build_stage(0, 2, 3),
+            run=run,
+            compute=pool,
+            report=_no_report,
+        )
+        for seq in range(8):
+            stage.accept(_forward(seq))
+        _refused(stage, _forward(8), "more frames in flight than the schedule allows")
