@@ -7,6 +7,16 @@ import secrets
 from pathlib import Path
 
 NODE_ID_FILE = "node_id"
+MAX_NODE_ID_LEN = 64
+
+
+def valid_node_id(node_id: str) -> bool:
+    """Node ids are short ASCII words: safe in logs, file names and gRPC metadata."""
+    return (
+        0 < len(node_id) <= MAX_NODE_ID_LEN
+        and node_id.isascii()
+        and node_id.replace("-", "").replace("_", "").isalnum()
+    )
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -35,7 +45,7 @@ def load_or_create_node_id(state_dir: Path | None) -> str:
     path = state_dir / NODE_ID_FILE
     if path.exists():
         node_id = path.read_text().strip()
-        if node_id and len(node_id) <= 64 and node_id.isalnum():
+        if valid_node_id(node_id):
             return node_id
     node_id = secrets.token_hex(8)
     write_atomic(path, node_id.encode())

@@ -61,13 +61,13 @@ def _grad(seq: int) -> Frame:
 def _refused(stage: StageRuntime, frame: Frame, reason: str) -> None:
     before = (stage.inbox.qsize(), stage.frames_accepted, stage.received_all_forwards)
     with pytest.raises(FrameError, match=reason):
-        stage.accept(frame)
+        stage.accept_from_upstream(frame)
     assert (stage.inbox.qsize(), stage.frames_accepted, stage.received_all_forwards) == before
 
 
 def test_forward_frames_in_order_are_queued(stage: StageRuntime) -> None:
-    stage.accept(_forward(0))
-    stage.accept(_forward(1))
+    stage.accept_from_upstream(_forward(0))
+    stage.accept_from_upstream(_forward(1))
     assert stage.inbox.qsize() == 2 and stage.frames_accepted == 2
     _refused(stage, _forward(1), "forward seq 1, expected 2")
     _refused(stage, _forward(5), "forward seq 5, expected 2")
@@ -76,12 +76,17 @@ def test_forward_frames_in_order_are_queued(stage: StageRuntime) -> None:
 def test_wrong_version_shape_or_kind_is_refused(stage: StageRuntime) -> None:
     _refused(stage, _forward(0, version=1), "carries weight version 1, expected 0")
     _refused(stage, _forward(0, hidden=(4, 32, 65)), r"shape \[4, 32, 65\]")
-    _refused(stage, _grad(0), "gradient for microbatch 0, which is not in flight")
+    _refused(stage, _grad(0), "only forward frames travel downstream")
+    with pytest.raises(FrameError, match="gradient for microbatch 0, which is not in flight"):
+        stage.accept_from_downstream(_grad(0))
+    with pytest.raises(FrameError, match="only gradient frames travel upstream"):
+        stage.accept_from_downstream(_forward(0))
+    assert stage.inbox.qsize() == 0
 
 
 def test_frames_past_the_run_are_refused(stage: StageRuntime) -> None:
     for seq in range(8):  # 2 steps x 4 microbatches: the inbox holds 2 x 4
-        stage.accept(_forward(seq))
+        stage.accept_from_upstream(_forward(seq))
     assert stage.received_all_forwards
     _refused(stage, _forward(8), "past the run's last microbatch 7")
 
@@ -99,5 +104,5 @@ def test_a_flood_beyond_the_schedule_is_refused() -> None:
             report=_no_report,
         )
         for seq in range(8):
-            stage.accept(_forward(seq))
+            stage.accept_from_upstream(_forward(seq))
         _refused(stage, _forward(8), "more frames in flight than the schedule allows")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -27,7 +28,7 @@ from ravnest_node.cli.settings import to_env
 from ravnest_node.daemon.node import LogLevel
 from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.models import get_model
-from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import write_atomic
@@ -64,6 +65,7 @@ class DemoConfig:
             )
         if self.compute_threads < 0:
             raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
+        check_frame_limit(self.train, self.transport.max_message_bytes)
 
     @property
     def threads_per_node(self) -> int:
@@ -76,6 +78,7 @@ class _Node:
     state_dir: Path
     proc: asyncio.subprocess.Process
     log: Path
+    exited: asyncio.Task[int]
     address: str = ""
 
 
@@ -141,7 +144,13 @@ class Demo:
                 stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
                 env=env,
             )  # fmt: skip
-        node = _Node(index=index, state_dir=state_dir, proc=proc, log=log_path)
+        node = _Node(
+            index=index,
+            state_dir=state_dir,
+            proc=proc,
+            log=log_path,
+            exited=asyncio.create_task(proc.wait()),  # awaited in _shutdown
+        )
         self.nodes.append(node)
         ready = await self._until(self._read_ready(node))
         if ready is None:
@@ -158,28 +167,34 @@ class Demo:
             raise RunFailed(
                 f"node {node.index} exited ({code}) before it was ready{self._tail(node)}"
             )
-        event: dict[str, Any] = json.loads(line)
+        try:
+            event: dict[str, Any] = json.loads(line)
+            str(event["address"])
+        except (ValueError, KeyError, TypeError):
+            raise RunFailed(
+                f"node {node.index} announced {line[:200]!r}, not a ready event"
+            ) from None
         return event
 
     async def _until(self, work: Any) -> Any:
         """Await `work` unless a stop is requested or a node dies first (then RunFailed)."""
         task = asyncio.ensure_future(work)
         stop = asyncio.ensure_future(self._stop.wait())
-        deaths = [asyncio.ensure_future(n.proc.wait()) for n in self.nodes]
+        deaths = [n.exited for n in self.nodes]
         try:
             done, _ = await asyncio.wait([task, stop, *deaths], return_when=asyncio.FIRST_COMPLETED)
             if task in done:
                 return task.result()
             if stop in done:
                 return None
-            dead = next(n for n, d in zip(self.nodes, deaths, strict=True) if d in done)
+            dead = next(n for n in self.nodes if n.exited in done)
             raise RunFailed(
                 f"node {dead.index} exited with status {dead.proc.returncode} during the run"
                 f"{self._tail(dead)}"
             )
         finally:
-            for t in (task, stop, *deaths):
-                t.cancel()
+            task.cancel()
+            stop.cancel()
 
     async def _follow(self, coordinator: str) -> dict[str, Any] | None:
         async with grpc.aio.insecure_channel(
@@ -212,7 +227,9 @@ class Demo:
     async def _explain_death(self, node: _Node) -> None:
         """If `node` is exiting, wait for it and raise RunFailed with its status and log."""
         try:
-            code = await asyncio.wait_for(node.proc.wait(), self.cfg.transport.stop_grace_s + 5)
+            code = await asyncio.wait_for(
+                asyncio.shield(node.exited), self.cfg.transport.stop_grace_s + 5
+            )
         except TimeoutError:
             return
         raise RunFailed(f"node {node.index} exited with status {code}{self._tail(node)}")
@@ -224,13 +241,14 @@ class Demo:
                 with contextlib.suppress(ProcessLookupError):
                     node.proc.send_signal(signal.SIGTERM)
         grace = self.cfg.transport.stop_grace_s + 5.0
+        if self.nodes:
+            _, late = await asyncio.wait([n.exited for n in self.nodes], timeout=grace)
+            for node in self.nodes:
+                if node.exited in late:
+                    self._print(f"node {node.index} did not stop within {grace:g} s; killing it")
+                    node.proc.kill()
+            await asyncio.gather(*(n.exited for n in self.nodes))
         for node in self.nodes:
-            try:
-                await asyncio.wait_for(node.proc.wait(), grace)
-            except TimeoutError:
-                self._print(f"node {node.index} did not stop within {grace:g} s; killing it")
-                node.proc.kill()
-                await node.proc.wait()
             if node.proc.stdout is not None:
                 await node.proc.stdout.read()
 
@@ -260,7 +278,8 @@ def _human_bytes(n: float) -> str:
 
 def summary_lines(s: dict[str, Any]) -> list[str]:
     """The summary as a person reads it."""
-    drop = (s["initial_loss"] - s["final_loss"]) / s["initial_loss"] * 100
+    initial = s["initial_loss"] or math.nan
+    drop = (initial - s["final_loss"]) / initial * 100
     lines = [
         f"trained {s['model']} ({s['num_params'] / 1e6:.2f} M parameters) on {s['nodes']} "
         f"node(s): {s['steps']} steps, {s['samples']} samples in {s['wall_s']:.1f} s "

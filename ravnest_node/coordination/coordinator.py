@@ -21,16 +21,17 @@ import grpc
 
 from ravnest_node.coordination.static_plan import Member, static_plan
 from ravnest_node.data import StdlibBytes
+from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.state import write_atomic
+from ravnest_node.state import MAX_NODE_ID_LEN, valid_node_id, write_atomic
+from ravnest_node.transport.options import split_host_port
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = "ravnest.v1"
-_MAX_ID_LEN = 128
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -74,8 +75,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.JoinReply:
-        if not 0 < len(request.node_id) <= _MAX_ID_LEN or not request.address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "join needs node_id and address")
+        if not valid_node_id(request.node_id):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"node_id must be 1 to {MAX_NODE_ID_LEN} ASCII letters, digits, '-' or '_'",
+            )
+        try:
+            split_host_port(request.address)
+        except ConfigError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address: {exc}")
         if request.protocol != PROTOCOL:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -166,10 +174,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._bytes_sent[request.node_id] = max(previous, request.bytes_sent)
         last = len(plan.stages) - 1
         if request.done:
+            if request.stage in self._final or request.step != self._train.steps:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"stage {request.stage} cannot be done at step {request.step}",
+                )
             self._final[request.stage] = request
             if len(self._final) == len(plan.stages):
                 self._events.append(self._finish(plan))
-        elif request.stage == last and 0 < request.step <= self._train.steps:
+        elif request.stage == last:
+            # Steps are reported once each, in order: anything else is a confused or hostile
+            # peer, and must not grow the event list.
+            expected = len(self._losses) + 1
+            if request.step != expected or expected > self._train.steps:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"report for step {request.step}, expected step {expected}",
+                )
             self._losses[request.step] = request.loss
             self._events.append(self._progress(request.step, request.loss))
         await self._notify()

@@ -23,27 +23,21 @@ import torch
 
 from ravnest_node.coordination.coordinator import CoordinatorService
 from ravnest_node.daemon.worker import Worker
-from ravnest_node.errors import ConfigError, RunFailed, StartupError
-from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.errors import ConfigError, RavnestError, RunFailed, StartupError
+from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import load_or_create_node_id, write_atomic
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters
-from ravnest_node.transport.options import TransportConfig, server_options
+from ravnest_node.transport.options import TransportConfig, server_options, split_host_port
 
 log = logging.getLogger(__name__)
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 READY_FILE = "ready.json"
+# Calls a node serves at once (boundary streams, control calls, status); more wait or fail.
+MAX_CONCURRENT_RPCS = 64
 SUMMARY_FILE = "summary.json"
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """("host", port) of "host:port" or "[v6]:port"; ConfigError if it is not one."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{address!r} is not HOST:PORT (e.g. 127.0.0.1:7070, port 0 = any)")
-    return host.strip("[]"), int(port)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -83,6 +77,8 @@ class NodeConfig:
             raise ConfigError(f"swarm_size={self.swarm_size}: must be between 1 and 1024")
         if self.compute_threads < 0:
             raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
+        if self.is_coordinator:
+            check_frame_limit(self.train, self.transport.max_message_bytes)
 
     @property
     def is_coordinator(self) -> bool:
@@ -132,7 +128,9 @@ class NodeDaemon:
         cfg = self.config
         if cfg.compute_threads:
             torch.set_num_threads(cfg.compute_threads)
-        server = grpc.aio.server(options=server_options(cfg.transport))
+        server = grpc.aio.server(
+            options=server_options(cfg.transport), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS
+        )
         host, port = split_host_port(cfg.listen)
         _check_bindable(host, port, cfg.listen)
         try:
@@ -175,7 +173,8 @@ class NodeDaemon:
             on_ready(info)
             await self._serve(worker)
         finally:
-            await server.stop(cfg.transport.stop_grace_s)
+            # After a failed run, end open streams at once so neighbours learn of it now.
+            await server.stop(0 if self.run_error else cfg.transport.stop_grace_s)
             # Wait for the torch op in progress (if any); nothing new is submitted after stop.
             await asyncio.to_thread(self._compute.shutdown, wait=True, cancel_futures=True)
         if self.run_error is not None:
@@ -185,9 +184,13 @@ class NodeDaemon:
         async def train() -> None:
             try:
                 await worker.run()
-            except Exception as exc:  # a peer's fault or a bad plan: record, report, stop
-                self.run_error = _first_error(exc)
-                log.error("training stopped: %s", self.run_error)
+            except Exception as exc:
+                error = _first_error(exc)
+                self.run_error = error
+                if isinstance(error, RavnestError):  # a peer's fault or a bad plan
+                    log.error("training stopped: %s", error)
+                else:  # our own bug: say so loudly, with the traceback
+                    log.exception("training stopped by an internal error", exc_info=error)
                 self._stop.set()
 
         async with asyncio.TaskGroup() as tg:
@@ -217,10 +220,7 @@ class NodeDaemon:
             status.microbatches_in_flight = runtime.in_flight
             status.frames_accepted = runtime.frames_accepted
             status.run_done = runtime.done
-            # Hashing reads the parameters: do it on the compute thread, between torch ops.
-            status.params_sha256 = await asyncio.get_running_loop().run_in_executor(
-                self._compute, runtime.params_sha256
-            )
+            status.params_sha256 = await runtime.params_digest()
         return status
 
 

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 import grpc
 
 from ravnest_node.coordination.coordinator import PROTOCOL
+from ravnest_node.coordination.static_plan import check_plan
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
-from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
 from ravnest_node.pipeline.stage import StageRuntime, StageSpec, StepReport
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
@@ -50,6 +51,18 @@ async def open_channel(address: str, transport: TransportConfig) -> AsyncIterato
         yield channel
     finally:
         await channel.close(grace=None)
+
+
+@contextmanager
+def coordinator_errors(address: str) -> Iterator[None]:
+    """Translate a failed call to the coordinator into PeerUnavailable / PeerRefused."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        what = f"coordinator {address}: {exc.code().name}: {exc.details()}"
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise PeerUnavailable(what) from None
+        raise PeerRefused(what) from None
 
 
 @dataclass(slots=True)
@@ -125,7 +138,7 @@ class Worker:
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS, "the upstream stream is already open")
         link = BoundaryLink(peer_node_id, self.counters, outbox_size=2 * plan.run.microbatches)
         session.runtime.upstream = link
-        return link, session.runtime.accept
+        return link, session.runtime.accept_from_upstream
 
     def close_session(self, link: BoundaryLink, error: BaseException | None) -> None:
         session = self._session
@@ -137,7 +150,7 @@ class Worker:
         if not finished and not session.runtime.done and not session.upstream_failed.done():
             reason = f"upstream stream from {link.peer} ended before the run did"
             if error is not None:
-                reason += f": {error}"
+                reason += f": {error or type(error).__name__}"
             session.upstream_failed.set_exception(PeerUnavailable(reason))
 
     def on_refused(self, reason: str) -> None:
@@ -148,42 +161,37 @@ class Worker:
         """Join, wait for the plan, train the stage; returns when this stage's run is done."""
         async with open_channel(self._coordinator, self._transport) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
-            try:
+            with coordinator_errors(self._coordinator):
                 await stub.Join(
                     pb.JoinRequest(
                         node_id=self.node_id,
                         address=self._address,
                         compute_threads=self._threads,
                         protocol=PROTOCOL,
-                    )
+                    ),
+                    timeout=self._transport.connect_timeout_s,
                 )
                 watch = stub.WatchPlan(pb.WatchPlanRequest(node_id=self.node_id))
                 plan = await watch.read()
                 watch.cancel()
-            except grpc.aio.AioRpcError as exc:
-                raise PeerRefused(
-                    f"coordinator {self._coordinator}: {exc.code().name}: {exc.details()}"
-                ) from None
             if plan is grpc.aio.EOF:
                 raise PeerUnavailable(f"coordinator {self._coordinator} closed the plan stream")
             await self._train(plan, stub)
 
     async def _train(self, plan: pb.Plan, stub: pb_grpc.CoordinatorStub) -> None:
-        mine = [s for s in plan.stages if s.node_id == self.node_id]
-        if len(mine) != 1:
-            raise RunFailed(f"plan epoch {plan.epoch} gives this node {len(mine)} stages, not 1")
-        me = mine[0]
         try:
             run = TrainConfig.from_proto(plan.run)
+            model = get_model(run.model)
+            me = check_plan(plan, model, self.node_id)
+            check_frame_limit(run, self._transport.max_message_bytes)
         except ConfigError as exc:
-            raise RunFailed(f"cannot run the plan's training spec: {exc}") from None
+            raise RunFailed(f"cannot follow plan epoch {plan.epoch}: {exc}") from None
         spec = StageSpec(
             index=me.index,
             num_stages=len(plan.stages),
             first_block=me.first_block,
             stop_block=me.stop_block,
         )
-        model = get_model(run.model)
         reports: asyncio.Queue[StepReport] = asyncio.Queue()
 
         async def report(r: StepReport) -> None:
@@ -224,19 +232,21 @@ class Worker:
         async def send_reports() -> None:
             while True:
                 r = await reports.get()
-                await stub.Report(
-                    pb.StageReport(
-                        node_id=self.node_id,
-                        stage=spec.index,
-                        plan_epoch=plan.epoch,
-                        step=r.step,
-                        loss=r.loss,
-                        bytes_sent=self.counters.total_bytes,
-                        done=r.done,
-                        params_sq_sum=r.params_sq_sum,
-                        num_params=r.num_params,
+                with coordinator_errors(self._coordinator):
+                    await stub.Report(
+                        pb.StageReport(
+                            node_id=self.node_id,
+                            stage=spec.index,
+                            plan_epoch=plan.epoch,
+                            step=r.step,
+                            loss=r.loss,
+                            bytes_sent=self.counters.total_bytes,
+                            done=r.done,
+                            params_sq_sum=r.params_sq_sum,
+                            num_params=r.num_params,
+                        ),
+                        timeout=self._transport.connect_timeout_s,
                     )
-                )
                 if r.done:
                     return
 
@@ -259,7 +269,7 @@ class Worker:
                         node_id=self.node_id,
                         epoch=plan.epoch,
                         limits=self.limits,
-                        accept=runtime.accept,
+                        accept=runtime.accept_from_downstream,
                         on_refused=self.on_refused,
                     )
             else:

@@ -15,6 +15,9 @@ from ravnest_node.models import get_model
 from ravnest_node.proto import control_pb2 as pb
 
 CodecName = Literal["none", "fp16", "bf16"]
+MAX_BATCH_SIZE = 4096
+# Room for a frame's prefix and msgpack header next to its payloads.
+FRAME_OVERHEAD_BYTES = 1024
 _CODEC_TO_PB = {"none": pb.CODEC_NONE, "fp16": pb.CODEC_FP16, "bf16": pb.CODEC_BF16}
 _PB_TO_CODEC: dict[int, CodecName] = {v: k for k, v in _CODEC_TO_PB.items()}  # type: ignore[misc]
 assert set(_CODEC_TO_PB) == set(CODECS), "every registered codec needs a wire enum value"
@@ -49,8 +52,10 @@ class TrainConfig:
         get_model(self.model)  # raises ConfigError naming the known presets
         if self.steps < 1:
             raise ConfigError(f"steps={self.steps}: must be at least 1")
-        if self.batch_size < 1 or self.microbatches < 1:
-            raise ConfigError("batch_size and microbatches must be at least 1")
+        if not 1 <= self.batch_size <= MAX_BATCH_SIZE or self.microbatches < 1:
+            raise ConfigError(
+                f"batch_size must be 1 to {MAX_BATCH_SIZE} and microbatches at least 1"
+            )
         if self.batch_size % self.microbatches:
             raise ConfigError(
                 f"batch_size={self.batch_size} must be divisible by microbatches="
@@ -108,4 +113,25 @@ class TrainConfig:
             fault_skip_step_stage=(
                 spec.fault_skip_step_stage if spec.HasField("fault_skip_step_stage") else None
             ),
+        )
+
+
+def largest_frame_bytes(run: TrainConfig) -> int:
+    """Upper bound of one data-plane message of this run: the largest activation that can cross
+    a stage boundary (uncompressed) plus the targets that travel with it."""
+    model = get_model(run.model)
+    mb = run.microbatch_size
+    boundary = max(
+        (model.output_spec(b, mb).size_bytes for b in range(model.num_blocks() - 1)), default=0
+    )
+    return boundary + model.target_spec(mb).size_bytes + FRAME_OVERHEAD_BYTES
+
+
+def check_frame_limit(run: TrainConfig, max_message_bytes: int) -> None:
+    """ConfigError if frames of this run would not fit the transport's message limit."""
+    need = largest_frame_bytes(run)
+    if need > max_message_bytes:
+        raise ConfigError(
+            f"max_message_bytes={max_message_bytes} is too small for {run.model} with "
+            f"microbatches of {run.microbatch_size}: frames need up to {need} bytes"
         )

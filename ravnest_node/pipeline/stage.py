@@ -128,9 +128,23 @@ class StageRuntime:
         self._step_loss = 0.0
         self._step_done = 0  # microbatches of the current step whose backward is done
         self.frames_accepted = 0
+        self._digest: tuple[int, str] | None = None
+        self._digest_lock = asyncio.Lock()
 
     # ----- decisions, on the event loop -------------------------------------------------------
-    def accept(self, frame: Frame) -> None:
+    def accept_from_upstream(self, frame: Frame) -> None:
+        """Admit a frame from the previous stage: only activations travel that way."""
+        if frame.kind is not FrameKind.FORWARD:
+            raise FrameError("only forward frames travel downstream")
+        self._admit(frame)
+
+    def accept_from_downstream(self, frame: Frame) -> None:
+        """Admit a frame from the next stage: only gradients travel that way."""
+        if frame.kind is not FrameKind.BACKWARD:
+            raise FrameError("only gradient frames travel upstream")
+        self._admit(frame)
+
+    def _admit(self, frame: Frame) -> None:
         """Check a received frame against the plan and queue it; FrameError (and no change)
         if it does not fit. Runs on the event loop, so it never races the compute loop's
         bookkeeping."""
@@ -235,6 +249,8 @@ class StageRuntime:
 
     async def _on_forward(self, seq: int, received: Frame | dict[str, torch.Tensor]) -> None:
         version = self.version
+        # Synchronous steps: frames of step t+1 wait in the inbox until step t is applied.
+        assert version == seq // self.run_config.microbatches, (version, seq)
         if self.spec.is_last:
             loss, message = await self._call(self._forward_loss_backward, seq, received, version)
             self._step_loss += loss
@@ -323,8 +339,19 @@ class StageRuntime:
             count = sum(p.numel() for p in self._blocks.parameters())
         return total, count
 
-    def params_sha256(self) -> str:
-        """Digest of the stage's parameters, to show that something did or did not change them."""
+    async def params_digest(self) -> str:
+        """sha256 of the stage's parameters, to show that something did or did not change them.
+
+        Computed on the compute thread (between torch ops) at most once per weight version,
+        however often it is asked for."""
+        version = self.version
+        if self._digest is None or self._digest[0] != version:
+            async with self._digest_lock:
+                if self._digest is None or self._digest[0] != version:
+                    self._digest = (version, await self._call(self._params_sha256))
+        return self._digest[1]
+
+    def _params_sha256(self) -> str:
         digest = hashlib.sha256()
         with torch.no_grad():
             for p in self._blocks.parameters():

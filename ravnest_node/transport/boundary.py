@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,7 @@ class BoundaryLink:
         self.peer = peer
         self._counters = counters
         self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=outbox_size)
+        self.closing = False
 
     async def send(self, message: bytes) -> None:
         """Queue one frame; waits while the outbox is full (the peer or the link is slow)."""
@@ -77,6 +78,7 @@ class BoundaryLink:
 
     async def close(self) -> None:
         """No more frames from this side; the writer ends the stream after the queued ones."""
+        self.closing = True
         await self._outbox.put(None)
 
     async def pump_writes(self, write: Callable[[bytes], Awaitable[Any]]) -> None:
@@ -106,6 +108,17 @@ async def pump_reads(
             raise
 
 
+async def _both(first: Coroutine[Any, Any, None], second: Coroutine[Any, Any, None]) -> None:
+    """Run two halves of a stream together; the first failure cancels the other and is
+    raised as itself (not wrapped in an ExceptionGroup)."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(first)
+            tg.create_task(second)
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+
+
 async def run_client_stream(
     channel: grpc.aio.Channel,
     link: BoundaryLink,
@@ -117,8 +130,8 @@ async def run_client_stream(
     on_refused: Callable[[str], None],
 ) -> None:
     """Open the boundary stream to the downstream stage and move frames both ways until both
-    sides have finished. Raises PeerRefused / PeerUnavailable for gRPC failures and FrameError
-    for a frame the downstream sent that `accept` refused."""
+    sides have finished. Raises PeerRefused / PeerUnavailable for gRPC failures or a stream the
+    downstream ends before we do, and FrameError for a frame it sent that `accept` refused."""
     call = channel.stream_stream(PATH)(
         metadata=((NODE_ID_KEY, node_id), (EPOCH_KEY, str(epoch))),
     )
@@ -127,26 +140,32 @@ async def run_client_stream(
         await link.pump_writes(call.write)
         await call.done_writing()
 
+    async def read_all() -> None:
+        await pump_reads(call.read, limits, accept, on_refused)
+        # The downstream ends its half only after we end ours; earlier is a fault.
+        if not link.closing:
+            raise PeerUnavailable(f"{link.peer} ended the boundary stream before the run did")
+
     try:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(write_all())
-            tg.create_task(pump_reads(call.read, limits, accept, on_refused))
-    except BaseExceptionGroup as group:
-        exc = group.exceptions[0]
-        if not isinstance(exc, grpc.aio.AioRpcError):
-            raise exc from None
+        await _both(write_all(), read_all())
+    except grpc.aio.AioRpcError as exc:
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             raise PeerUnavailable(f"stream to {link.peer} broke: {exc.details()}") from None
         raise PeerRefused(
             f"{link.peer} refused the boundary stream: {exc.code().name}: {exc.details()}"
         ) from None
+    except asyncio.InvalidStateError:  # a write after the call ended
+        raise PeerUnavailable(f"{link.peer} ended the boundary stream early") from None
+    finally:
+        call.cancel()
 
 
 class BoundaryServer:
     """The server half: a generic raw-bytes handler for `PATH`.
 
     `open_session(peer_node_id, epoch)` returns (link, accept) for the stage that owns this
-    boundary, or raises Refusal; `on_refused(reason)` records why a frame was refused."""
+    boundary, or raises Refusal; `close_session(link, error)` is told how the stream ended;
+    `on_refused(reason)` records why a frame was refused."""
 
     def __init__(
         self,
@@ -160,16 +179,17 @@ class BoundaryServer:
         self._on_refused = on_refused
         self._limits = limits
 
-    def handler(self) -> grpc.GenericRpcHandler:
+    def handler(self) -> Any:
+        """The gRPC generic handler to add to a server."""
         return grpc.method_handlers_generic_handler(
             SERVICE, {METHOD: grpc.stream_stream_rpc_method_handler(self._serve)}
         )
 
-    async def _serve(self, _requests: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    async def _serve(self, _requests: object, context: Any) -> None:
         metadata = dict(context.invocation_metadata() or ())
-        peer_id = str(metadata.get(NODE_ID_KEY, ""))
+        peer_id = str(metadata.get(NODE_ID_KEY, ""))[:128]
         try:
-            epoch = int(str(metadata.get(EPOCH_KEY, "")))
+            epoch = int(str(metadata.get(EPOCH_KEY, ""))[:20])
         except ValueError:
             epoch = -1
         try:
@@ -178,14 +198,15 @@ class BoundaryServer:
             log.warning("refused boundary stream from %s: %s", context.peer(), refusal.reason)
             await context.abort(refusal.code, refusal.reason)
             return
-        # The writer lives exactly as long as this call: cancelled in `finally`.
-        writer = asyncio.create_task(link.pump_writes(context.write))
+
+        async def read_all() -> None:
+            await pump_reads(context.read, self._limits, accept, self._on_refused)
+            # The upstream finished sending; the writer ends once our queued frames are out.
+            await link.close()
+
         error: BaseException | None = None
         try:
-            await pump_reads(context.read, self._limits, accept, self._on_refused)
-            # The upstream finished sending; end our half once our queued frames are out.
-            await link.close()
-            await writer
+            await _both(read_all(), link.pump_writes(context.write))
         except FrameError as exc:
             error = exc
             reason = f"frame refused: {exc}"
@@ -195,5 +216,4 @@ class BoundaryServer:
             error = exc
             raise
         finally:
-            writer.cancel()
             self._close_session(link, error)

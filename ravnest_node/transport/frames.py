@@ -38,6 +38,7 @@ from ravnest_node.compression import CODECS, WIRE_DTYPES, Codec, dtype_name
 from ravnest_node.errors import FrameError
 
 MAGIC = b"RVF1"
+MAX_NAME_LEN = 64
 _PREFIX = struct.Struct("<4sI")
 
 
@@ -129,6 +130,8 @@ def _parse_tensor(meta: Any, index: int, limits: FrameLimits) -> TensorHeader:
     if not isinstance(meta, dict):
         raise FrameError(f"{what}: expected a map")
     name = _field(meta, "name", str, what)
+    if not 0 < len(name) <= MAX_NAME_LEN:
+        raise FrameError(f"{what}: name must be 1 to {MAX_NAME_LEN} characters")
     shape = _field(meta, "shape", list, what)
     if len(shape) > limits.max_ndim:
         raise FrameError(f"{what} {name!r}: {len(shape)} dimensions, at most {limits.max_ndim}")

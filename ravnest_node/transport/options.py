@@ -34,6 +34,24 @@ class TransportConfig:
             raise ConfigError("stop_grace_s must be >= 0 and connect_timeout_s > 0 (seconds)")
 
 
+MAX_ADDRESS_LEN = 255
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """("host", port) of "host:port" or "[v6]:port"; ConfigError if it is not one."""
+    host, sep, port = address.rpartition(":")
+    if (
+        len(address) > MAX_ADDRESS_LEN
+        or not sep
+        or not host
+        or not port.isdigit()
+        or not 0 <= int(port) <= 65535
+        or any(c in host for c in "/ ")
+    ):
+        raise ConfigError(f"{address[:80]!r} is not HOST:PORT (e.g. 127.0.0.1:7070, port 0 = any)")
+    return host.strip("[]"), int(port)
+
+
 def _message_limits(cfg: TransportConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -51,6 +69,10 @@ def server_options(cfg: TransportConfig) -> list[tuple[str, int]]:
         # Peers ping idle streams (see channel_options); allow it instead of answering GOAWAY.
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # And ping them: a peer that froze (not crashed) is noticed within ~30 s, not hours.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
@@ -61,4 +83,6 @@ def channel_options(cfg: TransportConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Keep pinging while a stream waits for data (the default stops after two pings).
+        ("grpc.http2.max_pings_without_data", 0),
     ]
