@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import grpc
 
 from ravnest_node.cli.settings import to_env
+from ravnest_node.cli.signals import install_stop_handlers
 from ravnest_node.daemon.node import LogLevel
 from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.models import get_model
@@ -302,14 +303,8 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
 
     async def main() -> dict[str, Any] | None:
         demo = Demo(cfg, out)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, demo.stop)
-        try:
-            return await demo.run()
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+        install_stop_handlers(asyncio.get_running_loop(), demo.stop)
+        return await demo.run()
 
     started = time.monotonic()
     summary = asyncio.run(main())

@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from ravnest_node import __version__
 from ravnest_node.cli import settings
 from ravnest_node.cli.demo import DemoConfig, run_demo
+from ravnest_node.cli.signals import install_stop_handlers
 from ravnest_node.daemon.node import NodeConfig, NodeDaemon, NodeInfo
 from ravnest_node.errors import ConfigError, RunFailed, StartupError
 from ravnest_node.models import model_names
@@ -93,9 +93,7 @@ def _start(cfg: NodeConfig) -> int:
 
     async def main() -> None:
         daemon = NodeDaemon(cfg)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, daemon.stop)
+        install_stop_handlers(asyncio.get_running_loop(), daemon.stop)
         await daemon.run(announce)
 
     try:
