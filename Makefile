@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test check lint typecheck protos docs clean
+.PHONY: setup demo bench test check lint typecheck protos docs clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(VENV)/bin/ravnest-node demo
+
+# All scenarios, quick; as root the links are namespaces + tbf (see docs/benchmarks.md).
+bench: setup
+	$(VENV)/bin/ravnest-node bench --scenario all --quick --jsonl bench/quick-all.jsonl
 
 lint: setup
 	$(VENV)/bin/ruff check ravnest_node tests

@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -73,6 +74,20 @@ class DemoConfig:
         return self.compute_threads or max(1, (os.cpu_count() or 1) // self.nodes)
 
 
+@dataclass(frozen=True, slots=True)
+class NodeSlot:
+    """Where and how one node of a local swarm runs."""
+
+    prefix: tuple[str, ...] = ()
+    """Command prefix, e.g. ("ip", "netns", "exec", "ns0") to run it in a network namespace."""
+    listen: str = "127.0.0.1:0"
+    """The node's --listen address."""
+    advertise: str | None = None
+    """The node's --advertise address (e.g. a relay in front of it)."""
+    reach: str | None = None
+    """How the launcher itself reaches the node (default: the address it announces)."""
+
+
 @dataclass(slots=True)
 class _Node:
     index: int
@@ -86,9 +101,21 @@ class _Node:
 class Demo:
     """Runs one demo; `run()` returns the summary, or None if stopped before the end."""
 
-    def __init__(self, cfg: DemoConfig, out: TextIO) -> None:
+    def __init__(
+        self,
+        cfg: DemoConfig,
+        out: TextIO,
+        *,
+        slots: Sequence[NodeSlot] | None = None,
+        every: int | None = None,
+    ) -> None:
         self.cfg = cfg
         self.out = out
+        self.slots = list(slots) if slots is not None else [NodeSlot()] * cfg.nodes
+        if len(self.slots) != cfg.nodes:
+            raise ValueError(f"{len(self.slots)} slots for {cfg.nodes} nodes")
+        self.every = every if every is not None else max(1, cfg.train.steps // 25)
+        self.events: list[pb.Progress] = []
         self.nodes: list[_Node] = []
         self._stop = asyncio.Event()
         if cfg.work_dir is not None:
@@ -118,7 +145,7 @@ class Demo:
             for i in range(1, cfg.nodes):
                 if await self._spawn(i, join=coordinator.address) is None:
                     return None
-            return await self._follow(coordinator.address)
+            return await self._follow(self.slots[0].reach or coordinator.address)
         finally:
             await self._shutdown()
 
@@ -130,18 +157,20 @@ class Demo:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAVNEST_")}
         env |= to_env(cfg.train, ("train",)) | to_env(cfg.transport, ("transport",))
         env["PYTHONUNBUFFERED"] = "1"
+        slot = self.slots[index]
         args = [
             "start",
-            "--listen", "127.0.0.1:0",
+            "--listen", slot.listen,
             "--state-dir", str(state_dir),
             "--threads", str(cfg.threads_per_node),
             "--log-level", cfg.log_level,
         ]  # fmt: skip
+        args += ["--advertise", slot.advertise] if slot.advertise else []
         args += ["--join", join] if join else ["--swarm-size", str(cfg.nodes)]
         log_file = await asyncio.to_thread(open, log_path, "ab")
         with log_file:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ravnest_node", *args,
+                *slot.prefix, sys.executable, "-m", "ravnest_node", *args,
                 stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
                 env=env,
             )  # fmt: skip
@@ -203,7 +232,6 @@ class Demo:
         ) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             call = stub.WatchProgress(pb.WatchProgressRequest())
-            every = max(1, self.cfg.train.steps // 25)
             try:
                 while True:
                     event = await self._until(call.read())
@@ -212,10 +240,11 @@ class Demo:
                     if event is grpc.aio.EOF:
                         raise RunFailed("the coordinator ended the progress stream early")
                     assert isinstance(event, pb.Progress)
+                    self.events.append(event)
                     if event.done:
                         summary: dict[str, Any] = json.loads(event.summary_json)
                         return summary
-                    if event.step % every == 0 or event.step == 1:
+                    if event.step % self.every == 0 or event.step == 1:
                         self._print(_progress_line(event))
             except grpc.aio.AioRpcError as exc:
                 if self._stop.is_set():

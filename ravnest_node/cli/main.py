@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ravnest_node import __version__
+from ravnest_node.bench.runner import BenchConfig, run_bench
 from ravnest_node.cli import settings
 from ravnest_node.cli.demo import DemoConfig, run_demo
-from ravnest_node.cli.signals import install_stop_handlers
+from ravnest_node.cli.signals import ignore_stop_signals, install_stop_handlers
 from ravnest_node.daemon.node import NodeConfig, NodeDaemon, NodeInfo
 from ravnest_node.errors import ConfigError, RunFailed, StartupError
 from ravnest_node.models import model_names
@@ -67,6 +68,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(demo, DemoConfig)
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure ravnest-node against the alternatives on emulated home links",
+        description="Run each system (compute-bound, naive, ours, torch-pipelining, hivemind) "
+        "on the same model, data and samples over an emulated link, write one JSON line per "
+        "run to --jsonl, and a markdown table (.md) and plot (.png) beside it. As root, nodes "
+        "run in network namespaces with tbf-capped links; otherwise loopback relays shape them.",
+    )
+    bench.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
+    settings.add_arguments(bench, BenchConfig)
     return parser
 
 
@@ -110,13 +122,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
+        return _run(args)
+    finally:
+        ignore_stop_signals()
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         if args.command == "start":
             node_cfg = settings.load(NodeConfig, args=args, env=os.environ, toml_path=args.config)
             return _start(node_cfg)
+        if args.command == "bench":
+            bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
+            return run_bench(bench_cfg)
         demo_cfg = settings.load(DemoConfig, args=args, env=os.environ, toml_path=args.config)
         return run_demo(demo_cfg)
     except ConfigError as exc:
         return _fail(str(exc))
     except RunFailed as exc:
-        print(f"{PROG}: demo failed: {exc}", file=sys.stderr)
+        print(f"{PROG}: {args.command} failed: {exc}", file=sys.stderr)
         return 1

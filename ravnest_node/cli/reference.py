@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from ravnest_node.bench.runner import BenchConfig
 from ravnest_node.cli import settings
 from ravnest_node.cli.demo import DemoConfig
 from ravnest_node.daemon.node import NodeConfig
@@ -43,6 +44,8 @@ def render() -> str:
         + settings.reference_markdown(NodeConfig)
         + "\n\n## `ravnest-node demo`\n\n"
         + settings.reference_markdown(DemoConfig)
+        + "\n\n## `ravnest-node bench`\n\n"
+        + settings.reference_markdown(BenchConfig)
         + "\n"
     )
 

@@ -4,7 +4,7 @@ asyncio's `loop.add_signal_handler` is removed again when the loop closes, resto
 default action: a signal that arrives while the process is finishing up (say, a second node
 stopping after its peer already failed) would then kill it with status -15 instead of letting it
 exit cleanly. These handlers stay installed: during the loop they ask it to stop; after it,
-there is nothing left to stop and the signal is ignored.
+there is nothing left to stop and the signal is ignored (`ignore_stop_signals`).
 """
 
 from __future__ import annotations
@@ -27,3 +27,11 @@ def install_stop_handlers(loop: asyncio.AbstractEventLoop, stop: Callable[[], No
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handle)
+
+
+def ignore_stop_signals() -> None:
+    """For the last moments of the process, once there is nothing left to stop: Python resets
+    its own handlers to the default action while the interpreter shuts down, which would let a
+    late SIGTERM end an exiting process with status -15; an ignored signal stays ignored."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

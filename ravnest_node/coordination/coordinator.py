@@ -244,12 +244,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "seed": t.seed,
             "lr": t.lr,
             "data_fingerprint": self._fingerprint,
+            "schedule": t.schedule,
             "stages": [
                 {
                     "index": s.index,
                     "blocks": [s.first_block, s.stop_block],
                     "node_id": s.node_id,
                     "address": s.address,
+                    "bytes_sent": self._bytes_sent.get(s.node_id, 0),
+                    "compute_s": self._final[s.index].compute_s,
                 }
                 for s in plan.stages
             ],

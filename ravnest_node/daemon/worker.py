@@ -244,6 +244,7 @@ class Worker:
                             done=r.done,
                             params_sq_sum=r.params_sq_sum,
                             num_params=r.num_params,
+                            compute_s=r.compute_s,
                         ),
                         timeout=self._transport.connect_timeout_s,
                     )

@@ -15,6 +15,9 @@ from ravnest_node.models import get_model
 from ravnest_node.proto import control_pb2 as pb
 
 CodecName = Literal["none", "fp16", "bf16"]
+ScheduleName = Literal["gpipe", "sequential"]
+_SCHEDULE_TO_PB = {"gpipe": pb.SCHEDULE_GPIPE, "sequential": pb.SCHEDULE_SEQUENTIAL}
+_PB_TO_SCHEDULE: dict[int, ScheduleName] = {v: k for k, v in _SCHEDULE_TO_PB.items()}  # type: ignore[misc]
 MAX_BATCH_SIZE = 4096
 # Room for a frame's prefix and msgpack header next to its payloads.
 FRAME_OVERHEAD_BYTES = 1024
@@ -43,6 +46,8 @@ class TrainConfig:
     """Seed of model initialisation and data order; the same seed gives the same run."""
     codec: CodecName = "none"
     """Codec for activations and activation gradients on the wire."""
+    schedule: ScheduleName = "gpipe"
+    """gpipe: a step's microbatches overlap in the pipeline; sequential: one at a time (naive)."""
     max_staleness: int = 0
     """Updates a stage may apply between a microbatch's forward and backward (0 = synchronous)."""
     fault_skip_step_stage: int | None = None
@@ -89,6 +94,7 @@ class TrainConfig:
             codec=_CODEC_TO_PB[self.codec],
             max_staleness=self.max_staleness,
             data_fingerprint=data_fingerprint,
+            schedule=_SCHEDULE_TO_PB[self.schedule],
         )
         if self.fault_skip_step_stage is not None:
             spec.fault_skip_step_stage = self.fault_skip_step_stage
@@ -100,6 +106,9 @@ class TrainConfig:
         codec = _PB_TO_CODEC.get(spec.codec)
         if codec is None:
             raise ConfigError(f"plan names codec {spec.codec}, which this node does not know")
+        schedule = _PB_TO_SCHEDULE.get(spec.schedule)
+        if schedule is None:
+            raise ConfigError(f"plan names schedule {spec.schedule}, which this node does not know")
         return cls(
             model=spec.model,
             steps=spec.steps,
@@ -110,6 +119,7 @@ class TrainConfig:
             seed=spec.seed,
             codec=codec,
             max_staleness=spec.max_staleness,
+            schedule=schedule,
             fault_skip_step_stage=(
                 spec.fault_skip_step_stage if spec.HasField("fault_skip_step_stage") else None
             ),

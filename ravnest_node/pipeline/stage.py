@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class StepReport:
     done: bool
     params_sq_sum: float = math.nan
     num_params: int = 0
+    compute_s: float = 0.0
 
 
 class StageRuntime:
@@ -128,6 +130,7 @@ class StageRuntime:
         self._step_loss = 0.0
         self._step_done = 0  # microbatches of the current step whose backward is done
         self.frames_accepted = 0
+        self.compute_s = 0.0  # time spent in torch work, written by the compute thread only
         self._digest: tuple[int, str] | None = None
         self._digest_lock = asyncio.Lock()
 
@@ -216,7 +219,7 @@ class StageRuntime:
         while not self.done:
             # The first stage feeds the pipeline: all microbatches of the current step, with the
             # current weights; then it waits for their gradients (synchronous, max_staleness=0).
-            if self.spec.is_first and produced < (self.version + 1) * m:
+            if self.spec.is_first and produced < (self.version + 1) * m and self._may_produce():
                 await self._produce(produced)
                 produced += 1
                 continue
@@ -233,10 +236,16 @@ class StageRuntime:
                 done=True,
                 params_sq_sum=params_sq_sum,
                 num_params=num_params,
+                compute_s=self.compute_s,
             )
         )
         if self.downstream is not None:
             await self.downstream.close()
+
+    def _may_produce(self) -> bool:
+        """GPipe feeds a step's microbatches back to back; the sequential (naive) schedule
+        waits until the previous microbatch's gradient is back."""
+        return self.run_config.schedule == "gpipe" or not self._awaiting_grad
 
     async def _produce(self, seq: int) -> None:
         assert self._data is not None
@@ -283,7 +292,14 @@ class StageRuntime:
 
     async def _call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._compute, partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self._compute, partial(self._timed, fn, *args, **kwargs))
+
+    def _timed(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.compute_s += time.perf_counter() - started
 
     # ----- torch work, on the compute thread --------------------------------------------------
     def _inputs(

@@ -13,10 +13,19 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_NONE: _ClassVar[Codec]
     CODEC_FP16: _ClassVar[Codec]
     CODEC_BF16: _ClassVar[Codec]
+
+class Schedule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEDULE_UNSPECIFIED: _ClassVar[Schedule]
+    SCHEDULE_GPIPE: _ClassVar[Schedule]
+    SCHEDULE_SEQUENTIAL: _ClassVar[Schedule]
 CODEC_UNSPECIFIED: Codec
 CODEC_NONE: Codec
 CODEC_FP16: Codec
 CODEC_BF16: Codec
+SCHEDULE_UNSPECIFIED: Schedule
+SCHEDULE_GPIPE: Schedule
+SCHEDULE_SEQUENTIAL: Schedule
 
 class JoinRequest(_message.Message):
     __slots__ = ("node_id", "address", "compute_threads", "protocol")
@@ -47,7 +56,7 @@ class WatchPlanRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "codec", "max_staleness", "data_fingerprint", "fault_skip_step_stage")
+    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "codec", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +68,7 @@ class RunSpec(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     DATA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FAULT_SKIP_STEP_STAGE_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     model: str
     steps: int
     batch_size: int
@@ -70,7 +80,8 @@ class RunSpec(_message.Message):
     max_staleness: int
     data_fingerprint: str
     fault_skip_step_stage: int
-    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ...) -> None: ...
+    schedule: Schedule
+    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("index", "first_block", "stop_block", "node_id", "address")
@@ -99,7 +110,7 @@ class Plan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params")
+    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +120,7 @@ class StageReport(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     stage: int
     plan_epoch: int
@@ -118,7 +130,8 @@ class StageReport(_message.Message):
     done: bool
     params_sq_sum: float
     num_params: int
-    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ...) -> None: ...
+    compute_s: float
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ()
