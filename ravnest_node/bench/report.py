@@ -23,8 +23,9 @@ def markdown_table(records: Sequence[Record]) -> str:
     }
     rows = [
         "| scenario | link | system | samples/s | vs compute-bound | step s | bytes/sample "
-        "| efficiency | initial loss | final loss | loss at equal samples |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| efficiency | efficiency (this machine) | initial loss | final loss "
+        "| loss at equal samples |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         link = r.get("link") or {}
@@ -35,7 +36,7 @@ def markdown_table(records: Sequence[Record]) -> str:
         )
         if "skipped" in r:
             cells = [r["scenario"], link_text, r["system"], f"skipped: {r['skipped']}"]
-            rows.append("| " + " | ".join(cells) + " |" + " |" * 7)
+            rows.append("| " + " | ".join(cells) + " |" + " |" * 8)
             continue
         base = baseline.get(r["scenario"])
         ratio = r["samples_per_s"] / base["samples_per_s"] if base else None
@@ -43,6 +44,7 @@ def markdown_table(records: Sequence[Record]) -> str:
             f"| {r['scenario']} | {link_text} | {r['system']} | {_fmt(r['samples_per_s'], '.2f')} "
             f"| {_fmt(ratio, '.2f')} | {_fmt(r['step_s'], '.3f')} "
             f"| {_fmt(r['bytes_per_sample'], ',.0f')} | {_fmt(r.get('efficiency'), '.2f')} "
+            f"| {_fmt(r.get('efficiency_this_machine'), '.2f')} "
             f"| {_fmt(r['initial_loss'], '.4f')} | {_fmt(r['final_loss'], '.4f')} "
             f"| {_fmt(r.get('loss_at_equal_samples'), '.4f')} |"
         )
