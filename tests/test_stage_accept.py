@@ -16,7 +16,6 @@ from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.pipeline.stage import StageRuntime, StageSpec, StepReport
 from ravnest_node.transport.frames import Frame, FrameKind, FrameLimits, encode_frame, parse_frame
 
-RUN = TrainConfig(model="tiny", steps=2, batch_size=16, microbatches=4)
 NONE = get_codec("none")
 
 
@@ -24,18 +23,23 @@ async def _no_report(_: StepReport) -> None:
     raise AssertionError("no step should complete in these tests")
 
 
+def _runtime(pool: ThreadPoolExecutor, steps: int) -> StageRuntime:
+    """Stage 1 of 3 (block 2 of tiny), as a swarm would build it."""
+    model = get_model("tiny")
+    return StageRuntime(
+        spec=StageSpec(index=1, num_stages=3, first_block=2, stop_block=3),
+        model=model,
+        blocks=model.build_stage(0, 2, 3),
+        run=TrainConfig(model="tiny", steps=steps, batch_size=16, microbatches=4),
+        compute=pool,
+        report=_no_report,
+    )
+
+
 @pytest.fixture
 def stage() -> Iterator[StageRuntime]:
-    model = get_model("tiny")
     with ThreadPoolExecutor(1) as pool:
-        yield StageRuntime(
-            spec=StageSpec(index=1, num_stages=3, first_block=2, stop_block=3),
-            model=model,
-            blocks=model.build_stage(0, 2, 3),
-            run=RUN,
-            compute=pool,
-            report=_no_report,
-        )
+        yield _runtime(pool, steps=2)
 
 
 def _forward(seq: int, version: int | None = None, hidden: tuple[int, ...] = (4, 32, 64)) -> Frame:
@@ -92,17 +96,8 @@ def test_frames_past_the_run_are_refused(stage: StageRuntime) -> None:
 
 
 def test_a_flood_beyond_the_schedule_is_refused() -> None:
-    model = get_model("tiny")
-    run = TrainConfig(model="tiny", steps=10, batch_size=16, microbatches=4)
     with ThreadPoolExecutor(1) as pool:
-        stage = StageRuntime(
-            spec=StageSpec(index=1, num_stages=3, first_block=2, stop_block=3),
-            model=model,
-            blocks=model.build_stage(0, 2, 3),
-            run=run,
-            compute=pool,
-            report=_no_report,
-        )
+        stage = _runtime(pool, steps=10)
         for seq in range(8):
             stage.accept_from_upstream(_forward(seq))
         _refused(stage, _forward(8), "more frames in flight than the schedule allows")

@@ -88,7 +88,8 @@ def plot(records: Sequence[Record], path: Path) -> str | None:
         )
         for ax in (by_time, by_bytes):
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

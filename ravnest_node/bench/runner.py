@@ -103,6 +103,10 @@ class BenchConfig:
         return dataclasses.replace(self.train, steps=QUICK_STEPS) if self.quick else self.train
 
 
+class _Interrupted(Exception):
+    """A stop was requested (Ctrl-C, SIGTERM) while a system ran."""
+
+
 def _cores() -> int:
     return os.cpu_count() or 1
 
@@ -259,7 +263,10 @@ class Bench:
                 for system in self.cfg.system_list:
                     if self._stop.is_set():
                         break
-                    record = await self._run_system(system, name, links)
+                    try:
+                        record = await self._run_system(system, name, links)
+                    except _Interrupted:
+                        break
                     scenario_records.append(record)
                     self._emit(record)
                 _finish_scenario(scenario_records, self.model, self.train)
@@ -354,7 +361,7 @@ class Bench:
                 self._demo = None
             tx_after = links.tx_bytes() if len(slots) > 1 else None
         if summary is None:
-            raise RunFailed("interrupted")
+            raise _Interrupted
         steps = [e for e in demo.events if not e.done]
         step_s = _steady_step_s([e.wall_s for e in steps])
         record: Record = {
@@ -417,7 +424,7 @@ class Bench:
                 stop.cancel()
                 everyone.cancel()
             if self._stop.is_set():
-                raise RunFailed("interrupted")
+                raise _Interrupted
             codes = [p.returncode for p in procs]
             if any(codes):
                 raise RunFailed(f"torch-pipelining ranks exited with {codes}; logs in {run_dir}")
@@ -506,6 +513,8 @@ def run_bench(cfg: BenchConfig, out: TextIO = sys.stdout) -> int:
 
     started = time.monotonic()
     records = asyncio.run(main())
+    if len(records) < len(cfg.scenario_names) * len(cfg.system_list):
+        print(f"interrupted: {len(records)} run(s) finished", file=out)
     table = markdown_table(records)
     table_path = cfg.jsonl.with_suffix(".md")
     table_path.write_text(table)
