@@ -73,3 +73,25 @@ def test_bench_in_namespaces_with_torch_pipelining(tmp_path: Path) -> None:
     _same_training(torch_pp, ours, rel=1e-4)
     leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "rvb" not in leftovers
+
+
+@pytest.mark.slow
+def test_bench_codecs(tmp_path: Path) -> None:
+    jsonl = tmp_path / "codecs.jsonl"
+    result = subprocess.run(
+        ravnest("bench", "codecs", "--model", "tiny", "--quick", "--jsonl", str(jsonl),
+                "--work-dir", str(tmp_path / "work")),
+        env=NODE_ENV, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    micro = {(r["role"], r["codec"]): r for r in rows if r["table"] == "micro"}
+    assert micro[("activation", "int8-block")]["bits_per_element"] <= 8.1
+    assert micro[("activation", "none")]["relative_error"] == 0
+    assert ("activation", "topk-ef") not in micro  # refused for activations
+    conv = {r["codec"]: r for r in rows if r["table"] == "convergence"}
+    assert conv["none/none"]["loss_gap"] == 0
+    # Quantised frames are measured, not estimated: int8 moves about a quarter of fp32's bytes.
+    assert 3.5 < conv["int8-block/int8-block"]["bytes_ratio_vs_fp32"] < 4.1
+    assert abs(conv["int8-block/int8-block"]["loss_gap"]) < 0.01
+    assert (tmp_path / "codecs.md").read_text().count("|") > 50

@@ -103,3 +103,8 @@ def test_to_env_round_trips_the_training_config() -> None:
 
 def test_unimplemented_staleness_is_refused_not_ignored() -> None:
     _one_line_error(_run("demo", "--max-staleness", "2"), "max_staleness=2")
+
+
+def test_gradient_only_codec_is_refused_for_activations() -> None:
+    _one_line_error(_run("demo", "--codec", "topk-ef"), "topk-ef is for gradients only")
+    _one_line_error(_run("demo", "--gradient-codec", "zstd"), "gradient_codec='zstd'")

@@ -43,7 +43,7 @@ from ravnest_node.cli.signals import install_stop_handlers
 from ravnest_node.coordination.planner import partition
 from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.models import get_model
-from ravnest_node.pipeline.run import ScheduleName, TrainConfig
+from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.options import TransportConfig
 
@@ -311,7 +311,8 @@ class Bench:
             "batch_size": t.batch_size,
             "microbatches": t.microbatches,
             "samples": t.steps * t.batch_size,
-            "codec": t.codec,
+            "codec": t.activation,
+            "gradient_codec": t.gradient,
             "max_staleness": t.max_staleness,
             "replicas": 1,
             "seed": t.seed,
@@ -331,8 +332,18 @@ class Bench:
         if system == "compute-bound":  # the ceiling: one process with every core
             ceiling = await self._run_ours(system, self.train, [NodeSlot()], links, _cores())
             return base | ceiling
-        schedule: ScheduleName = "sequential" if system == "naive" else "gpipe"
-        train = dataclasses.replace(self.train, schedule=schedule)
+        if system == "naive":  # fp32 frames, one microbatch at a time, whatever ours uses
+            train = dataclasses.replace(
+                self.train,
+                schedule="sequential",
+                codec="none",
+                activation_codec=None,
+                gradient_codec=None,
+                lz4=False,
+            )
+            base |= {"codec": "none", "gradient_codec": "none"}
+        else:
+            train = dataclasses.replace(self.train, schedule="gpipe")
         return base | await self._run_ours(
             system, train, links.slots, links, self.cfg.compute_threads
         )

@@ -316,7 +316,8 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         f"({s['samples_per_s']:.1f} samples/s)",
         f"loss {s['initial_loss']:.4f} -> {s['final_loss']:.4f} ({-drop:+.1f}%)",
         f"bytes on wire {_human_bytes(s['bytes_on_wire'])} "
-        f"({s['bytes_per_sample']:,.0f} per sample, codec {s['codec']})",
+        f"({s['bytes_per_sample']:,.0f} per sample; codecs {s['codec']} forward, "
+        f"{s['gradient_codec']} back)",
         f"final parameter L2 norm {s['final_params_l2']:.6f}",
     ]
     lines += [

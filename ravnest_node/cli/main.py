@@ -12,10 +12,12 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from ravnest_node import __version__
+from ravnest_node.bench.codecs import run_codec_bench
 from ravnest_node.bench.runner import BenchConfig, run_bench
 from ravnest_node.cli import settings
 from ravnest_node.cli.demo import DemoConfig, run_demo
@@ -77,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
         "run to --jsonl, and a markdown table (.md) and plot (.png) beside it. As root, nodes "
         "run in network namespaces with tbf-capped links; otherwise loopback relays shape them.",
     )
+    bench.add_argument(
+        "suite",
+        nargs="?",
+        choices=["links", "codecs"],
+        default="links",
+        help="links (default): the systems over emulated links; codecs: bits, speed and "
+        "convergence of every codec",
+    )
     bench.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(bench, BenchConfig)
     return parser
@@ -134,6 +144,11 @@ def _run(args: argparse.Namespace) -> int:
             return _start(node_cfg)
         if args.command == "bench":
             bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
+            if args.suite == "codecs":
+                work_dir = bench_cfg.work_dir or Path(tempfile.mkdtemp(prefix="ravnest-codecs-"))
+                return run_codec_bench(
+                    bench_cfg.train, bench_cfg.jsonl, work_dir, quick=bench_cfg.quick
+                )
             return run_bench(bench_cfg)
         demo_cfg = settings.load(DemoConfig, args=args, env=os.environ, toml_path=args.config)
         return run_demo(demo_cfg)

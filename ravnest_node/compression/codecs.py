@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
+from ravnest_node.compression.quant import int4_block, int8_block
+from ravnest_node.compression.sparse import TopK
 from ravnest_node.errors import ConfigError, FrameError
 
 # The dtypes a frame may name, by wire name. Anything else is refused before allocation.
@@ -38,8 +40,16 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ConfigError(f"dtype {dtype} cannot be sent in a frame") from None
 
 
+Params = Mapping[str, int]
+"""A codec's wire parameters (e.g. {"block": 64}); they travel in the frame header."""
+
+
 class Codec(Protocol):
-    """Turns a tensor into payload bytes and back."""
+    """Turns a tensor into (params, payload bytes) and back.
+
+    Decoders treat params and payloads as hostile: `payload_nbytes` validates the params and
+    says exactly how many bytes a payload must have before anything is allocated, and `decode`
+    raises FrameError for anything inconsistent."""
 
     @property
     def name(self) -> str:
@@ -50,17 +60,29 @@ class Codec(Protocol):
         """Whether this codec may encode tensors of this dtype (others travel as `none`)."""
         ...
 
-    def encode(self, tensor: torch.Tensor) -> bytes:
-        """Payload bytes of a contiguous CPU tensor."""
+    def new_state(self) -> object | None:
+        """Sender-side state kept between frames of one stream (an error-feedback residual),
+        or None for a stateless codec."""
         ...
 
-    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
-        """Exact payload size for a tensor of this shape and dtype."""
+    def encode(self, tensor: torch.Tensor, state: object | None) -> tuple[dict[str, int], bytes]:
+        """(params, payload) of a contiguous CPU tensor; updates `state`."""
         ...
 
-    def decode(self, payload: memoryview, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """The tensor (of `dtype`, `shape`); raises FrameError if the payload size is wrong."""
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype, params: Params) -> int:
+        """Exact payload size for this shape, dtype and params; FrameError for bad params."""
         ...
+
+    def decode(
+        self, payload: memoryview, shape: Sequence[int], dtype: torch.dtype, params: Params
+    ) -> torch.Tensor:
+        """The tensor (of `dtype`, `shape`); FrameError if the payload does not fit."""
+        ...
+
+
+def _no_params(codec: str, params: Params) -> None:
+    if params:
+        raise FrameError(f"codec {codec} takes no params, got {sorted(params)[:6]}")
 
 
 def _raw_bytes(tensor: torch.Tensor) -> bytes:
@@ -95,14 +117,20 @@ class RawCodec:
     def applies_to(self, dtype: torch.dtype) -> bool:
         return True
 
-    def encode(self, tensor: torch.Tensor) -> bytes:
-        return _raw_bytes(tensor)
+    def new_state(self) -> None:
+        return None
 
-    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+    def encode(self, tensor: torch.Tensor, state: object | None) -> tuple[dict[str, int], bytes]:
+        return {}, _raw_bytes(tensor)
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype, params: Params) -> int:
+        _no_params(self.name, params)
         return prod(shape) * dtype.itemsize
 
-    def decode(self, payload: memoryview, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        _check_size(self.name, payload, self.payload_nbytes(shape, dtype))
+    def decode(
+        self, payload: memoryview, shape: Sequence[int], dtype: torch.dtype, params: Params
+    ) -> torch.Tensor:
+        _check_size(self.name, payload, self.payload_nbytes(shape, dtype, params))
         return _from_bytes(payload, shape, dtype)
 
 
@@ -116,16 +144,27 @@ class CastCodec:
     def applies_to(self, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
-    def encode(self, tensor: torch.Tensor) -> bytes:
-        return _raw_bytes(tensor.to(self.wire))
+    def new_state(self) -> None:
+        return None
 
-    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+    def encode(self, tensor: torch.Tensor, state: object | None) -> tuple[dict[str, int], bytes]:
+        return {}, _raw_bytes(tensor.to(self.wire))
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype, params: Params) -> int:
+        _no_params(self.name, params)
         return prod(shape) * self.wire.itemsize
 
-    def decode(self, payload: memoryview, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        _check_size(self.name, payload, self.payload_nbytes(shape, dtype))
+    def decode(
+        self, payload: memoryview, shape: Sequence[int], dtype: torch.dtype, params: Params
+    ) -> torch.Tensor:
+        _check_size(self.name, payload, self.payload_nbytes(shape, dtype, params))
         return _from_bytes(payload, shape, self.wire).to(dtype)
 
+
+# Block sizes: 512 keeps int8 at 8.06 bits per element (scales are float32); int4 keeps small
+# blocks, where a coarse code needs a local scale most.
+INT8_BLOCK = 512
+INT4_BLOCK = 64
 
 CODECS: Mapping[str, Codec] = {
     c.name: c
@@ -133,8 +172,14 @@ CODECS: Mapping[str, Codec] = {
         RawCodec(),
         CastCodec(name="fp16", wire=torch.float16),
         CastCodec(name="bf16", wire=torch.bfloat16),
+        int8_block(INT8_BLOCK),
+        int4_block(INT4_BLOCK),
+        TopK(name="topk-ef", fraction=0.01),
     )
 }
+GRADIENT_ONLY = frozenset({"topk-ef"})
+"""Codecs that drop most of a tensor and rely on error feedback: fine for gradients, whose
+errors are fed back into later ones, but they would destroy activations."""
 
 
 def get_codec(name: str) -> Codec:
@@ -143,3 +188,24 @@ def get_codec(name: str) -> Codec:
         return CODECS[name]
     except KeyError:
         raise ConfigError(f"unknown codec {name!r}; choose one of: {', '.join(CODECS)}") from None
+
+
+Role = Literal["activation", "gradient"]
+
+
+def encoder(name: str, role: Role) -> Codec:
+    """The codec a sender uses for `name` in `role`: the registered one, or a variant that
+    decodes identically but encodes better for the role (stochastic rounding for gradients,
+    which keeps them unbiased). ConfigError for an unknown name."""
+    codec = get_codec(name)
+    if role == "activation" and name in GRADIENT_ONLY:
+        raise ConfigError(f"codec {name} is for gradients only; it would destroy activations")
+    variant = _GRADIENT_VARIANTS.get(name) if role == "gradient" else None
+    return variant if variant is not None else codec
+
+
+_GRADIENT_VARIANTS: dict[str, Codec] = {
+    # Stochastic rounding keeps quantised gradients unbiased.
+    "int8-block": int8_block(INT8_BLOCK, stochastic=True),
+    "int4-block": int4_block(INT4_BLOCK, stochastic=True),
+}

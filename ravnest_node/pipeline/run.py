@@ -9,21 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ravnest_node.compression import CODECS
+from ravnest_node.compression import CODECS, GRADIENT_ONLY
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.proto import control_pb2 as pb
 
-CodecName = Literal["none", "fp16", "bf16"]
 ScheduleName = Literal["gpipe", "sequential"]
 _SCHEDULE_TO_PB = {"gpipe": pb.SCHEDULE_GPIPE, "sequential": pb.SCHEDULE_SEQUENTIAL}
 _PB_TO_SCHEDULE: dict[int, ScheduleName] = {v: k for k, v in _SCHEDULE_TO_PB.items()}  # type: ignore[misc]
 MAX_BATCH_SIZE = 4096
 # Room for a frame's prefix and msgpack header next to its payloads.
 FRAME_OVERHEAD_BYTES = 1024
-_CODEC_TO_PB = {"none": pb.CODEC_NONE, "fp16": pb.CODEC_FP16, "bf16": pb.CODEC_BF16}
-_PB_TO_CODEC: dict[int, CodecName] = {v: k for k, v in _CODEC_TO_PB.items()}  # type: ignore[misc]
-assert set(_CODEC_TO_PB) == set(CODECS), "every registered codec needs a wire enum value"
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -44,8 +40,14 @@ class TrainConfig:
     """AdamW weight decay."""
     seed: int = 0
     """Seed of model initialisation and data order; the same seed gives the same run."""
-    codec: CodecName = "none"
-    """Codec for activations and activation gradients on the wire."""
+    codec: str = "none"
+    """Codec for activations and their gradients: none, fp16, bf16, int8-block, int4-block."""
+    activation_codec: str | None = None
+    """Codec for activations only (default: --codec)."""
+    gradient_codec: str | None = None
+    """Codec for activation gradients only (default: --codec); also topk-ef."""
+    lz4: bool = True
+    """lz4-compress a frame's payload when that makes it at least 1.1x smaller."""
     schedule: ScheduleName = "gpipe"
     """gpipe: a step's microbatches overlap in the pipeline; sequential: one at a time (naive)."""
     max_staleness: int = 0
@@ -70,13 +72,32 @@ class TrainConfig:
             raise ConfigError("lr must be > 0 and weight_decay >= 0")
         if self.seed < 0:
             raise ConfigError(f"seed={self.seed}: must not be negative")
-        if self.codec not in CODECS:
-            raise ConfigError(f"codec={self.codec!r}: choose one of {', '.join(CODECS)}")
+        for role, name in (
+            ("codec", self.codec),
+            ("activation_codec", self.activation_codec),
+            ("gradient_codec", self.gradient_codec),
+        ):
+            if name is not None and name not in CODECS:
+                raise ConfigError(f"{role}={name!r}: choose one of {', '.join(CODECS)}")
+        if self.activation in GRADIENT_ONLY:
+            raise ConfigError(
+                f"{self.activation} is for gradients only: use it as --gradient-codec"
+            )
         if self.max_staleness != 0:
             # Asynchronous stale-bounded updates are their own issue; refusing beats pretending.
             raise ConfigError(
                 f"max_staleness={self.max_staleness}: only 0 (synchronous) is implemented so far"
             )
+
+    @property
+    def activation(self) -> str:
+        """The codec activations travel with."""
+        return self.activation_codec or self.codec
+
+    @property
+    def gradient(self) -> str:
+        """The codec activation gradients travel with."""
+        return self.gradient_codec or self.codec
 
     @property
     def microbatch_size(self) -> int:
@@ -91,7 +112,9 @@ class TrainConfig:
             lr=self.lr,
             weight_decay=self.weight_decay,
             seed=self.seed,
-            codec=_CODEC_TO_PB[self.codec],
+            activation_codec=self.activation,
+            gradient_codec=self.gradient,
+            lz4=self.lz4,
             max_staleness=self.max_staleness,
             data_fingerprint=data_fingerprint,
             schedule=_SCHEDULE_TO_PB[self.schedule],
@@ -103,9 +126,6 @@ class TrainConfig:
     @classmethod
     def from_proto(cls, spec: pb.RunSpec) -> TrainConfig:
         """The run spec of a received plan; ConfigError if it is not one this node can run."""
-        codec = _PB_TO_CODEC.get(spec.codec)
-        if codec is None:
-            raise ConfigError(f"plan names codec {spec.codec}, which this node does not know")
         schedule = _PB_TO_SCHEDULE.get(spec.schedule)
         if schedule is None:
             raise ConfigError(f"plan names schedule {spec.schedule}, which this node does not know")
@@ -117,7 +137,9 @@ class TrainConfig:
             lr=spec.lr,
             weight_decay=spec.weight_decay,
             seed=spec.seed,
-            codec=codec,
+            activation_codec=spec.activation_codec,
+            gradient_codec=spec.gradient_codec,
+            lz4=spec.lz4,
             max_staleness=spec.max_staleness,
             schedule=schedule,
             fault_skip_step_stage=(

@@ -29,13 +29,21 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-from ravnest_node.compression import get_codec
+from ravnest_node.compression import encoder, get_codec
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import FrameError
 from ravnest_node.models import BlockModel
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.boundary import BoundaryLink
-from ravnest_node.transport.frames import Expected, Frame, FrameKind, check_tensors, encode_frame
+from ravnest_node.transport.frames import (
+    LZ4_MIN_RATIO,
+    Expected,
+    Frame,
+    FrameKind,
+    Outgoing,
+    check_tensors,
+    encode_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +107,13 @@ class StageRuntime:
         self._report = report
         self.upstream = upstream
         self.downstream = downstream
-        self._codec = get_codec(run.codec)
         self._raw = get_codec("none")
+        self._act_codec = encoder(run.activation, "activation")
+        self._grad_codec = encoder(run.gradient, "gradient")
+        # Sender-side codec state (error feedback) lives as long as the stream it encodes.
+        self._act_state = self._act_codec.new_state()
+        self._grad_state = self._grad_codec.new_state()
+        self._lz4_ratio = LZ4_MIN_RATIO if run.lz4 else 0.0
         m = run.microbatches
         mb = run.microbatch_size
         self._blocks = torch.nn.Sequential(*blocks)
@@ -319,7 +332,11 @@ class StageRuntime:
             FrameKind.FORWARD,
             seq,
             version,
-            [(HIDDEN, out.detach(), self._codec), (TARGETS, targets, self._raw)],
+            [
+                Outgoing(HIDDEN, out.detach(), self._act_codec, self._act_state),
+                Outgoing(TARGETS, targets, self._raw),
+            ],
+            lz4_min_ratio=self._lz4_ratio,
         )
 
     def _forward_loss_backward(
@@ -340,7 +357,13 @@ class StageRuntime:
         if self.spec.is_first:
             return None
         assert x.grad is not None
-        return encode_frame(FrameKind.BACKWARD, seq, version, [(GRAD, x.grad, self._codec)])
+        return encode_frame(
+            FrameKind.BACKWARD,
+            seq,
+            version,
+            [Outgoing(GRAD, x.grad, self._grad_codec, self._grad_state)],
+            lz4_min_ratio=self._lz4_ratio,
+        )
 
     def _optimizer_step(self) -> None:
         if self.run_config.fault_skip_step_stage == self.spec.index:

@@ -7,22 +7,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    CODEC_UNSPECIFIED: _ClassVar[Codec]
-    CODEC_NONE: _ClassVar[Codec]
-    CODEC_FP16: _ClassVar[Codec]
-    CODEC_BF16: _ClassVar[Codec]
-
 class Schedule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SCHEDULE_UNSPECIFIED: _ClassVar[Schedule]
     SCHEDULE_GPIPE: _ClassVar[Schedule]
     SCHEDULE_SEQUENTIAL: _ClassVar[Schedule]
-CODEC_UNSPECIFIED: Codec
-CODEC_NONE: Codec
-CODEC_FP16: Codec
-CODEC_BF16: Codec
 SCHEDULE_UNSPECIFIED: Schedule
 SCHEDULE_GPIPE: Schedule
 SCHEDULE_SEQUENTIAL: Schedule
@@ -56,7 +45,7 @@ class WatchPlanRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "codec", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule")
+    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -64,11 +53,13 @@ class RunSpec(_message.Message):
     LR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    CODEC_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     DATA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FAULT_SKIP_STEP_STAGE_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_CODEC_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_CODEC_FIELD_NUMBER: _ClassVar[int]
+    LZ4_FIELD_NUMBER: _ClassVar[int]
     model: str
     steps: int
     batch_size: int
@@ -76,12 +67,14 @@ class RunSpec(_message.Message):
     lr: float
     weight_decay: float
     seed: int
-    codec: Codec
     max_staleness: int
     data_fingerprint: str
     fault_skip_step_stage: int
     schedule: Schedule
-    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ...) -> None: ...
+    activation_codec: str
+    gradient_codec: str
+    lz4: bool
+    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("index", "first_block", "stop_block", "node_id", "address")

@@ -12,7 +12,8 @@ offset 8+H           the tensors' payloads, concatenated in header order
 The header is a map with the keys `kind` (1 = forward activation, 2 = activation gradient),
 `seq` (microbatch sequence number), `version` (weight version the sender computed it with) and
 `tensors`, a list of maps with `name`, `shape` (list of ints), `dtype` (a name in
-`WIRE_DTYPES`), `codec` (a name in `CODECS`) and `nbytes` (payload length).
+`WIRE_DTYPES`), `codec` (a name in `CODECS`), `params` (the codec's integer parameters), `lz4`
+(the codec payload is lz4-compressed on the wire) and `nbytes` (payload length on the wire).
 
 `parse_frame` checks the structure before anything is allocated: the header length against
 `FrameLimits.max_header_bytes` before unpacking, msgpack unpacking with tight container limits,
@@ -31,6 +32,7 @@ from enum import IntEnum
 from math import prod
 from typing import Any
 
+import lz4.block
 import msgpack
 import torch
 
@@ -39,6 +41,10 @@ from ravnest_node.errors import FrameError
 
 MAGIC = b"RVF1"
 MAX_NAME_LEN = 64
+MAX_PARAMS = 6
+# lz4 is kept for a payload only when it shrinks it at least this much (fp32 values: ~1.0x).
+LZ4_MIN_RATIO = 1.1
+LZ4_MIN_BYTES = 256
 _PREFIX = struct.Struct("<4sI")
 
 
@@ -63,7 +69,35 @@ class TensorHeader:
     shape: tuple[int, ...]
     dtype: torch.dtype
     codec: Codec
+    params: dict[str, int]
+    raw_nbytes: int
+    """Codec payload size (validated against shape and params)."""
+    lz4: bool
+    """The payload on the wire is that codec payload, lz4-compressed."""
     nbytes: int
+    """Bytes on the wire."""
+
+    def decode(self, payload: memoryview) -> torch.Tensor:
+        if self.lz4:
+            try:
+                # uncompressed_size is the validated codec size: nothing larger is allocated.
+                raw = memoryview(lz4.block.decompress(payload, uncompressed_size=self.raw_nbytes))
+            except lz4.block.LZ4BlockError as exc:
+                raise FrameError(f"tensor {self.name!r}: bad lz4 payload: {exc}") from None
+            if len(raw) != self.raw_nbytes:
+                raise FrameError(f"tensor {self.name!r}: lz4 payload has the wrong size")
+            payload = raw
+        return self.codec.decode(payload, self.shape, self.dtype, self.params)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One tensor to send: its name, the codec for it and that codec's sender state."""
+
+    name: str
+    tensor: torch.Tensor
+    codec: Codec
+    state: object | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,39 +116,57 @@ class Frame:
 
     def decode(self) -> dict[str, torch.Tensor]:
         """The frame's tensors by name (copies out of the message)."""
-        return {
-            h.name: h.codec.decode(p, h.shape, h.dtype)
-            for h, p in zip(self.headers, self.payloads, strict=True)
-        }
+        return {h.name: h.decode(p) for h, p in zip(self.headers, self.payloads, strict=True)}
 
 
 def encode_frame(
     kind: FrameKind,
     seq: int,
     version: int,
-    tensors: Sequence[tuple[str, torch.Tensor, Codec]],
+    tensors: Sequence[Outgoing | tuple[str, torch.Tensor, Codec]],
+    *,
+    lz4_min_ratio: float = LZ4_MIN_RATIO,
 ) -> bytes:
-    """One frame carrying `tensors` (name, tensor, codec); codecs that do not apply to a
-    tensor's dtype (e.g. fp16 on integer targets) fall back to `none`."""
+    """One frame carrying `tensors`. Codecs that do not apply to a tensor's dtype (e.g. int8
+    on integer targets) fall back to `none`. Each payload is lz4-compressed when that makes it
+    at least `lz4_min_ratio` times smaller (0 disables lz4)."""
     metas: list[dict[str, Any]] = []
     payloads: list[bytes] = []
-    for name, tensor, codec in tensors:
-        chosen = codec if codec.applies_to(tensor.dtype) else CODECS["none"]
-        payload = chosen.encode(tensor)
+    for item in tensors:
+        out = item if isinstance(item, Outgoing) else Outgoing(*item)
+        usable = out.codec.applies_to(out.tensor.dtype)
+        chosen = out.codec if usable else CODECS["none"]
+        params, payload = chosen.encode(out.tensor, out.state if usable else None)
+        packed = _maybe_lz4(payload, lz4_min_ratio)
         metas.append(
             {
-                "name": name,
-                "shape": list(tensor.shape),
-                "dtype": dtype_name(tensor.dtype),
+                "name": out.name,
+                "shape": list(out.tensor.shape),
+                "dtype": dtype_name(out.tensor.dtype),
                 "codec": chosen.name,
-                "nbytes": len(payload),
+                "params": params,
+                "lz4": packed is not None,
+                "nbytes": len(packed if packed is not None else payload),
             }
         )
-        payloads.append(payload)
+        payloads.append(packed if packed is not None else payload)
     header = msgpack.packb(
         {"kind": int(kind), "seq": seq, "version": version, "tensors": metas}, use_bin_type=True
     )
     return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *payloads])
+
+
+def _lz4_bound(n: int) -> int:
+    """Largest lz4 block that `n` bytes can compress to (LZ4_COMPRESSBOUND)."""
+    return n + n // 255 + 16
+
+
+def _maybe_lz4(payload: bytes, min_ratio: float) -> bytes | None:
+    """The lz4 block of `payload` if it is at least `min_ratio` times smaller, else None."""
+    if min_ratio <= 0 or len(payload) < LZ4_MIN_BYTES:
+        return None
+    packed: bytes = lz4.block.compress(payload, store_size=False)
+    return packed if len(payload) >= min_ratio * len(packed) else None
 
 
 def _field(table: dict[Any, Any], key: str, kind: type, what: str) -> Any:
@@ -152,13 +204,40 @@ def _parse_tensor(meta: Any, index: int, limits: FrameLimits) -> TensorHeader:
     # prod() of validated dims cannot overflow Python ints; compare before any allocation.
     if prod(shape) * dtype.itemsize > limits.max_message_bytes:
         raise FrameError(f"{what} {name!r}: shape {shape} is larger than the message limit")
-    expected = codec.payload_nbytes(shape, dtype)
-    if nbytes != expected:
+    params = _params(meta.get("params", {}), f"{what} {name!r}")
+    packed = meta.get("lz4", False)
+    if not isinstance(packed, bool):
+        raise FrameError(f"{what} {name!r}: field 'lz4' must be bool")
+    expected = codec.payload_nbytes(shape, dtype, params)
+    if expected > limits.max_message_bytes:
+        raise FrameError(f"{what} {name!r}: payload of {expected} bytes exceeds the message limit")
+    if packed:
+        if not 0 < nbytes <= _lz4_bound(expected):
+            raise FrameError(f"{what} {name!r}: lz4 payload of {nbytes} bytes for {expected}")
+    elif nbytes != expected:
         raise FrameError(
             f"{what} {name!r}: nbytes {nbytes} does not match {expected} for shape {shape} "
             f"{dtype_str} with codec {codec_name}"
         )
-    return TensorHeader(name=name, shape=tuple(shape), dtype=dtype, codec=codec, nbytes=nbytes)
+    return TensorHeader(
+        name=name,
+        shape=tuple(shape),
+        dtype=dtype,
+        codec=codec,
+        params=params,
+        raw_nbytes=expected,
+        lz4=packed,
+        nbytes=nbytes,
+    )
+
+
+def _params(value: Any, what: str) -> dict[str, int]:
+    if not isinstance(value, dict) or len(value) > MAX_PARAMS:
+        raise FrameError(f"{what}: 'params' must be a map of at most {MAX_PARAMS} entries")
+    for key, item in value.items():
+        if not (isinstance(key, str) and len(key) <= 16) or type(item) is not int:
+            raise FrameError(f"{what}: params must map short names to integers")
+    return dict(value)
 
 
 def parse_frame(message: bytes, limits: FrameLimits) -> Frame:

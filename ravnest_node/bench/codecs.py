@@ -1,0 +1,207 @@
+"""`ravnest-node bench codecs`: what each codec costs and what it saves, on this machine.
+
+Two tables:
+- **micro**: for every registered codec, on a real bench-small activation and its gradient
+  (batch 16, 128 x 256 values each): bits per element on the wire (lz4 included when it pays),
+  encode+decode throughput on one core, and the relative error of one round trip;
+- **convergence**: the default model trained on a local 3-node swarm for the same samples with
+  each codec on activations and gradients, final loss against fp32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from ravnest_node.cli.demo import Demo, DemoConfig
+from ravnest_node.compression import CODECS, GRADIENT_ONLY, encoder
+from ravnest_node.data import StdlibBytes
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.transport.frames import (
+    FrameKind,
+    FrameLimits,
+    Outgoing,
+    encode_frame,
+    parse_frame,
+)
+
+Record = dict[str, Any]
+
+
+def sample_tensors(model_name: str = "bench-small", seed: int = 0) -> dict[str, torch.Tensor]:
+    """A real activation at the first stage boundary of the model, and its gradient."""
+    model = get_model(model_name)
+    blocks = model.build_blocks(seed)
+    data = StdlibBytes(seq_len=model.input_spec(1).shape[1], seed=seed)
+    x, y = data.batch(0, 16)
+    cut = max(1, model.num_blocks() // 3)
+    hidden = x
+    for block in blocks[:cut]:
+        hidden = block(hidden)
+    hidden = hidden.detach().requires_grad_(True)
+    out = hidden
+    for block in blocks[cut:]:
+        out = block(out)
+    torch.autograd.backward(model.loss(out, y))
+    assert hidden.grad is not None
+    return {"activation": hidden.detach(), "gradient": hidden.grad.detach()}
+
+
+def micro_table(repeats: int = 10) -> list[Record]:
+    """Bits per element, MB/s and error of every codec on real tensors, one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tensors = sample_tensors()
+        limits = FrameLimits(max_message_bytes=1 << 28)
+        rows = []
+        for role, x in tensors.items():
+            for name in CODECS:
+                if role == "activation" and name in GRADIENT_ONLY:
+                    continue
+                codec = encoder(name, "activation" if role == "activation" else "gradient")
+                state = codec.new_state()
+                started = time.perf_counter()
+                for _ in range(repeats):
+                    message = encode_frame(
+                        FrameKind.FORWARD, 0, 0, [Outgoing("t", x, codec, state)]
+                    )
+                    frame = parse_frame(message, limits)
+                    decoded = frame.decode()["t"]
+                seconds = (time.perf_counter() - started) / repeats
+                err = float((decoded - x).norm() / x.norm())
+                rows.append(
+                    {
+                        "role": role,
+                        "codec": name,
+                        "bits_per_element": frame.nbytes * 8 / x.numel(),
+                        "lz4": frame.headers[0].lz4,
+                        "encode_decode_mb_s": x.numel() * 4 / seconds / 1e6,
+                        "relative_error": err,
+                    }
+                )
+        return rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def _train(cfg: DemoConfig, log: TextIO) -> dict[str, Any] | None:
+    return await Demo(cfg, log).run()
+
+
+# (activation codec, gradient codec) pairs the convergence table trains with.
+PAIRS = [
+    ("none", "none"),
+    ("fp16", "fp16"),
+    ("bf16", "bf16"),
+    ("int8-block", "int8-block"),
+    ("int4-block", "int8-block"),
+    ("int4-block", "int4-block"),
+    ("int8-block", "topk-ef"),
+]
+
+
+def convergence_table(
+    train: TrainConfig, work_dir: Path, pairs: list[tuple[str, str]]
+) -> list[Record]:
+    """Train on 3 local nodes with each (activation, gradient) codec pair; loss against fp32."""
+    rows: list[Record] = []
+    for act, grad in pairs:
+        name = f"{act}/{grad}"
+        run_dir = work_dir / f"{act}-{grad}"
+        cfg = DemoConfig(
+            nodes=3,
+            work_dir=run_dir,
+            compute_threads=1,
+            train=dataclasses.replace(train, activation_codec=act, gradient_codec=grad),
+        )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "progress.log", "w") as log:
+            summary = asyncio.run(_train(cfg, log))
+        if summary is None:
+            break
+        rows.append(
+            {
+                "codec": name,
+                "steps": summary["steps"],
+                "samples": summary["samples"],
+                "final_loss": summary["final_loss"],
+                "mean_loss_last_5": sum(summary["loss_history"][-5:]) / 5,
+                "bytes_per_sample": summary["bytes_per_sample"],
+            }
+        )
+    base = next((r for r in rows if r["codec"] == "none/none"), None)
+    for r in rows:
+        if base is not None:
+            r["loss_gap"] = r["mean_loss_last_5"] / base["mean_loss_last_5"] - 1
+            r["bytes_ratio_vs_fp32"] = base["bytes_per_sample"] / r["bytes_per_sample"]
+    return rows
+
+
+def _md(rows: list[Record], columns: list[tuple[str, str, str]]) -> str:
+    head = "| " + " | ".join(title for _, title, _ in columns) + " |"
+    rule = "|" + "---|" * len(columns)
+    body = []
+    for r in rows:
+        cells = []
+        for key, _, spec in columns:
+            value = r.get(key)
+            bad = value is None or (isinstance(value, float) and math.isnan(value))
+            cells.append("-" if bad else format(value, spec))
+        body.append("| " + " | ".join(cells) + " |")
+    return "\n".join([head, rule, *body]) + "\n"
+
+
+def run_codec_bench(
+    train: TrainConfig, jsonl: Path, work_dir: Path, quick: bool, out: TextIO = sys.stdout
+) -> int:
+    """The `bench codecs` command."""
+    print("codec micro-benchmark (one core, real bench-small tensors):", file=out, flush=True)
+    micro = micro_table(repeats=3 if quick else 10)
+    micro_md = _md(
+        micro,
+        [
+            ("role", "tensor", "s"),
+            ("codec", "codec", "s"),
+            ("bits_per_element", "bits/element", ".3f"),
+            ("encode_decode_mb_s", "encode+decode MB/s", ".0f"),
+            ("relative_error", "relative error", ".2e"),
+            ("lz4", "lz4 used", ""),
+        ],
+    )
+    print(micro_md, file=out, flush=True)
+    steps = 10 if quick else train.steps
+    print(f"convergence: {train.model}, {steps} steps, 3 nodes, codecs activation/gradient",
+          file=out, flush=True)  # fmt: skip
+    conv = convergence_table(dataclasses.replace(train, steps=steps), work_dir, PAIRS)
+    conv_md = _md(
+        conv,
+        [
+            ("codec", "codecs (activation/gradient)", "s"),
+            ("samples", "samples", "d"),
+            ("final_loss", "final loss", ".4f"),
+            ("mean_loss_last_5", "mean loss, last 5 steps", ".4f"),
+            ("loss_gap", "gap vs fp32", "+.2%"),
+            ("bytes_per_sample", "bytes/sample", ",.0f"),
+            ("bytes_ratio_vs_fp32", "fewer bytes than fp32", ".1f"),
+        ],
+    )
+    print(conv_md, file=out, flush=True)
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
+    with open(jsonl, "w") as f:
+        for r in micro:
+            f.write(json.dumps({"table": "micro", **r}) + "\n")
+        for r in conv:
+            f.write(json.dumps({"table": "convergence", **r}) + "\n")
+    jsonl.with_suffix(".md").write_text(micro_md + "\n" + conv_md)
+    print(f"wrote {jsonl} and {jsonl.with_suffix('.md')}", file=out, flush=True)
+    return 0

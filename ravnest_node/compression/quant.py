@@ -1,0 +1,386 @@
+"""Blockwise absmax quantisation to 8 or 4 bits (Dettmers et al., arXiv 2110.02861).
+
+The flattened tensor is cut into blocks of `block` elements (the last one zero-padded); each block
+keeps its scale s = max|x| and codes q = round(x / s * L), with L = 127 for 8 bits and L = 7 for
+4 bits. Decoding gives q * s / L; a block whose scale is 0 decodes to zeros.
+
+Payload (little-endian, nb = ceil(numel / block) blocks, n = nb * block padded elements):
+
+```
+float32 scale[nb]                     4 * nb bytes: scales are float32 so that no finite
+                                      magnitude overflows (float16 stops at 65504)
+8-bit:  int8 code[n]                  n bytes, each in -127..127 (-128 is refused)
+4-bit:  uint8 packed[ceil(n / 2)]     code 2i in the low nibble of byte i, code 2i+1 in the high
+                                      one; nibbles are 4-bit two's complement in -7..7 (8 refused)
+```
+
+Codes of the padding are 0. Bits per element: bits + 32 / block (8.5 / 4.5 at block 64, 8.125 /
+4.125 at block 256), ignoring the padding of the last block.
+
+Error bound per element (s the scale of the element's block, exact arithmetic; float32 adds a
+few ulps of s): |x - D(C(x))| <= s / (2L) with round-to-nearest, < s / L with stochastic rounding
+(round up with probability equal to the fractional part), which is unbiased: E[D(C(x))] = x.
+
+Error feedback (Karimireddy et al., arXiv 1901.09847), sender side only: p = x + e; c = C(p);
+e <- p - D(c). The sum of what the receiver decodes then stays within one step's error of the sum
+of what was sent, however many steps are taken.
+
+Frame params: {"bits": 8 or 4, "block": 16..65536}. Stochastic rounding and error feedback do not
+change the wire format.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Protocol
+
+import torch
+
+from ravnest_node.errors import ConfigError, FrameError
+
+MIN_BLOCK = 16
+MAX_BLOCK = 65536
+_SCALE_BYTES = 4
+_LEVELS = {8: 127, 4: 7}
+
+
+# ---- helpers shared with sparse.py: hostile header values, checked before any allocation ----
+
+
+def check_params(codec: str, params: Mapping[str, int], expected: Sequence[str]) -> None:
+    """FrameError unless `params` has exactly the keys `expected` (no missing, no unknown)."""
+    if not isinstance(params, Mapping):
+        raise FrameError(f"codec {codec}: params must be a mapping, got {type(params).__name__}")
+    keys = set(params)
+    if keys != set(expected):
+        raise FrameError(
+            f"codec {codec}: params must be exactly {sorted(expected)}, "
+            f"got {sorted(map(str, keys))}"
+        )
+
+
+def int_param(codec: str, params: Mapping[str, int], key: str, lo: int, hi: int) -> int:
+    """params[key] as an int in lo..hi; FrameError if it is missing, not an int (bool is not), or
+    out of range."""
+    value = params.get(key)
+    if type(value) is not int:
+        raise FrameError(f"codec {codec}: param {key!r} must be an int, got {value!r}")
+    if not lo <= value <= hi:
+        raise FrameError(f"codec {codec}: param {key!r}={value} is outside {lo}..{hi}")
+    return value
+
+
+def checked_numel(codec: str, shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Number of elements of `shape`; FrameError for a bad dimension or a non-floating dtype."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise FrameError(f"codec {codec}: only floating tensors are encoded, not {dtype}")
+    for dim in shape:
+        if type(dim) is not int or dim < 0:
+            raise FrameError(f"codec {codec}: bad dimension {dim!r} in shape {list(shape)}")
+    return prod(shape)
+
+
+def check_payload_size(codec: str, payload: memoryview, expected: int) -> None:
+    """FrameError unless the payload is exactly `expected` bytes."""
+    if len(payload) != expected:
+        raise FrameError(
+            f"codec {codec}: payload is {len(payload)} bytes, the header implies {expected}"
+        )
+
+
+def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as a flat, contiguous CPU float32 tensor (a view when it already is one)."""
+    if not tensor.dtype.is_floating_point:
+        raise TypeError(f"only floating tensors can be quantised, not {tensor.dtype}")
+    return tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
+
+
+def cast_finite(codec: str, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Finite float32 `out` cast to `dtype`; FrameError if a value overflows a 16-bit dtype."""
+    if dtype == torch.float32:
+        return out
+    cast = out.to(dtype)
+    if not bool(torch.isfinite(cast).all()):
+        raise FrameError(f"codec {codec}: a decoded value overflows {dtype}")
+    return cast
+
+
+def owned_bytes(payload: memoryview) -> bytearray:
+    """One copy of the payload into memory we own (writable, so torch.frombuffer accepts it)."""
+    return bytearray(payload)
+
+
+# ---- the codec ----
+
+
+@dataclass(slots=True)
+class QuantState:
+    """Sender-side state of a BlockQuant stream: error-feedback residual and rounding RNG.
+
+    One state per tensor stream (same shape every step); not shared between threads."""
+
+    residual: torch.Tensor | None = None
+    """e, flat float32, created at the first encode (error feedback only)."""
+    generator: torch.Generator | None = None
+    """RNG for stochastic rounding, private so the training RNG is not disturbed."""
+
+
+def _new_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockQuant:
+    """Blockwise absmax quantisation codec (`int8-block` / `int4-block`); see the module doc."""
+
+    name: str
+    """Registry name carried in frames."""
+    bits: int
+    """Bits per code: 8 or 4."""
+    block: int = 64
+    """Elements per scale, 16..65536 (64-256 keeps activation outliers local)."""
+    stochastic: bool = False
+    """Stochastic rounding (unbiased; for gradients); sender-side only."""
+    error_feedback: bool = False
+    """Keep the residual e <- p - D(C(p)) and add it to the next tensor; sender-side only."""
+
+    def __post_init__(self) -> None:
+        if self.bits not in _LEVELS:
+            raise ConfigError(f"{self.name}: bits must be 8 or 4, not {self.bits!r}")
+        if type(self.block) is not int or not MIN_BLOCK <= self.block <= MAX_BLOCK:
+            raise ConfigError(
+                f"{self.name}: block must be an int in {MIN_BLOCK}..{MAX_BLOCK}, not {self.block!r}"
+            )
+
+    @property
+    def levels(self) -> int:
+        """L: the largest code magnitude (127 or 7)."""
+        return _LEVELS[self.bits]
+
+    @property
+    def bits_per_element(self) -> float:
+        """Wire bits per element, ignoring the padding of the last block."""
+        return self.bits + 8 * _SCALE_BYTES / self.block
+
+    def applies_to(self, dtype: torch.dtype) -> bool:
+        return dtype.is_floating_point
+
+    def new_state(self) -> QuantState | None:
+        """A fresh sender state, or None when the codec is stateless (no feedback, no RNG)."""
+        if not (self.error_feedback or self.stochastic):
+            return None
+        return QuantState(generator=_new_generator() if self.stochastic else None)
+
+    def encode(self, tensor: torch.Tensor, state: object | None) -> tuple[dict[str, int], bytes]:
+        """(params, payload) of a floating tensor. Raises ValueError for non-finite values (they
+        cannot be quantised) and TypeError for a state that is not this codec's."""
+        x = flat_float32(tensor)
+        st = self._state(state)
+        if st is not None and st.residual is not None:
+            if st.residual.numel() != x.numel():
+                raise ValueError(
+                    f"{self.name}: error-feedback state holds {st.residual.numel()} elements, "
+                    f"the tensor has {x.numel()}; use one state per tensor stream"
+                )
+            x = x + st.residual
+        generator = st.generator if st is not None else None
+        if self.stochastic and generator is None:
+            generator = _new_generator()
+        scales, codes = self._quantise(x, generator)
+        if st is not None and self.error_feedback:
+            numel = x.numel()
+            decoded = self._dequantise(scales, codes)[:numel]
+            st.residual = x - decoded
+        params = {"bits": self.bits, "block": self.block}
+        return params, self._pack(scales, codes)
+
+    def payload_nbytes(
+        self, shape: Sequence[int], dtype: torch.dtype, params: Mapping[str, int]
+    ) -> int:
+        """Exact payload size; FrameError for bad params, shape or dtype."""
+        block = self._block_param(params)
+        numel = checked_numel(self.name, shape, dtype)
+        nblocks = -(-numel // block)
+        padded = nblocks * block
+        code_bytes = padded if self.bits == 8 else (padded + 1) // 2
+        return nblocks * _SCALE_BYTES + code_bytes
+
+    def decode(
+        self,
+        payload: memoryview,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        params: Mapping[str, int],
+    ) -> torch.Tensor:
+        """The tensor; FrameError if the payload has the wrong size, a scale that is negative or
+        not finite, a code outside -L..L, a nonzero code in the padding, or a value that
+        overflows a 16-bit `dtype`."""
+        check_payload_size(self.name, payload, self.payload_nbytes(shape, dtype, params))
+        block = params["block"]
+        numel = prod(shape)
+        nblocks = -(-numel // block)
+        buf = owned_bytes(payload)
+        if nblocks == 0:
+            return torch.zeros(tuple(shape), dtype=dtype)
+        scales = torch.frombuffer(buf, dtype=torch.float32, count=nblocks)
+        if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+            raise FrameError(f"codec {self.name}: a block scale is negative or not finite")
+        raw = torch.frombuffer(buf, dtype=torch.int8, offset=nblocks * _SCALE_BYTES)
+        codes = raw if self.bits == 8 else _unpack_nibbles(raw)  # may end in a padding nibble
+        if bool((codes == -self.levels - 1).any()):
+            raise FrameError(f"codec {self.name}: a code is outside -{self.levels}..{self.levels}")
+        if bool(codes[numel:].any()):
+            raise FrameError(f"codec {self.name}: the padding after the last element is not zero")
+        out = self._dequantise(scales, codes[: nblocks * block])[:numel]
+        return cast_finite(self.name, out.reshape(tuple(shape)), dtype)
+
+    # -- internals --
+
+    def _state(self, state: object | None) -> QuantState | None:
+        if state is None:
+            if self.error_feedback:
+                raise TypeError(f"{self.name} with error feedback needs the state of new_state()")
+            return None
+        if not isinstance(state, QuantState):
+            raise TypeError(f"{self.name}: state must come from new_state(), got {type(state)}")
+        return state
+
+    def _block_param(self, params: Mapping[str, int]) -> int:
+        check_params(self.name, params, ("bits", "block"))
+        int_param(self.name, params, "bits", self.bits, self.bits)
+        return int_param(self.name, params, "block", MIN_BLOCK, MAX_BLOCK)
+
+    def _quantise(
+        self, x: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales [nb] float32, codes [nb, block] int8) of flat float32 x."""
+        numel, block = x.numel(), self.block
+        nblocks = -(-numel // block)
+        if nblocks * block != numel:
+            padded = x.new_zeros(nblocks * block)
+            padded[:numel] = x
+            x = padded
+        blocks = x.view(nblocks, block)
+        # max|x| as max(amax, -amin): two reductions and no |x| temporary.
+        scales = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
+        if not bool(torch.isfinite(scales).all()):
+            raise ValueError(f"{self.name}: the tensor has non-finite values")
+        levels = self.levels
+        inv = torch.where(scales > 0, levels / scales, 0.0)
+        y = blocks * inv.unsqueeze(1)
+        if self.stochastic:
+            y.add_(torch.rand(y.shape, generator=generator)).floor_()
+            y.clamp_(-levels, levels)  # levels / s rounds: x = s can land an ulp above L
+        else:
+            y.round_()
+        return scales, y.to(torch.int8)
+
+    def _dequantise(self, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Flat float32 q * s / L of codes [nb, block]."""
+        step = scales / self.levels
+        return (codes.view(scales.numel(), -1).to(torch.float32) * step.unsqueeze(1)).view(-1)
+
+    def _pack(self, scales: torch.Tensor, codes: torch.Tensor) -> bytes:
+        flat = codes.view(-1)
+        if self.bits == 4:
+            flat = _pack_nibbles(flat)
+        out = torch.empty(scales.numel() * _SCALE_BYTES + flat.numel(), dtype=torch.uint8)
+        split = scales.numel() * _SCALE_BYTES
+        out[:split] = scales.view(torch.uint8)
+        out[split:] = flat.view(torch.uint8)
+        return out.numpy().tobytes()
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in -7..7 -> bytes (low nibble first), padded with a 0 code to even length."""
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(torch.uint8).view(-1, 2) & 0x0F
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes -> sign-extended int8 codes (two per byte, low nibble first)."""
+    low = (packed << 4) >> 4  # arithmetic shift on int8 sign-extends the nibble
+    high = packed >> 4
+    return torch.stack([low, high], dim=1).view(-1)
+
+
+def int8_block(
+    block: int = 64, *, stochastic: bool = False, error_feedback: bool = False
+) -> BlockQuant:
+    """The `int8-block` codec: 8-bit codes, 8 + 32/block bits per element."""
+    return BlockQuant("int8-block", 8, block, stochastic, error_feedback)
+
+
+def int4_block(
+    block: int = 64, *, stochastic: bool = False, error_feedback: bool = False
+) -> BlockQuant:
+    """The `int4-block` codec: 4-bit codes, 4 + 32/block bits per element."""
+    return BlockQuant("int4-block", 4, block, stochastic, error_feedback)
+
+
+# ---- throughput measurement (not a test: the benchmark command calls it) ----
+
+
+class StatefulCodec(Protocol):
+    """The part of the codec interface that `measure_mb_s` drives."""
+
+    @property
+    def name(self) -> str: ...
+
+    def new_state(self) -> object | None: ...
+
+    def encode(
+        self, tensor: torch.Tensor, state: object | None
+    ) -> tuple[dict[str, int], bytes]: ...
+
+    def decode(
+        self,
+        payload: memoryview,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        params: Mapping[str, int],
+    ) -> torch.Tensor: ...
+
+
+def measure_mb_s(codec: StatefulCodec, numel: int = 1 << 20, repeats: int = 20) -> float:
+    """Encode+decode throughput in MB/s (10**6 bytes of float32 input per second) on one torch
+    thread, best of `repeats` rounds on a random normal tensor of `numel` elements."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+        state = codec.new_state()
+        best_s = float("inf")
+        for _ in range(max(1, repeats)):
+            start = time.perf_counter()
+            params, payload = codec.encode(x, state)
+            codec.decode(memoryview(payload), x.shape, x.dtype, params)
+            best_s = min(best_s, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return numel * 4 / best_s / 1e6
+
+
+if __name__ == "__main__":
+    from ravnest_node.compression.sparse import TopK
+
+    for codec in (
+        int8_block(64),
+        int8_block(256),
+        int4_block(64),
+        int4_block(256),
+        int8_block(64, stochastic=True, error_feedback=True),
+        int4_block(64, stochastic=True, error_feedback=True),
+    ):
+        print(
+            f"{codec.name} block={codec.block} stochastic={codec.stochastic} "
+            f"ef={codec.error_feedback}: {codec.bits_per_element:.3f} bits/element, "
+            f"{measure_mb_s(codec):.0f} MB/s"
+        )
+    print(f"topk-ef fraction=0.01: {measure_mb_s(TopK()):.0f} MB/s")
