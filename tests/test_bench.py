@@ -48,7 +48,8 @@ def test_bench_over_relays(tmp_path: Path) -> None:
     # forward and back, over 2 boundaries, 4 microbatches, 4 steps; plus targets and headers.
     payload = 4 * 32 * 64 * 4 * 2 * 2 * 4 * 4
     assert payload < ours["bytes_on_wire"] < payload * 1.05
-    assert ours["bytes_on_wire"] == naive["bytes_on_wire"]
+    # Both send fp32 activations; ours lz4-compresses the targets that travel with them.
+    assert payload < ours["bytes_on_wire"] < naive["bytes_on_wire"]
     fields = "wall_s samples_per_s bytes_per_sample initial_loss final_loss loss_at_equal_samples"
     for field in (*fields.split(), "codec", "max_staleness", "replicas", "link"):
         assert field in ours, field
