@@ -32,11 +32,9 @@ change the wire format.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Protocol
 
 import torch
 
@@ -322,65 +320,3 @@ def int4_block(
 ) -> BlockQuant:
     """The `int4-block` codec: 4-bit codes, 4 + 32/block bits per element."""
     return BlockQuant("int4-block", 4, block, stochastic, error_feedback)
-
-
-# ---- throughput measurement (not a test: the benchmark command calls it) ----
-
-
-class StatefulCodec(Protocol):
-    """The part of the codec interface that `measure_mb_s` drives."""
-
-    @property
-    def name(self) -> str: ...
-
-    def new_state(self) -> object | None: ...
-
-    def encode(
-        self, tensor: torch.Tensor, state: object | None
-    ) -> tuple[dict[str, int], bytes]: ...
-
-    def decode(
-        self,
-        payload: memoryview,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        params: Mapping[str, int],
-    ) -> torch.Tensor: ...
-
-
-def measure_mb_s(codec: StatefulCodec, numel: int = 1 << 20, repeats: int = 20) -> float:
-    """Encode+decode throughput in MB/s (10**6 bytes of float32 input per second) on one torch
-    thread, best of `repeats` rounds on a random normal tensor of `numel` elements."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-        state = codec.new_state()
-        best_s = float("inf")
-        for _ in range(max(1, repeats)):
-            start = time.perf_counter()
-            params, payload = codec.encode(x, state)
-            codec.decode(memoryview(payload), x.shape, x.dtype, params)
-            best_s = min(best_s, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return numel * 4 / best_s / 1e6
-
-
-if __name__ == "__main__":
-    from ravnest_node.compression.sparse import TopK
-
-    for codec in (
-        int8_block(64),
-        int8_block(256),
-        int4_block(64),
-        int4_block(256),
-        int8_block(64, stochastic=True, error_feedback=True),
-        int4_block(64, stochastic=True, error_feedback=True),
-    ):
-        print(
-            f"{codec.name} block={codec.block} stochastic={codec.stochastic} "
-            f"ef={codec.error_feedback}: {codec.bits_per_element:.3f} bits/element, "
-            f"{measure_mb_s(codec):.0f} MB/s"
-        )
-    print(f"topk-ef fraction=0.01: {measure_mb_s(TopK()):.0f} MB/s")
