@@ -54,7 +54,7 @@ def test_bench_over_relays(tmp_path: Path) -> None:
     for field in (*fields.split(), "codec", "max_staleness", "replicas", "link"):
         assert field in ours, field
     assert ours["link"]["emulation"] == "relay"
-    assert 0 < ours["efficiency"] <= 1.5
+    assert ours["efficiency"] is None  # relays pace connections, not hosts: no uplink bound
     assert (tmp_path / "out.md").read_text().count("| lan |") == 5
     assert (tmp_path / "out.png").stat().st_size > 10_000
 
@@ -70,6 +70,8 @@ def test_bench_in_namespaces_with_torch_pipelining(tmp_path: Path) -> None:
     # The interface counters see our frames plus TCP/IP and gRPC framing: a little more.
     assert ours["bytes_on_wire"] < ours["link_bytes"] < ours["bytes_on_wire"] * 1.25
     assert torch_pp["system"] == "torch-pipelining" and torch_pp["bytes_on_wire"] > 0
+    for r in (ours, torch_pp):  # the same measure of each host's uplink for both systems
+        assert len(r["node_link_bytes"]) == 3 and 0 < r["efficiency"] <= 1.5
     # PyTorch's pipeline on the same blocks, data and optimizer trains the same model.
     _same_training(torch_pp, ours, rel=1e-4)
     leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -62,42 +62,64 @@ def _grad(seq: int) -> Frame:
     return parse_frame(message, FrameLimits(max_message_bytes=1 << 24))
 
 
-def _refused(stage: StageRuntime, frame: Frame, reason: str) -> None:
+async def _refused(stage: StageRuntime, frame: Frame, reason: str) -> None:
     before = (stage.inbox.qsize(), stage.frames_accepted, stage.received_all_forwards)
     with pytest.raises(FrameError, match=reason):
-        stage.accept_from_upstream(frame)
+        await stage.accept_from_upstream(frame)
     assert (stage.inbox.qsize(), stage.frames_accepted, stage.received_all_forwards) == before
 
 
-def test_forward_frames_in_order_are_queued(stage: StageRuntime) -> None:
-    stage.accept_from_upstream(_forward(0))
-    stage.accept_from_upstream(_forward(1))
+async def test_forward_frames_in_order_are_queued(stage: StageRuntime) -> None:
+    await stage.accept_from_upstream(_forward(0))
+    await stage.accept_from_upstream(_forward(1))
     assert stage.inbox.qsize() == 2 and stage.frames_accepted == 2
-    _refused(stage, _forward(1), "forward seq 1, expected 2")
-    _refused(stage, _forward(5), "forward seq 5, expected 2")
+    await _refused(stage, _forward(1), "forward seq 1, expected 2")
+    await _refused(stage, _forward(5), "forward seq 5, expected 2")
 
 
-def test_wrong_version_shape_or_kind_is_refused(stage: StageRuntime) -> None:
-    _refused(stage, _forward(0, version=1), "carries weight version 1, expected 0")
-    _refused(stage, _forward(0, hidden=(4, 32, 65)), r"shape \[4, 32, 65\]")
-    _refused(stage, _grad(0), "only forward frames travel downstream")
+async def test_wrong_version_shape_or_kind_is_refused(stage: StageRuntime) -> None:
+    await _refused(stage, _forward(0, version=1), "carries weight version 1, expected 0")
+    await _refused(stage, _forward(0, hidden=(4, 32, 65)), r"shape \[4, 32, 65\]")
+    await _refused(stage, _grad(0), "only forward frames travel downstream")
     with pytest.raises(FrameError, match="gradient for microbatch 0, which is not in flight"):
-        stage.accept_from_downstream(_grad(0))
+        await stage.accept_from_downstream(_grad(0))
     with pytest.raises(FrameError, match="only gradient frames travel upstream"):
-        stage.accept_from_downstream(_forward(0))
+        await stage.accept_from_downstream(_forward(0))
     assert stage.inbox.qsize() == 0
 
 
-def test_frames_past_the_run_are_refused(stage: StageRuntime) -> None:
+async def test_frames_past_the_run_are_refused(stage: StageRuntime) -> None:
     for seq in range(8):  # 2 steps x 4 microbatches: the inbox holds 2 x 4
-        stage.accept_from_upstream(_forward(seq))
+        await stage.accept_from_upstream(_forward(seq))
     assert stage.received_all_forwards
-    _refused(stage, _forward(8), "past the run's last microbatch 7")
+    await _refused(stage, _forward(8), "past the run's last microbatch 7")
 
 
-def test_a_flood_beyond_the_schedule_is_refused() -> None:
+async def test_a_flood_beyond_the_schedule_is_refused() -> None:
     with ThreadPoolExecutor(1) as pool:
         stage = _runtime(pool, steps=10)
         for seq in range(8):
-            stage.accept_from_upstream(_forward(seq))
-        _refused(stage, _forward(8), "more frames in flight than the schedule allows")
+            await stage.accept_from_upstream(_forward(seq))
+        await _refused(stage, _forward(8), "more frames in flight than the schedule allows")
+
+
+async def test_a_payload_that_does_not_decode_is_refused(stage: StageRuntime) -> None:
+    int8 = get_codec("int8-block")
+    message = bytearray(
+        encode_frame(
+            FrameKind.FORWARD,
+            0,
+            0,
+            [
+                ("hidden", torch.randn(4, 32, 64), int8),
+                ("targets", torch.zeros(4, 32, dtype=torch.uint8), NONE),
+            ],
+            lz4_min_ratio=0,
+        )
+    )
+    limits = FrameLimits(max_message_bytes=1 << 24)
+    frame = parse_frame(bytes(message), limits)
+    start = len(message) - frame.nbytes  # payloads follow the header, hidden first
+    message[start + 16 * 4] = 0x80  # the first int8 code after 16 float32 scales: -128
+    await _refused(stage, parse_frame(bytes(message), limits), "code")
+    await stage.accept_from_upstream(_forward(0))  # the schedule did not move: seq 0 still fits

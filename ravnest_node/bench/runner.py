@@ -36,7 +36,13 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from ravnest_node.bench import torch_pipe
-from ravnest_node.bench.links import SCENARIOS, LinkSpec, NetnsSwarm, netns_available
+from ravnest_node.bench.links import (
+    SCENARIOS,
+    LinkSpec,
+    NetnsSwarm,
+    netns_available,
+    remove_leftovers,
+)
 from ravnest_node.bench.report import markdown_table, plot
 from ravnest_node.cli.demo import Demo, DemoConfig, NodeSlot
 from ravnest_node.cli.signals import install_stop_handlers
@@ -245,6 +251,9 @@ class Bench:
 
     async def run(self) -> list[Record]:
         mode = self._mode()
+        if mode == "netns":
+            for leftover in remove_leftovers():
+                self.say(f"removed {leftover}, left behind by an earlier run that was killed")
         self.cfg.jsonl.parent.mkdir(parents=True, exist_ok=True)
         self.cfg.jsonl.write_text("")
         self.say(
@@ -393,6 +402,7 @@ class Bench:
         }
         if tx_before is not None and tx_after is not None:
             record["link_bytes"] = sum(tx_after) - sum(tx_before)
+            record["node_link_bytes"] = [a - b for a, b in zip(tx_after, tx_before, strict=True)]
         return record
 
     async def _run_torch(self, system: str, links: _Links) -> Record:
@@ -465,7 +475,7 @@ class Bench:
             "bytes_per_sample": link_bytes / (t.steps * t.batch_size),
             "bytes_source": "interface counters (gloo is not ours to instrument; includes TCP/IP)",
             "link_bytes": link_bytes,
-            "node_bytes_sent": [a - b for a, b in zip(tx_after, tx_before, strict=True)],
+            "node_link_bytes": [a - b for a, b in zip(tx_after, tx_before, strict=True)],
             "initial_loss": result["loss_history"][0],
             "final_loss": result["loss_history"][-1],
             "loss_history": result["loss_history"],
@@ -498,7 +508,12 @@ def _finish_scenario(records: list[Record], model: Any, train: TrainConfig) -> N
             stage_s = compute["step_s"] * share
         else:  # measured on the nodes themselves (inflated when cores are shared)
             stage_s = max(r.get("stage_compute_s") or [math.nan]) / train.steps
-        egress = max(r["node_bytes_sent"]) / train.steps
+        if r["link"]["emulation"] != "netns":
+            # Relays pace each connection, not each host: there is no per-host uplink to bound.
+            r["efficiency"] = None
+            continue
+        # What each host's interface sent (headers included), the same measure for every system.
+        egress = max(r["node_link_bytes"]) / train.steps
         transfer_s = egress * 8 / (r["link"]["rate_mbit"] * 1e6)
         bound = max(stage_s, transfer_s)
         r["lower_bound_step_s"] = bound

@@ -152,13 +152,18 @@ class CastCodec:
 
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype, params: Params) -> int:
         _no_params(self.name, params)
+        if not dtype.is_floating_point:
+            raise FrameError(f"codec {self.name} carries floating tensors only, not {dtype}")
         return prod(shape) * self.wire.itemsize
 
     def decode(
         self, payload: memoryview, shape: Sequence[int], dtype: torch.dtype, params: Params
     ) -> torch.Tensor:
         _check_size(self.name, payload, self.payload_nbytes(shape, dtype, params))
-        return _from_bytes(payload, shape, self.wire).to(dtype)
+        out = _from_bytes(payload, shape, self.wire).to(dtype)
+        if not bool(torch.isfinite(out).all()):
+            raise FrameError(f"codec {self.name}: payload holds values that are not finite")
+        return out
 
 
 # Block sizes: 512 keeps int8 at 8.06 bits per element (scales are float32); int4 keeps small

@@ -10,8 +10,9 @@ With `max_staleness=0` (the only mode so far) a step is synchronous: every micro
 is computed with the weights of version t (the number of optimizer steps applied), which frames
 carry and `accept` checks, so the swarm computes exactly what one process would. All torch work
 runs on one compute thread; the event loop only moves bytes and makes decisions. Frames are
-checked against the plan on the event loop as they arrive (`accept`), before they are queued:
-a refused frame changes nothing.
+checked against the plan on the event loop as they arrive (`accept_from_*`) and decoded in a
+worker thread before they are queued: a refused frame, malformed payloads included, changes
+nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ class StageSpec:
     @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """An admitted frame, decoded: what the compute loop works on."""
+
+    kind: FrameKind
+    seq: int
+    version: int
+    tensors: dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +146,7 @@ class StageRuntime:
         self._total_microbatches = run.steps * m
         # Frames received and accepted, waiting for the compute loop; bounded by the protocol:
         # at most one step's microbatches per direction are ever in flight.
-        self.inbox: asyncio.Queue[Frame] = asyncio.Queue(maxsize=2 * m)
+        self.inbox: asyncio.Queue[Received] = asyncio.Queue(maxsize=2 * m)
         self._next_forward_seq = 0  # next forward frame we accept from upstream
         self._awaiting_grad: set[int] = set()  # sent downstream, gradient not yet received
         self._stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq -> (input, output)
@@ -148,25 +159,32 @@ class StageRuntime:
         self._digest_lock = asyncio.Lock()
 
     # ----- decisions, on the event loop -------------------------------------------------------
-    def accept_from_upstream(self, frame: Frame) -> None:
+    async def accept_from_upstream(self, frame: Frame) -> None:
         """Admit a frame from the previous stage: only activations travel that way."""
         if frame.kind is not FrameKind.FORWARD:
             raise FrameError("only forward frames travel downstream")
-        self._admit(frame)
+        await self._admit(frame)
 
-    def accept_from_downstream(self, frame: Frame) -> None:
+    async def accept_from_downstream(self, frame: Frame) -> None:
         """Admit a frame from the next stage: only gradients travel that way."""
         if frame.kind is not FrameKind.BACKWARD:
             raise FrameError("only gradient frames travel upstream")
-        self._admit(frame)
+        await self._admit(frame)
 
-    def _admit(self, frame: Frame) -> None:
-        """Check a received frame against the plan and queue it; FrameError (and no change)
-        if it does not fit. Runs on the event loop, so it never races the compute loop's
-        bookkeeping."""
+    async def _admit(self, frame: Frame) -> None:
+        """Check a received frame against the plan, decode it, and queue it; FrameError (and
+        no change) if it does not fit or its payload does not decode. The checks and the
+        bookkeeping run on the event loop, so they never race the compute loop; frames of one
+        stream are admitted one at a time, in order."""
         self._check(frame)
+        if self.inbox.full():
+            raise FrameError("more frames in flight than the schedule allows")
+        # Decoding validates the payload's content (codes, scales, indices, lz4); do it before
+        # anything changes, off the event loop and off the compute thread.
+        tensors = await asyncio.to_thread(frame.decode)
+        received = Received(frame.kind, frame.seq, frame.version, tensors)
         try:
-            self.inbox.put_nowait(frame)
+            self.inbox.put_nowait(received)
         except asyncio.QueueFull:
             raise FrameError("more frames in flight than the schedule allows") from None
         if frame.kind is FrameKind.FORWARD:
@@ -236,11 +254,11 @@ class StageRuntime:
                 await self._produce(produced)
                 produced += 1
                 continue
-            frame = await self.inbox.get()
-            if frame.kind is FrameKind.FORWARD:
-                await self._on_forward(frame.seq, frame)
+            received = await self.inbox.get()
+            if received.kind is FrameKind.FORWARD:
+                await self._on_forward(received.seq, received.tensors)
             else:
-                await self._on_backward(frame)
+                await self._on_backward(received)
         params_sq_sum, num_params = await self._call(self._param_stats)
         await self._report(
             StepReport(
@@ -269,7 +287,7 @@ class StageRuntime:
         tensors = {HIDDEN: x[i * mb : (i + 1) * mb], TARGETS: y[i * mb : (i + 1) * mb]}
         await self._on_forward(seq, tensors)
 
-    async def _on_forward(self, seq: int, received: Frame | dict[str, torch.Tensor]) -> None:
+    async def _on_forward(self, seq: int, received: dict[str, torch.Tensor]) -> None:
         version = self.version
         # Synchronous steps: frames of step t+1 wait in the inbox until step t is applied.
         assert version == seq // self.run_config.microbatches, (version, seq)
@@ -286,7 +304,7 @@ class StageRuntime:
             self._awaiting_grad.add(seq)
             await self.downstream.send(message)
 
-    async def _on_backward(self, frame: Frame) -> None:
+    async def _on_backward(self, frame: Received) -> None:
         message = await self._call(self._backward, frame)
         if message is not None:
             assert self.upstream is not None
@@ -315,16 +333,13 @@ class StageRuntime:
             self.compute_s += time.perf_counter() - started
 
     # ----- torch work, on the compute thread --------------------------------------------------
-    def _inputs(
-        self, received: Frame | dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        tensors = received.decode() if isinstance(received, Frame) else received
+    def _inputs(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         x = tensors[HIDDEN]
         if not self.spec.is_first:
             x.requires_grad_(True)  # its gradient goes back upstream
         return x, tensors[TARGETS]
 
-    def _forward(self, seq: int, received: Frame | dict[str, torch.Tensor], version: int) -> bytes:
+    def _forward(self, seq: int, received: dict[str, torch.Tensor], version: int) -> bytes:
         x, targets = self._inputs(received)
         out = self._blocks(x)
         self._stash[seq] = (x, out)
@@ -340,7 +355,7 @@ class StageRuntime:
         )
 
     def _forward_loss_backward(
-        self, seq: int, received: Frame | dict[str, torch.Tensor], version: int
+        self, seq: int, received: dict[str, torch.Tensor], version: int
     ) -> tuple[float, bytes | None]:
         x, targets = self._inputs(received)
         out = self._blocks(x)
@@ -348,9 +363,9 @@ class StageRuntime:
         torch.autograd.backward(loss)
         return loss.item(), self._grad_frame(seq, version, x)
 
-    def _backward(self, frame: Frame) -> bytes | None:
+    def _backward(self, frame: Received) -> bytes | None:
         x, out = self._stash.pop(frame.seq)
-        torch.autograd.backward(out, frame.decode()[GRAD])
+        torch.autograd.backward(out, frame.tensors[GRAD])
         return self._grad_frame(frame.seq, frame.version, x)
 
     def _grad_frame(self, seq: int, version: int, x: torch.Tensor) -> bytes | None:

@@ -60,7 +60,7 @@ class LinkCounters:
         return sum(self.bytes_sent.values())
 
 
-Accept = Callable[[Frame], None]
+Accept = Callable[[Frame], Awaitable[None]]
 
 
 class BoundaryLink:
@@ -102,7 +102,7 @@ async def pump_reads(
         try:
             if not isinstance(message, bytes):
                 raise FrameError("boundary messages must be raw bytes")
-            accept(parse_frame(message, limits))
+            await accept(parse_frame(message, limits))
         except FrameError as exc:
             on_refused(str(exc))
             raise

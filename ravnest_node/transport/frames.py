@@ -286,6 +286,13 @@ def parse_frame(message: bytes, limits: FrameLimits) -> Frame:
     if not 0 < len(metas) <= limits.max_tensors:
         raise FrameError(f"header: {len(metas)} tensors, expected 1 to {limits.max_tensors}")
     headers = tuple(_parse_tensor(m, i, limits) for i, m in enumerate(metas))
+    # Decoding works in float32 and returns every tensor: bound what the whole frame may cost.
+    decoded = sum(prod(h.shape) * max(4, h.dtype.itemsize) + h.raw_nbytes for h in headers)
+    if decoded > limits.max_message_bytes:
+        raise FrameError(
+            f"decoding would take {decoded} bytes, more than the limit of "
+            f"{limits.max_message_bytes}"
+        )
     body = memoryview(message)[header_end:]
     if sum(h.nbytes for h in headers) != len(body):
         raise FrameError(
