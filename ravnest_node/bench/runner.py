@@ -501,13 +501,14 @@ def _finish_scenario(records: list[Record], model: Any, train: TrainConfig) -> N
     costs = model.block_costs()
     cuts = partition(costs, NODES)
     share = max(sum(costs[a:b]) for a, b in cuts) / sum(costs)
+    if compute is not None:
+        stage_s = compute["step_s"] * share
+    else:  # measured on our nodes (the same stages; inflated when they share cores)
+        measured = [max(r["stage_compute_s"]) for r in runs if r.get("stage_compute_s")]
+        stage_s = min(measured) / train.steps if measured else math.nan
     for r in runs:
         if r["system"] == "compute-bound" or r.get("link") is None:
             continue
-        if compute is not None:
-            stage_s = compute["step_s"] * share
-        else:  # measured on the nodes themselves (inflated when cores are shared)
-            stage_s = max(r.get("stage_compute_s") or [math.nan]) / train.steps
         if r["link"]["emulation"] != "netns":
             # Relays pace each connection, not each host: there is no per-host uplink to bound.
             r["efficiency"] = None
