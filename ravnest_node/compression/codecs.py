@@ -16,7 +16,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from ravnest_node.compression.quant import int4_block, int8_block
+from ravnest_node.compression.quant import check_payload_size, int4_block, int8_block
 from ravnest_node.compression.sparse import TopK
 from ravnest_node.errors import ConfigError, FrameError
 
@@ -101,13 +101,6 @@ def _from_bytes(payload: memoryview, shape: Sequence[int], dtype: torch.dtype) -
     return flat.reshape(tuple(shape))
 
 
-def _check_size(codec: str, payload: memoryview, expected: int) -> None:
-    if len(payload) != expected:
-        raise FrameError(
-            f"codec {codec}: payload is {len(payload)} bytes, the header implies {expected}"
-        )
-
-
 @dataclass(frozen=True, slots=True)
 class RawCodec:
     """`none`: the tensor's own bytes, lossless."""
@@ -130,7 +123,7 @@ class RawCodec:
     def decode(
         self, payload: memoryview, shape: Sequence[int], dtype: torch.dtype, params: Params
     ) -> torch.Tensor:
-        _check_size(self.name, payload, self.payload_nbytes(shape, dtype, params))
+        check_payload_size(self.name, payload, self.payload_nbytes(shape, dtype, params))
         return _from_bytes(payload, shape, dtype)
 
 
@@ -159,7 +152,7 @@ class CastCodec:
     def decode(
         self, payload: memoryview, shape: Sequence[int], dtype: torch.dtype, params: Params
     ) -> torch.Tensor:
-        _check_size(self.name, payload, self.payload_nbytes(shape, dtype, params))
+        check_payload_size(self.name, payload, self.payload_nbytes(shape, dtype, params))
         out = _from_bytes(payload, shape, self.wire).to(dtype)
         if not bool(torch.isfinite(out).all()):
             raise FrameError(f"codec {self.name}: payload holds values that are not finite")
