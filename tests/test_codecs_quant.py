@@ -25,6 +25,7 @@ QUANTS = [
     int8_block(stochastic=True),
     int4_block(),
     int4_block(stochastic=True),
+    BlockQuant("int2", 2, 64),  # the ternary codes inside aq-delta2
 ]
 QUANT_IDS = [f"{c.name}{'-sr' if c.stochastic else ''}" for c in QUANTS]
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -384,6 +385,17 @@ def test_out_of_range_codes_and_padding_are_refused() -> None:
     buf[-1] |= 0x30
     with pytest.raises(FrameError, match="padding"):
         c17.decode(memoryview(buf), (17,), torch.float32, params)
+    # 2-bit: four codes a byte, 0b10 (-2) is outside -1..1
+    c2 = BlockQuant("int2", 2, 64)
+    params, buf = _quant_payload(c2, torch.randn(100))  # 2 blocks: 8 scale bytes, 32 code bytes
+    assert len(buf) == 8 + 32
+    buf[8 + 3] = 0b0010_0001  # codes 1, 0, -2, 0
+    with pytest.raises(FrameError, match="code"):
+        c2.decode(memoryview(buf), (100,), torch.float32, params)
+    params, buf = _quant_payload(c2, torch.randn(100))
+    buf[-1] = 0b0100_0000  # codes 124..127 are padding
+    with pytest.raises(FrameError, match="padding"):
+        c2.decode(memoryview(buf), (100,), torch.float32, params)
 
 
 def _topk_payload(values: list[float], deltas: list[int], width: int) -> bytes:

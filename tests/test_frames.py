@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ravnest_node.compression import CODECS, get_codec
+from ravnest_node.compression import ACTIVATION_ONLY, CODECS, SampleReferences, get_codec
 from ravnest_node.errors import FrameError
 from ravnest_node.transport.frames import (
     MAGIC,
@@ -40,6 +40,7 @@ def _header(**tensor: object) -> dict[str, object]:
 
 # Worst-case error of one round trip, relative to the largest |x| (see docs/compression.md).
 BOUNDS = {"none": 0.0, "fp16": 1e-3, "bf16": 1e-2, "int8-block": 1 / 254, "int4-block": 1 / 14}
+BOUNDS |= {"aq-delta": 0.0, "aq-delta2": 0.0}  # a sample's first visit travels uncompressed
 
 
 @pytest.mark.parametrize("codec", sorted(CODECS))
@@ -47,13 +48,16 @@ def test_round_trip_every_codec(codec: str) -> None:
     x = torch.randn(4, 8, 16)
     y = torch.randint(0, 256, (4, 8), dtype=torch.uint8)
     c = get_codec(codec)
+    samples = [5, 1, 2, 9] if codec in ACTIVATION_ONLY else []
     message = encode_frame(
         FrameKind.FORWARD, 7, 1,
-        [Outgoing("hidden", x, c, c.new_state()), Outgoing("targets", y, c)],
+        [Outgoing("hidden", x, c, c.new_state()), Outgoing("targets", y, c)], samples=samples,
     )  # fmt: skip
     frame = parse_frame(message, LIMITS)
     assert (frame.kind, frame.seq, frame.version) == (FrameKind.FORWARD, 7, 1)
-    out = frame.decode()
+    assert frame.samples == tuple(samples)
+    out, commit = frame.decode_with({"hidden": SampleReferences(limit=10)})
+    commit()
     assert torch.equal(out["targets"], y)  # integers always travel losslessly
     assert out["hidden"].dtype == torch.float32 and out["hidden"].shape == x.shape
     if codec in BOUNDS:
@@ -109,7 +113,11 @@ def test_payload_size_is_counted_exactly() -> None:
         (_raw_frame(_header(dtype="complex128"), b"\0" * 24), "unknown dtype 'complex128'"),
         (_raw_frame(_header(codec="pickle"), b"\0" * 24), "unknown codec 'pickle'"),
         (_raw_frame(_header(shape=[2, -3]), b"\0" * 24), "bad dimension"),
-        (_raw_frame(_header(shape=[1] * 9), b"\0" * 4), "exceeds max_array_len"),
+        (_raw_frame(_header(shape=[1] * 9), b"\0" * 4), "9 dimensions, at most 8"),
+        (_raw_frame({**_header(), "samples": [0] * 513}, b"\0" * 24), "exceeds max_array_len"),
+        (_raw_frame({**_header(), "samples": 3}, b"\0" * 24), "'samples' must be a list"),
+        (_raw_frame({**_header(), "samples": [1, -1]}, b"\0" * 24), "sample id -1"),
+        (_raw_frame({**_header(), "samples": [1.5]}, b"\0" * 24), "sample id 1.5"),
         (_raw_frame(_header(shape=[1 << 20, 1 << 20], nbytes=4 << 40)), "larger than the message"),
         (_raw_frame(_header(nbytes=25), b"\0" * 25), "nbytes 25 does not match 24"),
         (_raw_frame(_header(), b"\0" * 23), "payload is 23 bytes"),

@@ -5,7 +5,9 @@ Two tables:
   (batch 16, 128 x 256 values each): bits per element on the wire (lz4 included when it pays),
   encode+decode throughput on one core, and the relative error of one round trip;
 - **convergence**: the default model trained on a local 3-node swarm for the same samples with
-  each codec on activations and gradients, final loss against fp32.
+  each codec on activations and gradients, final loss against fp32;
+- **epochs**: a multi-epoch run on a fixed dataset (what aq-delta is for), each activation codec
+  against fp32: activation bytes per sample over the whole run (warm-up epoch included) and loss.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from typing import Any, TextIO
 import torch
 
 from ravnest_node.cli.demo import Demo, DemoConfig
-from ravnest_node.compression import CODECS, GRADIENT_ONLY, encoder
+from ravnest_node.compression import (
+    ACTIVATION_ONLY,
+    CODECS,
+    GRADIENT_ONLY,
+    SampleReferences,
+    encoder,
+)
 from ravnest_node.data import StdlibBytes
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
@@ -37,65 +45,91 @@ from ravnest_node.transport.frames import (
 Record = dict[str, Any]
 
 
-def sample_tensors(model_name: str = "bench-small", seed: int = 0) -> dict[str, torch.Tensor]:
-    """A real activation at the first stage boundary of the model, and its gradient."""
+def sample_tensors(
+    model_name: str = "bench-small", seed: int = 0, later_steps: int = 8
+) -> dict[str, torch.Tensor]:
+    """A real activation at the first stage boundary of the model, its gradient, and the
+    activation of the same batch `later_steps` AdamW steps later (the next visit of those
+    samples in a multi-epoch run: what aq-delta compresses against the first)."""
     model = get_model(model_name)
-    blocks = model.build_blocks(seed)
+    blocks = torch.nn.Sequential(*model.build_blocks(seed))
     data = StdlibBytes(seq_len=model.input_spec(1).shape[1], seed=seed)
     x, y = data.batch(0, 16)
     cut = max(1, model.num_blocks() // 3)
-    hidden = x
-    for block in blocks[:cut]:
-        hidden = block(hidden)
-    hidden = hidden.detach().requires_grad_(True)
-    out = hidden
-    for block in blocks[cut:]:
-        out = block(out)
-    torch.autograd.backward(model.loss(out, y))
+    hidden = blocks[:cut](x).detach().requires_grad_(True)
+    torch.autograd.backward(model.loss(blocks[cut:](hidden), y))
     assert hidden.grad is not None
-    return {"activation": hidden.detach(), "gradient": hidden.grad.detach()}
+    out = {"activation": hidden.detach(), "gradient": hidden.grad.detach()}
+    optimizer = torch.optim.AdamW(blocks.parameters(), lr=3e-4, weight_decay=0.01)
+    for step in range(1, later_steps + 1):
+        optimizer.zero_grad()
+        bx, by = data.batch(step, 16)
+        torch.autograd.backward(model.loss(blocks(bx), by))
+        optimizer.step()
+    with torch.no_grad():
+        out["activation_revisited"] = blocks[:cut](x)
+    return out
+
+
+def _round_trip(
+    codec_name: str, role: str, x: torch.Tensor, before: torch.Tensor | None, repeats: int
+) -> Record:
+    """Bits, throughput and error of `x` through frames. For aq-delta, `before` (the same
+    samples' previous activation) is sent first, so `x` travels as a delta."""
+    limits = FrameLimits(max_message_bytes=1 << 28)
+    codec = encoder(codec_name, "activation" if role == "activation" else "gradient")
+    samples = list(range(x.shape[0])) if codec_name in ACTIVATION_ONLY else []
+    state = codec.new_state()
+    refs = {"t": SampleReferences()}
+
+    def send(t: torch.Tensor) -> tuple[int, bool, torch.Tensor]:
+        message = encode_frame(
+            FrameKind.FORWARD, 0, 0, [Outgoing("t", t, codec, state)], samples=samples
+        )
+        frame = parse_frame(message, limits)
+        tensors, commit = frame.decode_with(refs)
+        commit()
+        return frame.nbytes, frame.headers[0].lz4, tensors["t"]
+
+    if before is not None:
+        send(before)  # the warm-up visit
+    # Error of one round trip from a fresh state (a residual would add to it).
+    nbytes, lz4, decoded = send(x)
+    err = float((decoded - x).norm() / x.norm())
+    started = time.perf_counter()
+    for _ in range(repeats):
+        send(x)
+    seconds = (time.perf_counter() - started) / repeats
+    return {
+        "role": role,
+        "codec": codec_name,
+        "bits_per_element": nbytes * 8 / x.numel(),
+        "lz4": lz4,
+        "encode_decode_mb_s": x.numel() * 4 / seconds / 1e6,
+        "relative_error": err,
+    }
 
 
 def micro_table(repeats: int = 10) -> list[Record]:
-    """Bits per element, MB/s and error of every codec on real tensors, one thread."""
+    """Bits per element, MB/s and error of every codec on real tensors, one thread. aq-delta
+    is measured on a revisit: the same samples' activation 8 training steps after the first."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         tensors = sample_tensors()
-        limits = FrameLimits(max_message_bytes=1 << 28)
         rows = []
-        for role, x in tensors.items():
+        for role in ("activation", "gradient"):
+            x = tensors[role]
             for name in CODECS:
-                if role == "activation" and name in GRADIENT_ONLY:
+                if (role == "activation" and name in GRADIENT_ONLY) or (
+                    role == "gradient" and name in ACTIVATION_ONLY
+                ):
                     continue
-                codec = encoder(name, "activation" if role == "activation" else "gradient")
-                # Error of one round trip from a fresh state (a residual would add to it).
-                fresh = parse_frame(
-                    encode_frame(
-                        FrameKind.FORWARD, 0, 0, [Outgoing("t", x, codec, codec.new_state())]
-                    ),
-                    limits,
-                )
-                err = float((fresh.decode()["t"] - x).norm() / x.norm())
-                state = codec.new_state()
-                started = time.perf_counter()
-                for _ in range(repeats):
-                    message = encode_frame(
-                        FrameKind.FORWARD, 0, 0, [Outgoing("t", x, codec, state)]
-                    )
-                    frame = parse_frame(message, limits)
-                    frame.decode()
-                seconds = (time.perf_counter() - started) / repeats
-                rows.append(
-                    {
-                        "role": role,
-                        "codec": name,
-                        "bits_per_element": frame.nbytes * 8 / x.numel(),
-                        "lz4": frame.headers[0].lz4,
-                        "encode_decode_mb_s": x.numel() * 4 / seconds / 1e6,
-                        "relative_error": err,
-                    }
-                )
+                if name in ACTIVATION_ONLY:
+                    revisit = tensors["activation_revisited"]
+                    rows.append(_round_trip(name, role, revisit, x, repeats))
+                else:
+                    rows.append(_round_trip(name, role, x, None, repeats))
         return rows
     finally:
         torch.set_num_threads(threads)
@@ -117,10 +151,15 @@ PAIRS = [
 ]
 
 
+# Activation codecs the multi-epoch table compares (gradients travel as fp32 there).
+EPOCH_CODECS = ["none", "int4-block", "aq-delta", "aq-delta2"]
+
+
 def convergence_table(
-    train: TrainConfig, work_dir: Path, pairs: list[tuple[str, str]]
+    train: TrainConfig, work_dir: Path, pairs: list[tuple[str, str]], last: int = 5
 ) -> list[Record]:
-    """Train on 3 local nodes with each (activation, gradient) codec pair; loss against fp32."""
+    """Train on 3 local nodes with each (activation, gradient) codec pair; loss against fp32
+    (the mean of the last `last` steps' losses)."""
     rows: list[Record] = []
     for act, grad in pairs:
         name = f"{act}/{grad}"
@@ -141,17 +180,35 @@ def convergence_table(
                 "codec": name,
                 "steps": summary["steps"],
                 "samples": summary["samples"],
+                "epochs": summary["epochs"],
                 "final_loss": summary["final_loss"],
-                "mean_loss_last_5": _mean(summary["loss_history"][-5:]),
+                "mean_loss_last": _mean(summary["loss_history"][-last:]),
                 "bytes_per_sample": summary["bytes_per_sample"],
+                "activation_bytes_per_sample": summary["activation_bytes_per_sample"],
             }
         )
     base = next((r for r in rows if r["codec"] == "none/none"), None)
     for r in rows:
         if base is not None:
-            r["loss_gap"] = r["mean_loss_last_5"] / base["mean_loss_last_5"] - 1
+            r["loss_gap"] = r["mean_loss_last"] / base["mean_loss_last"] - 1
             r["bytes_ratio_vs_fp32"] = base["bytes_per_sample"] / r["bytes_per_sample"]
+            r["activation_ratio_vs_fp32"] = (
+                base["activation_bytes_per_sample"] / r["activation_bytes_per_sample"]
+            )
     return rows
+
+
+def epochs_table(
+    train: TrainConfig, work_dir: Path, dataset_samples: int, epochs: int
+) -> list[Record]:
+    """The multi-epoch runs: `epochs` passes over a fixed dataset, each activation codec of
+    EPOCH_CODECS with fp32 gradients; loss gap over the last epoch."""
+    steps_per_epoch = dataset_samples // train.batch_size
+    run = dataclasses.replace(
+        train, dataset_samples=dataset_samples, steps=epochs * steps_per_epoch
+    )
+    pairs = [(codec, "none") for codec in EPOCH_CODECS]
+    return convergence_table(run, work_dir / "epochs", pairs, last=steps_per_epoch)
 
 
 def _mean(values: list[float]) -> float:
@@ -200,19 +257,38 @@ def run_codec_bench(
             ("codec", "codecs (activation/gradient)", "s"),
             ("samples", "samples", "d"),
             ("final_loss", "final loss", ".4f"),
-            ("mean_loss_last_5", "mean loss, last 5 steps", ".4f"),
+            ("mean_loss_last", "mean loss, last 5 steps", ".4f"),
             ("loss_gap", "gap vs fp32", "+.2%"),
             ("bytes_per_sample", "bytes/sample", ",.0f"),
             ("bytes_ratio_vs_fp32", "fewer bytes than fp32", ".1f"),
         ],
     )
     print(conv_md, file=out, flush=True)
+    dataset, epochs = (2 * train.batch_size, 6) if quick else (8 * train.batch_size, 12)
+    print(f"epochs: {train.model}, {epochs} epochs of a fixed dataset of {dataset} samples, "
+          "3 nodes, activation codecs (gradients fp32)", file=out, flush=True)  # fmt: skip
+    multi = epochs_table(train, work_dir, dataset, epochs)
+    multi_md = _md(
+        multi,
+        [
+            ("codec", "codecs (activation/gradient)", "s"),
+            ("samples", "samples", "d"),
+            ("final_loss", "final loss", ".4f"),
+            ("mean_loss_last", "mean loss, last epoch", ".4f"),
+            ("loss_gap", "gap vs fp32", "+.2%"),
+            ("activation_bytes_per_sample", "activation bytes/sample", ",.0f"),
+            ("activation_ratio_vs_fp32", "fewer activation bytes than fp32", ".1f"),
+        ],
+    )
+    print(multi_md, file=out, flush=True)
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     with open(jsonl, "w") as f:
         for r in micro:
             f.write(json.dumps({"table": "micro", **r}) + "\n")
         for r in conv:
             f.write(json.dumps({"table": "convergence", **r}) + "\n")
-    jsonl.with_suffix(".md").write_text(micro_md + "\n" + conv_md)
+        for r in multi:
+            f.write(json.dumps({"table": "epochs", **r}) + "\n")
+    jsonl.with_suffix(".md").write_text(micro_md + "\n" + conv_md + "\n" + multi_md)
     print(f"wrote {jsonl} and {jsonl.with_suffix('.md')}", file=out, flush=True)
     return 0

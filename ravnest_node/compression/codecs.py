@@ -16,6 +16,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from ravnest_node.compression.aq import AQDelta
 from ravnest_node.compression.quant import check_payload_size, int4_block, int8_block
 from ravnest_node.compression.sparse import TopK
 from ravnest_node.errors import ConfigError, FrameError
@@ -163,6 +164,7 @@ class CastCodec:
 # blocks, where a coarse code needs a local scale most.
 INT8_BLOCK = 512
 INT4_BLOCK = 64
+AQ_BLOCK = 64
 
 CODECS: Mapping[str, Codec] = {
     c.name: c
@@ -173,11 +175,16 @@ CODECS: Mapping[str, Codec] = {
         int8_block(INT8_BLOCK),
         int4_block(INT4_BLOCK),
         TopK(name="topk-ef", fraction=0.01),
+        AQDelta(name="aq-delta", bits=4, block=AQ_BLOCK),
+        AQDelta(name="aq-delta2", bits=2, block=AQ_BLOCK),
     )
 }
 GRADIENT_ONLY = frozenset({"topk-ef"})
 """Codecs that drop most of a tensor and rely on error feedback: fine for gradients, whose
 errors are fed back into later ones, but they would destroy activations."""
+ACTIVATION_ONLY = frozenset({"aq-delta", "aq-delta2"})
+"""Codecs that need the sample ids of each row and a reference per sample: activations of a
+dataset that is revisited every epoch (aq-delta)."""
 
 
 def get_codec(name: str) -> Codec:
@@ -198,6 +205,8 @@ def encoder(name: str, role: Role) -> Codec:
     codec = get_codec(name)
     if role == "activation" and name in GRADIENT_ONLY:
         raise ConfigError(f"codec {name} is for gradients only; it would destroy activations")
+    if role == "gradient" and name in ACTIVATION_ONLY:
+        raise ConfigError(f"codec {name} is for activations only (it needs per-sample references)")
     variant = _GRADIENT_VARIANTS.get(name) if role == "gradient" else None
     return variant if variant is not None else codec
 

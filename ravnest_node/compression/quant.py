@@ -1,8 +1,9 @@
-"""Blockwise absmax quantisation to 8 or 4 bits (Dettmers et al., arXiv 2110.02861).
+"""Blockwise absmax quantisation to 8, 4 or 2 bits (Dettmers et al., arXiv 2110.02861).
 
 The flattened tensor is cut into blocks of `block` elements (the last one zero-padded); each block
-keeps its scale s = max|x| and codes q = round(x / s * L), with L = 127 for 8 bits and L = 7 for
-4 bits. Decoding gives q * s / L; a block whose scale is 0 decodes to zeros.
+keeps its scale s = max|x| and codes q = round(x / s * L), with L = 127 for 8 bits, L = 7 for
+4 bits and L = 1 for 2 bits (ternary codes; used by aq-delta for small deltas). Decoding gives
+q * s / L; a block whose scale is 0 decodes to zeros.
 
 Payload (little-endian, nb = ceil(numel / block) blocks, n = nb * block padded elements):
 
@@ -12,6 +13,8 @@ float32 scale[nb]                     4 * nb bytes: scales are float32 so that n
 8-bit:  int8 code[n]                  n bytes, each in -127..127 (-128 is refused)
 4-bit:  uint8 packed[ceil(n / 2)]     code 2i in the low nibble of byte i, code 2i+1 in the high
                                       one; nibbles are 4-bit two's complement in -7..7 (8 refused)
+2-bit:  uint8 packed[ceil(n / 4)]     code 4i+j in bits 2j..2j+1 of byte i, two's complement in
+                                      -1..1 (the pattern 0b10, -2, is refused)
 ```
 
 Codes of the padding are 0. Bits per element: bits + 32 / block (8.5 / 4.5 at block 64, 8.125 /
@@ -25,8 +28,8 @@ Error feedback (Karimireddy et al., arXiv 1901.09847), sender side only: p = x +
 e <- p - D(c). The sum of what the receiver decodes then stays within one step's error of the sum
 of what was sent, however many steps are taken.
 
-Frame params: {"bits": 8 or 4, "block": 16..65536}. Stochastic rounding and error feedback do not
-change the wire format.
+Frame params: {"bits": 8 or 4, "block": 16..65536}; 2-bit codes travel only inside aq-delta.
+Stochastic rounding and error feedback do not change the wire format.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from ravnest_node.errors import ConfigError, FrameError
 MIN_BLOCK = 16
 MAX_BLOCK = 65536
 _SCALE_BYTES = 4
-_LEVELS = {8: 127, 4: 7}
+_LEVELS = {8: 127, 4: 7, 2: 1}
 
 
 # ---- helpers shared with sparse.py: hostile header values, checked before any allocation ----
@@ -138,7 +141,7 @@ class BlockQuant:
     name: str
     """Registry name carried in frames."""
     bits: int
-    """Bits per code: 8 or 4."""
+    """Bits per code: 8, 4 or 2."""
     block: int = 64
     """Elements per scale, 16..65536 (64-256 keeps activation outliers local)."""
     stochastic: bool = False
@@ -148,7 +151,7 @@ class BlockQuant:
 
     def __post_init__(self) -> None:
         if self.bits not in _LEVELS:
-            raise ConfigError(f"{self.name}: bits must be 8 or 4, not {self.bits!r}")
+            raise ConfigError(f"{self.name}: bits must be 8, 4 or 2, not {self.bits!r}")
         if type(self.block) is not int or not MIN_BLOCK <= self.block <= MAX_BLOCK:
             raise ConfigError(
                 f"{self.name}: block must be an int in {MIN_BLOCK}..{MAX_BLOCK}, not {self.block!r}"
@@ -156,7 +159,7 @@ class BlockQuant:
 
     @property
     def levels(self) -> int:
-        """L: the largest code magnitude (127 or 7)."""
+        """L: the largest code magnitude (127, 7 or 1)."""
         return _LEVELS[self.bits]
 
     @property
@@ -188,13 +191,13 @@ class BlockQuant:
         generator = st.generator if st is not None else None
         if self.stochastic and generator is None:
             generator = _new_generator()
-        scales, codes = self._quantise(x, generator)
+        scales, codes = self.quantise(x, generator)
         if st is not None and self.error_feedback:
             numel = x.numel()
-            decoded = self._dequantise(scales, codes)[:numel]
+            decoded = self.dequantise(scales, codes)[:numel]
             st.residual = x - decoded
         params = {"bits": self.bits, "block": self.block}
-        return params, self._pack(scales, codes)
+        return params, self.pack(scales, codes)
 
     def payload_nbytes(
         self, shape: Sequence[int], dtype: torch.dtype, params: Mapping[str, int]
@@ -204,7 +207,8 @@ class BlockQuant:
         numel = checked_numel(self.name, shape, dtype)
         nblocks = -(-numel // block)
         padded = nblocks * block
-        code_bytes = padded if self.bits == 8 else (padded + 1) // 2
+        per_byte = 8 // self.bits
+        code_bytes = -(-padded // per_byte)
         return nblocks * _SCALE_BYTES + code_bytes
 
     def decode(
@@ -228,15 +232,15 @@ class BlockQuant:
         if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
             raise FrameError(f"codec {self.name}: a block scale is negative or not finite")
         raw = torch.frombuffer(buf, dtype=torch.int8, offset=nblocks * _SCALE_BYTES)
-        codes = raw if self.bits == 8 else _unpack_nibbles(raw)  # may end in a padding nibble
+        codes = raw if self.bits == 8 else _unpack(raw, self.bits)  # may end in padding codes
         if bool((codes == -self.levels - 1).any()):
             raise FrameError(f"codec {self.name}: a code is outside -{self.levels}..{self.levels}")
         if bool(codes[numel:].any()):
             raise FrameError(f"codec {self.name}: the padding after the last element is not zero")
-        out = self._dequantise(scales, codes[: nblocks * block])[:numel]
+        out = self.dequantise(scales, codes[: nblocks * block])[:numel]
         return cast_finite(self.name, out.reshape(tuple(shape)), dtype)
 
-    # -- internals --
+    # -- internals (quantise, dequantise and pack are also used by aq-delta) --
 
     def _state(self, state: object | None) -> QuantState | None:
         if state is None:
@@ -252,7 +256,7 @@ class BlockQuant:
         int_param(self.name, params, "bits", self.bits, self.bits)
         return int_param(self.name, params, "block", MIN_BLOCK, MAX_BLOCK)
 
-    def _quantise(
+    def quantise(
         self, x: torch.Tensor, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(scales [nb] float32, codes [nb, block] int8) of flat float32 x."""
@@ -277,15 +281,15 @@ class BlockQuant:
             y.round_()
         return scales, y.to(torch.int8)
 
-    def _dequantise(self, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    def dequantise(self, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Flat float32 q * s / L of codes [nb, block]."""
         step = scales / self.levels
         return (codes.view(scales.numel(), -1).to(torch.float32) * step.unsqueeze(1)).view(-1)
 
-    def _pack(self, scales: torch.Tensor, codes: torch.Tensor) -> bytes:
+    def pack(self, scales: torch.Tensor, codes: torch.Tensor) -> bytes:
         flat = codes.view(-1)
-        if self.bits == 4:
-            flat = _pack_nibbles(flat)
+        if self.bits < 8:
+            flat = _pack(flat, self.bits)
         out = torch.empty(scales.numel() * _SCALE_BYTES + flat.numel(), dtype=torch.uint8)
         split = scales.numel() * _SCALE_BYTES
         out[:split] = scales.view(torch.uint8)
@@ -293,19 +297,26 @@ class BlockQuant:
         return out.numpy().tobytes()
 
 
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes in -7..7 -> bytes (low nibble first), padded with a 0 code to even length."""
-    if codes.numel() % 2:
-        codes = torch.cat([codes, codes.new_zeros(1)])
-    pairs = codes.view(torch.uint8).view(-1, 2) & 0x0F
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 codes in -L..L -> bytes of 8 // bits codes each (the first in the lowest bits),
+    padded with 0 codes to whole bytes."""
+    per_byte = 8 // bits
+    pad = -codes.numel() % per_byte
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    groups = codes.view(torch.uint8).view(-1, per_byte) & ((1 << bits) - 1)
+    out = groups[:, 0].clone()
+    for j in range(1, per_byte):
+        out |= groups[:, j] << (bits * j)
+    return out
 
 
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Bytes -> sign-extended int8 codes (two per byte, low nibble first)."""
-    low = (packed << 4) >> 4  # arithmetic shift on int8 sign-extends the nibble
-    high = packed >> 4
-    return torch.stack([low, high], dim=1).view(-1)
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bytes (int8) -> sign-extended int8 codes, 8 // bits per byte, lowest bits first."""
+    per_byte = 8 // bits
+    # Shift code j to the top of the byte, then an arithmetic shift on int8 sign-extends it.
+    parts = [(packed << (8 - bits * (j + 1))) >> (8 - bits) for j in range(per_byte)]
+    return torch.stack(parts, dim=1).view(-1)
 
 
 def int8_block(

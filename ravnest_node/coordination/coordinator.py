@@ -222,6 +222,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         samples = t.steps * t.batch_size
         losses = [self._losses.get(step, math.nan) for step in range(1, t.steps + 1)]
         bytes_on_wire = sum(self._bytes_sent.values())
+        activation_bytes = sum(r.activation_bytes_sent for r in self._final.values())
+        gradient_bytes = sum(r.gradient_bytes_sent for r in self._final.values())
         return {
             "system": "ravnest-node",
             "model": t.model,
@@ -237,6 +239,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "loss_history": losses,
             "bytes_on_wire": bytes_on_wire,
             "bytes_per_sample": bytes_on_wire / samples,
+            "activation_bytes_per_sample": activation_bytes / samples,
+            "gradient_bytes_per_sample": gradient_bytes / samples,
+            "dataset_samples": t.dataset_samples,
+            "epochs": samples / t.dataset_samples if t.dataset_samples else math.nan,
             "final_params_l2": math.sqrt(sum(r.params_sq_sum for r in self._final.values())),
             "num_params": sum(r.num_params for r in self._final.values()),
             "codec": t.activation,
@@ -255,6 +261,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     "address": s.address,
                     "bytes_sent": self._bytes_sent.get(s.node_id, 0),
                     "compute_s": self._final[s.index].compute_s,
+                    "activation_bytes_sent": self._final[s.index].activation_bytes_sent,
+                    "gradient_bytes_sent": self._final[s.index].gradient_bytes_sent,
                 }
                 for s in plan.stages
             ],

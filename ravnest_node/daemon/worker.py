@@ -245,6 +245,8 @@ class Worker:
                             params_sq_sum=r.params_sq_sum,
                             num_params=r.num_params,
                             compute_s=r.compute_s,
+                            activation_bytes_sent=r.activation_bytes_sent,
+                            gradient_bytes_sent=r.gradient_bytes_sent,
                         ),
                         timeout=self._transport.connect_timeout_s,
                     )

@@ -3,6 +3,11 @@
 The corpus is the ``*.py`` files in the directory of the module `os` (not recursive), sorted by
 name and concatenated. Batches are random windows drawn from a generator seeded by the step, so
 any node, or a resumed run, can make step ``k``'s batch without replaying steps ``0..k-1``.
+
+With ``num_samples > 0`` the data is instead a fixed set of that many windows (sample ids
+``0..num_samples-1``), visited once per epoch in an order shuffled afresh every epoch: a
+multi-epoch fine-tune, which aq-delta needs (it compresses a sample's activation against the one
+of its previous visit).
 Nodes compare `StdlibBytes.fingerprint` to check they read the same corpus (it differs between
 Python versions).
 """
@@ -49,7 +54,9 @@ class StdlibBytes:
     the same bytes (data-parallel replicas each take one shard).
     """
 
-    def __init__(self, *, seq_len: int, seed: int, shard: int = 0, num_shards: int = 1) -> None:
+    def __init__(
+        self, *, seq_len: int, seed: int, shard: int = 0, num_shards: int = 1, num_samples: int = 0
+    ) -> None:
         if seq_len < 1:
             raise ConfigError(f"seq_len must be at least 1, got {seq_len}")
         if num_shards < 1:
@@ -70,6 +77,20 @@ class StdlibBytes:
                 f"seq_len + 1 = {seq_len + 1}; use fewer shards or a shorter seq_len"
             )
         self._offsets = torch.arange(seq_len + 1)
+        if num_samples < 0:
+            raise ConfigError(f"num_samples must not be negative, got {num_samples}")
+        self.num_samples = num_samples
+        self._starts = (
+            torch.randint(
+                self._lo,
+                self._hi - seq_len,
+                (num_samples,),
+                generator=torch.Generator().manual_seed(self._seed_of("dataset")),
+            )
+            if num_samples
+            else None
+        )
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, permutation)
 
     @property
     def num_bytes(self) -> int:
@@ -97,21 +118,45 @@ class StdlibBytes:
             raise ValueError(f"step must be non-negative, got {step}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        generator = torch.Generator().manual_seed(self._step_seed(step, batch_size))
-        # A window is seq_len + 1 bytes starting at `start`, all inside [lo, hi).
-        starts = torch.randint(
-            self._lo, self._hi - self.seq_len, (batch_size,), generator=generator
-        )
+        if self._starts is not None:
+            starts = self._starts[torch.tensor(self.sample_ids(step, batch_size))]
+        else:
+            generator = torch.Generator().manual_seed(self._seed_of(f"{step}:{batch_size}"))
+            # A window is seq_len + 1 bytes starting at `start`, all inside [lo, hi).
+            starts = torch.randint(
+                self._lo, self._hi - self.seq_len, (batch_size,), generator=generator
+            )
         windows = self._corpus[starts[:, None] + self._offsets]
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
-    def _step_seed(self, step: int, batch_size: int) -> int:
-        key = f"stdlib-bytes:{self.seed}:{self.shard}:{self.num_shards}:{step}:{batch_size}"
+    def sample_ids(self, step: int, batch_size: int) -> list[int]:
+        """Dataset ids of the rows of `step`'s batch (fixed dataset only; [] otherwise).
+
+        Row j of step k is the dataset's sample at position p = k * batch_size + j of the
+        sequence of epochs; epoch p // num_samples visits every sample once, in its own order."""
+        if self._starts is None:
+            return []
+        n = self.num_samples
+        ids = []
+        for p in range(step * batch_size, (step + 1) * batch_size):
+            epoch, index = divmod(p, n)
+            ids.append(int(self._permutation(epoch)[index]))
+        return ids
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self._seed_of(f"epoch:{epoch}"))
+            self._order = (epoch, torch.randperm(self.num_samples, generator=generator))
+        return self._order[1]
+
+    def _seed_of(self, what: str) -> int:
+        key = f"stdlib-bytes:{self.seed}:{self.shard}:{self.num_shards}:{what}"
         return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
     def __repr__(self) -> str:
         return (
             f"StdlibBytes(seq_len={self.seq_len}, seed={self.seed}, shard={self.shard}, "
-            f"num_shards={self.num_shards}, num_bytes={self.num_bytes}, "
+            f"num_shards={self.num_shards}, num_samples={self.num_samples}, "
+            f"num_bytes={self.num_bytes}, "
             f"fingerprint={self.fingerprint!r})"
         )

@@ -7,9 +7,11 @@ need no training flags of their own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 from typing import Literal
 
-from ravnest_node.compression import CODECS, GRADIENT_ONLY
+from ravnest_node.compression import ACTIVATION_ONLY, CODECS, GRADIENT_ONLY
+from ravnest_node.compression.aq import reference_bytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.proto import control_pb2 as pb
@@ -20,6 +22,11 @@ _PB_TO_SCHEDULE: dict[int, ScheduleName] = {v: k for k, v in _SCHEDULE_TO_PB.ite
 MAX_BATCH_SIZE = 4096
 # Room for a frame's prefix and msgpack header next to its payloads.
 FRAME_OVERHEAD_BYTES = 1024
+MAX_DATASET_SAMPLES = 1 << 24
+# A frame lists a microbatch's sample ids in its header (FrameLimits.max_samples).
+MAX_MICROBATCH_WITH_IDS = 512
+# aq-delta keeps a float32 reference per sample at each end of a boundary.
+MAX_REFERENCE_BYTES = 16 << 30
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -40,10 +47,13 @@ class TrainConfig:
     """AdamW weight decay."""
     seed: int = 0
     """Seed of model initialisation and data order; the same seed gives the same run."""
+    dataset_samples: int = 0
+    """Train on a fixed set of this many byte windows, revisited every epoch in a new order (a
+    multiple of batch_size; 0 = a fresh random window for every sample). aq-delta needs it."""
     codec: str = "none"
     """Codec for activations and their gradients: none, fp16, bf16, int8-block, int4-block."""
     activation_codec: str | None = None
-    """Codec for activations only (default: --codec)."""
+    """Codec for activations only (default: --codec); also aq-delta, aq-delta2."""
     gradient_codec: str | None = None
     """Codec for activation gradients only (default: --codec); also topk-ef."""
     lz4: bool = True
@@ -83,11 +93,44 @@ class TrainConfig:
             raise ConfigError(
                 f"{self.activation} is for gradients only: use it as --gradient-codec"
             )
+        if self.gradient in ACTIVATION_ONLY:
+            raise ConfigError(
+                f"{self.gradient} is for activations only: use it as --activation-codec"
+            )
+        self._check_dataset()
         if self.max_staleness != 0:
             # Asynchronous stale-bounded updates are their own issue; refusing beats pretending.
             raise ConfigError(
                 f"max_staleness={self.max_staleness}: only 0 (synchronous) is implemented so far"
             )
+
+    def _check_dataset(self) -> None:
+        n = self.dataset_samples
+        if not 0 <= n <= MAX_DATASET_SAMPLES:
+            raise ConfigError(f"dataset_samples={n}: must be 0 to {MAX_DATASET_SAMPLES}")
+        if n % self.batch_size:
+            raise ConfigError(
+                f"dataset_samples={n} must be a multiple of batch_size={self.batch_size} "
+                "(so that no batch holds a sample twice)"
+            )
+        if n and self.microbatch_size > MAX_MICROBATCH_WITH_IDS:
+            raise ConfigError(
+                f"with dataset_samples, microbatches may hold at most {MAX_MICROBATCH_WITH_IDS} "
+                f"samples (their ids travel in frame headers), not {self.microbatch_size}"
+            )
+        if self.activation in ACTIVATION_ONLY:
+            if not n:
+                raise ConfigError(
+                    f"{self.activation} compresses a sample against its previous visit: set "
+                    "dataset_samples to train on a fixed dataset for several epochs"
+                )
+            need = aq_reference_bytes(self)
+            if need > MAX_REFERENCE_BYTES:
+                raise ConfigError(
+                    f"{self.activation} would keep {need / 2**30:.1f} GiB of references per "
+                    f"boundary end (at most {MAX_REFERENCE_BYTES >> 30} GiB): use fewer "
+                    "dataset_samples"
+                )
 
     @property
     def activation(self) -> str:
@@ -112,6 +155,7 @@ class TrainConfig:
             lr=self.lr,
             weight_decay=self.weight_decay,
             seed=self.seed,
+            dataset_samples=self.dataset_samples,
             activation_codec=self.activation,
             gradient_codec=self.gradient,
             lz4=self.lz4,
@@ -137,6 +181,7 @@ class TrainConfig:
             lr=spec.lr,
             weight_decay=spec.weight_decay,
             seed=spec.seed,
+            dataset_samples=spec.dataset_samples,
             activation_codec=spec.activation_codec,
             gradient_codec=spec.gradient_codec,
             lz4=spec.lz4,
@@ -146,6 +191,17 @@ class TrainConfig:
                 spec.fault_skip_step_stage if spec.HasField("fault_skip_step_stage") else None
             ),
         )
+
+
+def aq_reference_bytes(run: TrainConfig) -> int:
+    """Memory aq-delta's references take at one end of the largest stage boundary."""
+    model = get_model(run.model)
+    per_sample = max(
+        (model.output_spec(b, 1).shape for b in range(model.num_blocks() - 1)),
+        key=lambda shape: prod(shape),
+        default=(1,),
+    )
+    return reference_bytes(run.dataset_samples, per_sample[1:])
 
 
 def largest_frame_bytes(run: TrainConfig) -> int:

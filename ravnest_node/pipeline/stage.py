@@ -30,7 +30,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-from ravnest_node.compression import encoder, get_codec
+from ravnest_node.compression import ACTIVATION_ONLY, SampleReferences, encoder, get_codec
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import FrameError
 from ravnest_node.models import BlockModel
@@ -82,6 +82,7 @@ class Received:
     seq: int
     version: int
     tensors: dict[str, torch.Tensor]
+    samples: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,8 @@ class StepReport:
     params_sq_sum: float = math.nan
     num_params: int = 0
     compute_s: float = 0.0
+    activation_bytes_sent: int = 0
+    gradient_bytes_sent: int = 0
 
 
 class StageRuntime:
@@ -132,10 +135,22 @@ class StageRuntime:
             self._blocks.parameters(), lr=run.lr, weight_decay=run.weight_decay
         )
         self._data = (
-            StdlibBytes(seq_len=model.input_spec(1).shape[1], seed=run.seed)
+            StdlibBytes(
+                seq_len=model.input_spec(1).shape[1],
+                seed=run.seed,
+                num_samples=run.dataset_samples,
+            )
             if spec.is_first
             else None
         )
+        # aq-delta: the receiving end of the activation stream keeps a reference per sample.
+        self._references = (
+            {HIDDEN: SampleReferences(limit=run.dataset_samples)}
+            if run.activation in ACTIVATION_ONLY and not spec.is_first
+            else {}
+        )
+        self.activation_bytes_sent = 0
+        self.gradient_bytes_sent = 0
         targets = model.target_spec(mb)
         self._expected_forward = [Expected(TARGETS, targets.shape, targets.dtype)]
         if not spec.is_first:
@@ -181,12 +196,14 @@ class StageRuntime:
             raise FrameError("more frames in flight than the schedule allows")
         # Decoding validates the payload's content (codes, scales, indices, lz4); do it before
         # anything changes, off the event loop and off the compute thread.
-        tensors = await asyncio.to_thread(frame.decode)
-        received = Received(frame.kind, frame.seq, frame.version, tensors)
-        try:
-            self.inbox.put_nowait(received)
-        except asyncio.QueueFull:
-            raise FrameError("more frames in flight than the schedule allows") from None
+        tensors, commit = await asyncio.to_thread(frame.decode_with, self._references)
+        received = Received(frame.kind, frame.seq, frame.version, tensors, frame.samples)
+        if self.inbox.full():
+            raise FrameError("more frames in flight than the schedule allows")
+        # No await from the check above to here: the put cannot fail, and the frame's effect
+        # on receiver state (aq-delta references) is applied only now that it is admitted.
+        commit()
+        self.inbox.put_nowait(received)
         if frame.kind is FrameKind.FORWARD:
             self._next_forward_seq += 1
         else:
@@ -206,6 +223,7 @@ class StageRuntime:
                 )
             if frame.seq != self._next_forward_seq:
                 raise FrameError(f"forward seq {frame.seq}, expected {self._next_forward_seq}")
+            self._check_samples(frame)
             # Synchronous steps: microbatch seq belongs to step seq // m, computed with version
             # seq // m. (Compared with the seq, not with our own version, which may still be
             # one behind while our optimizer step runs.)
@@ -225,6 +243,15 @@ class StageRuntime:
                     f"gradient seq {frame.seq} carries version {frame.version}, "
                     f"expected {frame.seq // m}"
                 )
+
+    def _check_samples(self, frame: Frame) -> None:
+        """Forward frames of a fixed-dataset run list their rows' sample ids; others list none."""
+        n = self.run_config.dataset_samples
+        want = self.run_config.microbatch_size if n else 0
+        if len(frame.samples) != want:
+            raise FrameError(f"forward frame lists {len(frame.samples)} sample ids, not {want}")
+        if any(s >= n for s in frame.samples) or len(set(frame.samples)) != len(frame.samples):
+            raise FrameError(f"forward frame's sample ids must be distinct and below {n}")
 
     @property
     def received_all_forwards(self) -> bool:
@@ -256,7 +283,7 @@ class StageRuntime:
                 continue
             received = await self.inbox.get()
             if received.kind is FrameKind.FORWARD:
-                await self._on_forward(received.seq, received.tensors)
+                await self._on_forward(received.seq, received.tensors, received.samples)
             else:
                 await self._on_backward(received)
         params_sq_sum, num_params = await self._call(self._param_stats)
@@ -268,6 +295,8 @@ class StageRuntime:
                 params_sq_sum=params_sq_sum,
                 num_params=num_params,
                 compute_s=self.compute_s,
+                activation_bytes_sent=self.activation_bytes_sent,
+                gradient_bytes_sent=self.gradient_bytes_sent,
             )
         )
         if self.downstream is not None:
@@ -283,11 +312,15 @@ class StageRuntime:
         m = self.run_config.microbatches
         step, i = divmod(seq, m)
         x, y = self._data.batch(step, self.run_config.batch_size)
+        ids = self._data.sample_ids(step, self.run_config.batch_size)
         mb = self.run_config.microbatch_size
-        tensors = {HIDDEN: x[i * mb : (i + 1) * mb], TARGETS: y[i * mb : (i + 1) * mb]}
-        await self._on_forward(seq, tensors)
+        rows = slice(i * mb, (i + 1) * mb)
+        tensors = {HIDDEN: x[rows], TARGETS: y[rows]}
+        await self._on_forward(seq, tensors, tuple(ids[rows]))
 
-    async def _on_forward(self, seq: int, received: dict[str, torch.Tensor]) -> None:
+    async def _on_forward(
+        self, seq: int, received: dict[str, torch.Tensor], samples: tuple[int, ...]
+    ) -> None:
         version = self.version
         # Synchronous steps: frames of step t+1 wait in the inbox until step t is applied.
         assert version == seq // self.run_config.microbatches, (version, seq)
@@ -295,21 +328,25 @@ class StageRuntime:
             loss, message = await self._call(self._forward_loss_backward, seq, received, version)
             self._step_loss += loss
             if message is not None:
-                assert self.upstream is not None
-                await self.upstream.send(message)
+                await self._send_upstream(message)
             await self._microbatch_done()
         else:
-            message = await self._call(self._forward, seq, received, version)
+            message = await self._call(self._forward, seq, received, version, samples)
             assert self.downstream is not None
             self._awaiting_grad.add(seq)
+            self.activation_bytes_sent += len(message)
             await self.downstream.send(message)
 
     async def _on_backward(self, frame: Received) -> None:
         message = await self._call(self._backward, frame)
         if message is not None:
-            assert self.upstream is not None
-            await self.upstream.send(message)
+            await self._send_upstream(message)
         await self._microbatch_done()
+
+    async def _send_upstream(self, message: bytes) -> None:
+        assert self.upstream is not None
+        self.gradient_bytes_sent += len(message)
+        await self.upstream.send(message)
 
     async def _microbatch_done(self) -> None:
         self._step_done += 1
@@ -319,7 +356,15 @@ class StageRuntime:
         self.version += 1
         loss = self._step_loss if self.spec.is_last else math.nan
         self._step_done, self._step_loss = 0, 0.0
-        await self._report(StepReport(step=self.version, loss=loss, done=False))
+        await self._report(
+            StepReport(
+                step=self.version,
+                loss=loss,
+                done=False,
+                activation_bytes_sent=self.activation_bytes_sent,
+                gradient_bytes_sent=self.gradient_bytes_sent,
+            )
+        )
 
     async def _call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         loop = asyncio.get_running_loop()
@@ -339,7 +384,13 @@ class StageRuntime:
             x.requires_grad_(True)  # its gradient goes back upstream
         return x, tensors[TARGETS]
 
-    def _forward(self, seq: int, received: dict[str, torch.Tensor], version: int) -> bytes:
+    def _forward(
+        self,
+        seq: int,
+        received: dict[str, torch.Tensor],
+        version: int,
+        samples: tuple[int, ...],
+    ) -> bytes:
         x, targets = self._inputs(received)
         out = self._blocks(x)
         self._stash[seq] = (x, out)
@@ -351,6 +402,7 @@ class StageRuntime:
                 Outgoing(HIDDEN, out.detach(), self._act_codec, self._act_state),
                 Outgoing(TARGETS, targets, self._raw),
             ],
+            samples=samples,
             lz4_min_ratio=self._lz4_ratio,
         )
 

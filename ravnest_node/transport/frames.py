@@ -9,11 +9,14 @@ offset 8   H bytes   msgpack header (a map, see below)
 offset 8+H           the tensors' payloads, concatenated in header order
 ```
 
-The header is a map with the keys `kind` (1 = forward activation, 2 = activation gradient),
-`seq` (microbatch sequence number), `version` (weight version the sender computed it with) and
-`tensors`, a list of maps with `name`, `shape` (list of ints), `dtype` (a name in
-`WIRE_DTYPES`), `codec` (a name in `CODECS`), `params` (the codec's integer parameters), `lz4`
-(the codec payload is lz4-compressed on the wire) and `nbytes` (payload length on the wire).
+The header is a map with the keys `kind` (1 = forward activation, 2 = activation gradient, 3 =
+parameter delta of replica averaging),
+`seq` (microbatch sequence number), `version` (weight version the sender computed it with),
+optionally `samples` (the dataset ids of the microbatch's rows, in order: forward frames of a run
+with a fixed dataset carry them, and aq-delta needs them) and `tensors`, a list of maps with
+`name`, `shape` (list of ints), `dtype` (a name in `WIRE_DTYPES`), `codec` (a name in `CODECS`),
+`params` (the codec's integer parameters), `lz4` (the codec payload is lz4-compressed on the
+wire) and `nbytes` (payload length on the wire).
 
 `parse_frame` checks the structure before anything is allocated: the header length against
 `FrameLimits.max_header_bytes` before unpacking, msgpack unpacking with tight container limits,
@@ -36,7 +39,16 @@ import lz4.block
 import msgpack
 import torch
 
-from ravnest_node.compression import CODECS, WIRE_DTYPES, Codec, dtype_name
+from ravnest_node.compression import (
+    CODECS,
+    WIRE_DTYPES,
+    AQDelta,
+    AQState,
+    Codec,
+    SampleReferences,
+    dtype_name,
+)
+from ravnest_node.compression.aq import Commit
 from ravnest_node.errors import FrameError
 
 MAGIC = b"RVF1"
@@ -51,6 +63,8 @@ _PREFIX = struct.Struct("<4sI")
 class FrameKind(IntEnum):
     FORWARD = 1
     BACKWARD = 2
+    DELTA = 3
+    """A replica's parameter delta for one averaging round (`seq` = the round)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +75,8 @@ class FrameLimits:
     max_header_bytes: int = 4096
     max_tensors: int = 8
     max_ndim: int = 8
+    max_samples: int = 512
+    """Sample ids one frame may list (a microbatch's rows)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,14 +125,43 @@ class Frame:
     version: int
     headers: tuple[TensorHeader, ...]
     payloads: tuple[memoryview, ...]
+    samples: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return sum(len(p) for p in self.payloads)
 
     def decode(self) -> dict[str, torch.Tensor]:
-        """The frame's tensors by name (copies out of the message)."""
-        return {h.name: h.decode(p) for h, p in zip(self.headers, self.payloads, strict=True)}
+        """The frame's tensors by name (copies out of the message); FrameError for a tensor
+        whose codec needs receiver state (aq-delta: use `decode_with`)."""
+        tensors, _ = self.decode_with({})
+        return tensors
+
+    def decode_with(
+        self, references: dict[str, SampleReferences]
+    ) -> tuple[dict[str, torch.Tensor], Commit]:
+        """The frame's tensors, and a commit that applies the frame to the receiver's state.
+
+        A tensor sent with aq-delta is rebuilt from the stream's per-sample references
+        (`references[name]`; FrameError if this receiver keeps none for that tensor). Nothing
+        changes until the commit runs, so a frame refused after decoding changes nothing."""
+        tensors: dict[str, torch.Tensor] = {}
+        commits: list[Commit] = []
+        for h, p in zip(self.headers, self.payloads, strict=True):
+            value = h.decode(p)
+            if isinstance(h.codec, AQDelta):
+                refs = references.get(h.name)
+                if refs is None:
+                    raise FrameError(f"tensor {h.name!r}: codec {h.codec.name} is not expected")
+                value, commit = h.codec.reconstruct(refs, self.samples, value, h.params, h.dtype)
+                commits.append(commit)
+            tensors[h.name] = value
+
+        def commit_all() -> None:
+            for c in commits:
+                c()
+
+        return tensors, commit_all
 
 
 def encode_frame(
@@ -125,17 +170,21 @@ def encode_frame(
     version: int,
     tensors: Sequence[Outgoing | tuple[str, torch.Tensor, Codec]],
     *,
+    samples: Sequence[int] = (),
     lz4_min_ratio: float = LZ4_MIN_RATIO,
 ) -> bytes:
-    """One frame carrying `tensors`. Codecs that do not apply to a tensor's dtype (e.g. int8
-    on integer targets) fall back to `none`. Each payload is lz4-compressed when that makes it
-    at least `lz4_min_ratio` times smaller (0 disables lz4)."""
+    """One frame carrying `tensors`, and the dataset ids of their rows if `samples` is given.
+    Codecs that do not apply to a tensor's dtype (e.g. int8 on integer targets) fall back to
+    `none`. Each payload is lz4-compressed when that makes it at least `lz4_min_ratio` times
+    smaller (0 disables lz4)."""
     metas: list[dict[str, Any]] = []
     payloads: list[bytes] = []
     for item in tensors:
         out = item if isinstance(item, Outgoing) else Outgoing(*item)
         usable = out.codec.applies_to(out.tensor.dtype)
         chosen = out.codec if usable else CODECS["none"]
+        if usable and isinstance(out.state, AQState):
+            out.state.bind(samples)
         params, payload = chosen.encode(out.tensor, out.state if usable else None)
         packed = _maybe_lz4(payload, lz4_min_ratio)
         metas.append(
@@ -150,9 +199,10 @@ def encode_frame(
             }
         )
         payloads.append(packed if packed is not None else payload)
-    header = msgpack.packb(
-        {"kind": int(kind), "seq": seq, "version": version, "tensors": metas}, use_bin_type=True
-    )
+    fields: dict[str, Any] = {"kind": int(kind), "seq": seq, "version": version, "tensors": metas}
+    if samples:
+        fields["samples"] = list(samples)
+    header = msgpack.packb(fields, use_bin_type=True)
     return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *payloads])
 
 
@@ -266,7 +316,7 @@ def parse_frame(message: bytes, limits: FrameLimits) -> Frame:
             max_str_len=limits.max_header_bytes,
             max_bin_len=0,
             max_ext_len=0,
-            max_array_len=max(limits.max_tensors, limits.max_ndim),
+            max_array_len=max(limits.max_tensors, limits.max_ndim, limits.max_samples),
             max_map_len=8,
         )
     except Exception as exc:  # msgpack raises several unrelated types for bad input
@@ -282,6 +332,12 @@ def parse_frame(message: bytes, limits: FrameLimits) -> Frame:
     version = _field(header, "version", int, "header")
     if seq < 0 or version < 0:
         raise FrameError("header: seq and version must not be negative")
+    samples = header.get("samples", [])
+    if not isinstance(samples, list) or len(samples) > limits.max_samples:
+        raise FrameError(f"header: 'samples' must be a list of at most {limits.max_samples} ids")
+    for sample in samples:
+        if type(sample) is not int or sample < 0:
+            raise FrameError(f"header: sample id {sample!r:.40} is not a non-negative int")
     metas = _field(header, "tensors", list, "header")
     if not 0 < len(metas) <= limits.max_tensors:
         raise FrameError(f"header: {len(metas)} tensors, expected 1 to {limits.max_tensors}")
@@ -303,7 +359,14 @@ def parse_frame(message: bytes, limits: FrameLimits) -> Frame:
     for h in headers:
         payloads.append(body[offset : offset + h.nbytes])
         offset += h.nbytes
-    return Frame(kind=kind, seq=seq, version=version, headers=headers, payloads=tuple(payloads))
+    return Frame(
+        kind=kind,
+        seq=seq,
+        version=version,
+        headers=headers,
+        payloads=tuple(payloads),
+        samples=tuple(samples),
+    )
 
 
 @dataclass(frozen=True, slots=True)
