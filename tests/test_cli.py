@@ -101,8 +101,8 @@ def test_to_env_round_trips_the_training_config() -> None:
     assert again.train == cfg.train
 
 
-def test_unimplemented_staleness_is_refused_not_ignored() -> None:
-    _one_line_error(_run("demo", "--max-staleness", "2"), "max_staleness=2")
+def test_an_unbounded_staleness_is_refused() -> None:
+    _one_line_error(_run("demo", "--max-staleness", "9"), "max_staleness=9: must be 0 to 8")
 
 
 def test_gradient_only_codec_is_refused_for_activations() -> None:

@@ -23,14 +23,16 @@ async def _no_report(_: StepReport) -> None:
     raise AssertionError("no step should complete in these tests")
 
 
-def _runtime(pool: ThreadPoolExecutor, steps: int) -> StageRuntime:
+def _runtime(pool: ThreadPoolExecutor, steps: int, max_staleness: int = 0) -> StageRuntime:
     """Stage 1 of 3 (block 2 of tiny), as a swarm would build it."""
     model = get_model("tiny")
     return StageRuntime(
         spec=StageSpec(index=1, num_stages=3, first_block=2, stop_block=3),
         model=model,
         blocks=model.build_stage(0, 2, 3),
-        run=TrainConfig(model="tiny", steps=steps, batch_size=16, microbatches=4),
+        run=TrainConfig(
+            model="tiny", steps=steps, batch_size=16, microbatches=4, max_staleness=max_staleness
+        ),
         compute=pool,
         report=_no_report,
     )
@@ -63,16 +65,16 @@ def _grad(seq: int) -> Frame:
 
 
 async def _refused(stage: StageRuntime, frame: Frame, reason: str) -> None:
-    before = (stage.inbox.qsize(), stage.frames_accepted, stage.received_all_forwards)
+    before = (stage.queued, stage.frames_accepted, stage.received_all_forwards)
     with pytest.raises(FrameError, match=reason):
         await stage.accept_from_upstream(frame)
-    assert (stage.inbox.qsize(), stage.frames_accepted, stage.received_all_forwards) == before
+    assert (stage.queued, stage.frames_accepted, stage.received_all_forwards) == before
 
 
 async def test_forward_frames_in_order_are_queued(stage: StageRuntime) -> None:
     await stage.accept_from_upstream(_forward(0))
     await stage.accept_from_upstream(_forward(1))
-    assert stage.inbox.qsize() == 2 and stage.frames_accepted == 2
+    assert stage.queued == 2 and stage.frames_accepted == 2
     await _refused(stage, _forward(1), "forward seq 1, expected 2")
     await _refused(stage, _forward(5), "forward seq 5, expected 2")
 
@@ -85,22 +87,30 @@ async def test_wrong_version_shape_or_kind_is_refused(stage: StageRuntime) -> No
         await stage.accept_from_downstream(_grad(0))
     with pytest.raises(FrameError, match="only gradient frames travel upstream"):
         await stage.accept_from_downstream(_forward(0))
-    assert stage.inbox.qsize() == 0
+    assert stage.queued == 0
 
 
-async def test_frames_past_the_run_are_refused(stage: StageRuntime) -> None:
-    for seq in range(8):  # 2 steps x 4 microbatches: the inbox holds 2 x 4
-        await stage.accept_from_upstream(_forward(seq))
-    assert stage.received_all_forwards
-    await _refused(stage, _forward(8), "past the run's last microbatch 7")
+async def test_frames_past_the_run_are_refused() -> None:
+    with ThreadPoolExecutor(1) as pool:
+        stage = _runtime(pool, steps=1)
+        for seq in range(4):  # 1 step x 4 microbatches
+            await stage.accept_from_upstream(_forward(seq))
+        assert stage.received_all_forwards
+        await _refused(stage, _forward(4), "past the run's last microbatch 3")
 
 
 async def test_a_flood_beyond_the_schedule_is_refused() -> None:
-    with ThreadPoolExecutor(1) as pool:
-        stage = _runtime(pool, steps=10)
-        for seq in range(8):
-            await stage.accept_from_upstream(_forward(seq))
-        await _refused(stage, _forward(8), "more frames in flight than the schedule allows")
+    """With max_staleness S, an upstream that follows the schedule has at most S + 1 steps of
+    microbatches waiting here; one more is a flood."""
+    for staleness in (0, 2):
+        with ThreadPoolExecutor(1) as pool:
+            stage = _runtime(pool, steps=10, max_staleness=staleness)
+            window = (staleness + 1) * 4
+            for seq in range(window):
+                await stage.accept_from_upstream(_forward(seq, version=0))
+            await _refused(
+                stage, _forward(window, version=window // 4 - staleness), "more frames in flight"
+            )
 
 
 async def test_a_payload_that_does_not_decode_is_refused(stage: StageRuntime) -> None:
@@ -123,3 +133,14 @@ async def test_a_payload_that_does_not_decode_is_refused(stage: StageRuntime) ->
     message[start + 16 * 4] = 0x80  # the first int8 code after 16 float32 scales: -128
     await _refused(stage, parse_frame(bytes(message), limits), "code")
     await stage.accept_from_upstream(_forward(0))  # the schedule did not move: seq 0 still fits
+
+
+async def test_versions_older_than_the_staleness_bound_are_refused() -> None:
+    with ThreadPoolExecutor(1) as pool:
+        stage = _runtime(pool, steps=10, max_staleness=1)
+        for seq in range(4):
+            await stage.accept_from_upstream(_forward(seq))  # step 0, version 0
+        # Microbatch 4 is of step 1: computed with version 1, or 0 (one update behind).
+        await _refused(stage, _forward(4, version=2), "version 2, expected 1 or down to 0")
+        await stage.accept_from_upstream(_forward(4, version=0))
+        await _refused(stage, _forward(5, version=2), "version 2, expected 1 or down to 0")

@@ -34,6 +34,21 @@ log = logging.getLogger(__name__)
 PROTOCOL = "ravnest.v1"
 
 
+def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
+    """The schedule figures of a stage's final report, for the run summary."""
+    wall = report.wall_s
+    return {
+        "wall_s": wall,
+        "busy_fraction": report.compute_s / wall if wall > 0 else math.nan,
+        "idle_upstream_s": report.idle_upstream_s,
+        "idle_downstream_s": report.idle_downstream_s,
+        "staleness_histogram": list(report.staleness),
+        "max_staleness_seen": max((k for k, n in enumerate(report.staleness) if n), default=0),
+        "max_in_flight": report.max_in_flight,
+        "max_weight_versions": report.max_weight_versions,
+    }
+
+
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     """Serves `ravnest.v1.Coordinator`. All methods run on the node's event loop."""
 
@@ -263,6 +278,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     "compute_s": self._final[s.index].compute_s,
                     "activation_bytes_sent": self._final[s.index].activation_bytes_sent,
                     "gradient_bytes_sent": self._final[s.index].gradient_bytes_sent,
+                    **stage_schedule(self._final[s.index]),
                 }
                 for s in plan.stages
             ],

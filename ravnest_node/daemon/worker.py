@@ -136,7 +136,7 @@ class Worker:
             )
         if session.runtime.upstream is not None:
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS, "the upstream stream is already open")
-        link = BoundaryLink(peer_node_id, self.counters, outbox_size=2 * plan.run.microbatches)
+        link = BoundaryLink(peer_node_id, self.counters, outbox_size=session.runtime.window)
         session.runtime.upstream = link
         return link, session.runtime.accept_from_upstream
 
@@ -244,9 +244,15 @@ class Worker:
                             done=r.done,
                             params_sq_sum=r.params_sq_sum,
                             num_params=r.num_params,
-                            compute_s=r.compute_s,
-                            activation_bytes_sent=r.activation_bytes_sent,
-                            gradient_bytes_sent=r.gradient_bytes_sent,
+                            compute_s=r.metrics.compute_s,
+                            activation_bytes_sent=r.metrics.activation_bytes_sent,
+                            gradient_bytes_sent=r.metrics.gradient_bytes_sent,
+                            wall_s=r.metrics.wall_s,
+                            idle_upstream_s=r.metrics.idle_upstream_s,
+                            idle_downstream_s=r.metrics.idle_downstream_s,
+                            staleness=r.metrics.staleness,
+                            max_in_flight=r.metrics.max_in_flight,
+                            max_weight_versions=r.metrics.max_weight_versions,
                         ),
                         timeout=self._transport.connect_timeout_s,
                     )
@@ -263,7 +269,7 @@ class Worker:
             upstream_watch = tg.create_task(watch_upstream())
             if downstream is not None:
                 async with open_channel(downstream.address, self._transport) as channel:
-                    link = BoundaryLink(downstream.node_id, self.counters, 2 * run.microbatches)
+                    link = BoundaryLink(downstream.node_id, self.counters, runtime.window)
                     runtime.downstream = link
                     tg.create_task(runtime.run())
                     await run_client_stream(

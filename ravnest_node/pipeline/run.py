@@ -23,6 +23,7 @@ MAX_BATCH_SIZE = 4096
 # Room for a frame's prefix and msgpack header next to its payloads.
 FRAME_OVERHEAD_BYTES = 1024
 MAX_DATASET_SAMPLES = 1 << 24
+MAX_STALENESS = 8
 # A frame lists a microbatch's sample ids in its header (FrameLimits.max_samples).
 MAX_MICROBATCH_WITH_IDS = 512
 # aq-delta keeps a float32 reference per sample at each end of a boundary.
@@ -61,9 +62,14 @@ class TrainConfig:
     schedule: ScheduleName = "gpipe"
     """gpipe: a step's microbatches overlap in the pipeline; sequential: one at a time (naive)."""
     max_staleness: int = 0
-    """Updates a stage may apply between a microbatch's forward and backward (0 = synchronous)."""
+    """Updates a stage may apply between a microbatch's forward and backward (0 = synchronous;
+    1 lets the first stage feed the next step while gradients of this one flow back)."""
     fault_skip_step_stage: int | None = None
     """Test only: the stage with this index skips its optimizer step (to prove tests catch it)."""
+    fault_slow_stage: int | None = None
+    """Test only: the stage with this index works fault_slow_ms longer per microbatch."""
+    fault_slow_ms: int = 0
+    """Test only: extra milliseconds per microbatch on fault_slow_stage."""
 
     def __post_init__(self) -> None:
         get_model(self.model)  # raises ConfigError naming the known presets
@@ -98,11 +104,13 @@ class TrainConfig:
                 f"{self.gradient} is for activations only: use it as --activation-codec"
             )
         self._check_dataset()
-        if self.max_staleness != 0:
-            # Asynchronous stale-bounded updates are their own issue; refusing beats pretending.
+        if not 0 <= self.max_staleness <= MAX_STALENESS:
             raise ConfigError(
-                f"max_staleness={self.max_staleness}: only 0 (synchronous) is implemented so far"
+                f"max_staleness={self.max_staleness}: must be 0 to {MAX_STALENESS} (each unit "
+                "keeps one more step of microbatches and one more weight copy in flight)"
             )
+        if not 0 <= self.fault_slow_ms <= 60_000:
+            raise ConfigError(f"fault_slow_ms={self.fault_slow_ms}: must be 0 to 60000")
 
     def _check_dataset(self) -> None:
         n = self.dataset_samples
@@ -146,6 +154,12 @@ class TrainConfig:
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
+    @property
+    def window(self) -> int:
+        """Most microbatches a stage may hold between forward and backward, and most frames of
+        one direction that may wait for it: (max_staleness + 1) steps of microbatches."""
+        return (self.max_staleness + 1) * self.microbatches
+
     def to_proto(self, data_fingerprint: str) -> pb.RunSpec:
         spec = pb.RunSpec(
             model=self.model,
@@ -165,6 +179,9 @@ class TrainConfig:
         )
         if self.fault_skip_step_stage is not None:
             spec.fault_skip_step_stage = self.fault_skip_step_stage
+        if self.fault_slow_stage is not None:
+            spec.fault_slow_stage = self.fault_slow_stage
+            spec.fault_slow_ms = self.fault_slow_ms
         return spec
 
     @classmethod
@@ -190,6 +207,8 @@ class TrainConfig:
             fault_skip_step_stage=(
                 spec.fault_skip_step_stage if spec.HasField("fault_skip_step_stage") else None
             ),
+            fault_slow_stage=(spec.fault_slow_stage if spec.HasField("fault_slow_stage") else None),
+            fault_slow_ms=spec.fault_slow_ms if spec.HasField("fault_slow_stage") else 0,
         )
 
 

@@ -1,18 +1,34 @@
-"""The stage runtime: one node's share of the model, trained in step with its neighbours.
+"""The stage runtime: one node's share of the model, kept busy while bytes move.
 
 A stage owns blocks [first_block, stop_block) of the model. The first stage reads data and
 produces microbatches; every stage runs forward on what it receives and sends the activation
 downstream; the last stage computes the loss and starts the backward pass; activation gradients
-flow back upstream, and each stage steps its own optimizer once it has the gradients of all
-microbatches of a step.
+flow back upstream, and each stage steps its own optimizer as soon as it has the gradients of all
+microbatches of a step, without waiting for any other stage.
 
-With `max_staleness=0` (the only mode so far) a step is synchronous: every microbatch of step t
-is computed with the weights of version t (the number of optimizer steps applied), which frames
-carry and `accept` checks, so the swarm computes exactly what one process would. All torch work
-runs on one compute thread; the event loop only moves bytes and makes decisions. Frames are
-checked against the plan on the event loop as they arrive (`accept_from_*`) and decoded in a
-worker thread before they are queued: a refused frame, malformed payloads included, changes
-nothing.
+**The staleness bound.** A stage's weight version is the number of optimizer steps it has
+applied. A microbatch of step t may run forward on a stage only while t - version <= S
+(`max_staleness`), so at most S updates land between a microbatch's forward and its backward on
+any stage (its *staleness*, recorded per stage). The first stage therefore feeds microbatches of
+up to S steps ahead while earlier gradients are still on their way back, and the pipeline holds
+at most (S + 1) x microbatches microbatches per stage: that bounds the queues, the activations
+kept for backward and the weight versions kept. S = 0 is synchronous training: every microbatch
+of step t uses version t everywhere, exactly what one process computes.
+
+**Weight stashing** (PipeDream, Narayanan et al., arXiv 1806.03377): a microbatch's backward uses
+the very weights its forward used. Forward runs with `torch.func.functional_call` on a snapshot
+of the parameters taken for that version (one copy per version that still has microbatches in
+flight, at most S + 1); gradients are moved from the snapshot into the optimizer's parameters
+after each backward, and AdamW updates those in place.
+
+**The schedule** (1F1B): backward work first (it frees memory and unblocks the stages upstream),
+then a forward the bound allows, then (first stage) a new microbatch. The compute loop waits on
+an event when there is nothing it may do, never polls. All torch work runs on one compute
+thread; the event loop only moves bytes and makes decisions. Frames are checked against the plan
+and the schedule on the event loop as they arrive (`accept_from_*`) and decoded in a worker
+thread before they are queued: a refused frame, malformed payloads included, changes nothing.
+Sends go through the links' bounded outboxes, so network I/O overlaps compute and a slow
+neighbour applies backpressure.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ import hashlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -86,17 +103,50 @@ class Received:
 
 
 @dataclass(frozen=True, slots=True)
+class StageMetrics:
+    """What a stage measured about its own schedule, for reports and benchmarks."""
+
+    wall_s: float = 0.0
+    """Seconds since the stage's run started."""
+    compute_s: float = 0.0
+    """Seconds spent in torch work (forward, backward, optimizer, codecs)."""
+    idle_upstream_s: float = 0.0
+    """Seconds the compute loop had nothing to do but wait for the previous stage."""
+    idle_downstream_s: float = 0.0
+    """Seconds it waited for the next stage: for gradients, or for room in the outbox."""
+    staleness: tuple[int, ...] = ()
+    """Histogram: staleness[k] microbatches saw k updates between forward and backward."""
+    max_in_flight: int = 0
+    """Most microbatches this stage held between forward and backward at once."""
+    max_weight_versions: int = 0
+    """Most weight snapshots this stage kept at once."""
+    activation_bytes_sent: int = 0
+    gradient_bytes_sent: int = 0
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.compute_s / self.wall_s if self.wall_s > 0 else math.nan
+
+
+@dataclass(frozen=True, slots=True)
 class StepReport:
     """What a stage tells the coordinator after each optimizer step."""
 
     step: int
     loss: float
     done: bool
+    metrics: StageMetrics
     params_sq_sum: float = math.nan
     num_params: int = 0
-    compute_s: float = 0.0
-    activation_bytes_sent: int = 0
-    gradient_bytes_sent: int = 0
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A microbatch between its forward and its backward on this stage."""
+
+    version: int
+    inputs: torch.Tensor
+    outputs: torch.Tensor
 
 
 class StageRuntime:
@@ -128,11 +178,11 @@ class StageRuntime:
         self._act_state = self._act_codec.new_state()
         self._grad_state = self._grad_codec.new_state()
         self._lz4_ratio = LZ4_MIN_RATIO if run.lz4 else 0.0
-        m = run.microbatches
         mb = run.microbatch_size
         self._blocks = torch.nn.Sequential(*blocks)
+        self._params = dict(self._blocks.named_parameters())
         self._optimizer = torch.optim.AdamW(
-            self._blocks.parameters(), lr=run.lr, weight_decay=run.weight_decay
+            self._params.values(), lr=run.lr, weight_decay=run.weight_decay
         )
         self._data = (
             StdlibBytes(
@@ -149,8 +199,6 @@ class StageRuntime:
             if run.activation in ACTIVATION_ONLY and not spec.is_first
             else {}
         )
-        self.activation_bytes_sent = 0
-        self.gradient_bytes_sent = 0
         targets = model.target_spec(mb)
         self._expected_forward = [Expected(TARGETS, targets.shape, targets.dtype)]
         if not spec.is_first:
@@ -158,18 +206,33 @@ class StageRuntime:
             self._expected_forward.insert(0, Expected(HIDDEN, hidden.shape, hidden.dtype))
         out = model.output_spec(spec.stop_block - 1, mb)
         self._expected_backward = [Expected(GRAD, out.shape, out.dtype)]
-        self._total_microbatches = run.steps * m
-        # Frames received and accepted, waiting for the compute loop; bounded by the protocol:
-        # at most one step's microbatches per direction are ever in flight.
-        self.inbox: asyncio.Queue[Received] = asyncio.Queue(maxsize=2 * m)
+        self._total_microbatches = run.steps * run.microbatches
+        # Admitted frames waiting for the compute loop. The schedule bounds each queue by the
+        # window: a peer that sends more is refused.
+        self.window = run.window
+        self._forwards: deque[Received] = deque()
+        self._backwards: deque[Received] = deque()
+        self._wake = asyncio.Event()  # set whenever there may be new work or room
         self._next_forward_seq = 0  # next forward frame we accept from upstream
+        self._produced = 0  # first stage: microbatches fed into the pipeline
         self._awaiting_grad: set[int] = set()  # sent downstream, gradient not yet received
-        self._stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq -> (input, output)
+        self._in_flight: dict[int, _InFlight] = {}  # seq -> what its backward needs
+        # Weight snapshots by version, for the microbatches in flight (weight stashing).
+        self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.version = 0  # optimizer steps applied
         self._step_loss = 0.0
         self._step_done = 0  # microbatches of the current step whose backward is done
         self.frames_accepted = 0
-        self.compute_s = 0.0  # time spent in torch work, written by the compute thread only
+        # Metrics; compute_s is written by the compute thread only, the rest by the loop.
+        self.compute_s = 0.0
+        self._started = time.monotonic()
+        self._idle_upstream_s = 0.0
+        self._idle_downstream_s = 0.0
+        self._staleness: list[int] = [0] * (run.max_staleness + 1)
+        self._max_in_flight = 0
+        self._max_versions = 0
+        self.activation_bytes_sent = 0
+        self.gradient_bytes_sent = 0
         self._digest: tuple[int, str] | None = None
         self._digest_lock = asyncio.Lock()
 
@@ -187,31 +250,33 @@ class StageRuntime:
         await self._admit(frame)
 
     async def _admit(self, frame: Frame) -> None:
-        """Check a received frame against the plan, decode it, and queue it; FrameError (and
-        no change) if it does not fit or its payload does not decode. The checks and the
-        bookkeeping run on the event loop, so they never race the compute loop; frames of one
-        stream are admitted one at a time, in order."""
+        """Check a received frame against the plan and the schedule, decode it, and queue it;
+        FrameError (and no change) if it does not fit or its payload does not decode. The
+        checks and the bookkeeping run on the event loop, so they never race the compute loop;
+        frames of one stream are admitted one at a time, in order."""
         self._check(frame)
-        if self.inbox.full():
+        queue = self._forwards if frame.kind is FrameKind.FORWARD else self._backwards
+        if len(queue) >= self.window:
             raise FrameError("more frames in flight than the schedule allows")
         # Decoding validates the payload's content (codes, scales, indices, lz4); do it before
         # anything changes, off the event loop and off the compute thread.
         tensors, commit = await asyncio.to_thread(frame.decode_with, self._references)
-        received = Received(frame.kind, frame.seq, frame.version, tensors, frame.samples)
-        if self.inbox.full():
+        if len(queue) >= self.window:
             raise FrameError("more frames in flight than the schedule allows")
-        # No await from the check above to here: the put cannot fail, and the frame's effect
-        # on receiver state (aq-delta references) is applied only now that it is admitted.
+        # No await from the check above to here: the frame's effect on receiver state
+        # (aq-delta references) is applied only now that it is admitted.
         commit()
-        self.inbox.put_nowait(received)
+        queue.append(Received(frame.kind, frame.seq, frame.version, tensors, frame.samples))
         if frame.kind is FrameKind.FORWARD:
             self._next_forward_seq += 1
         else:
             self._awaiting_grad.discard(frame.seq)
         self.frames_accepted += 1
+        self._wake.set()
 
     def _check(self, frame: Frame) -> None:
         m = self.run_config.microbatches
+        step = frame.seq // m
         if frame.kind is FrameKind.FORWARD:
             if self.spec.is_first:
                 raise FrameError("the first stage takes no forward frames")
@@ -224,25 +289,21 @@ class StageRuntime:
             if frame.seq != self._next_forward_seq:
                 raise FrameError(f"forward seq {frame.seq}, expected {self._next_forward_seq}")
             self._check_samples(frame)
-            # Synchronous steps: microbatch seq belongs to step seq // m, computed with version
-            # seq // m. (Compared with the seq, not with our own version, which may still be
-            # one behind while our optimizer step runs.)
-            if frame.version != frame.seq // m:
-                raise FrameError(
-                    f"forward seq {frame.seq} carries weight version {frame.version}, "
-                    f"expected {frame.seq // m}"
-                )
         else:
             if self.spec.is_last:
                 raise FrameError("the last stage takes no gradient frames")
             check_tensors(frame, self._expected_backward)
             if frame.seq not in self._awaiting_grad:
                 raise FrameError(f"gradient for microbatch {frame.seq}, which is not in flight")
-            if frame.version != frame.seq // m:
-                raise FrameError(
-                    f"gradient seq {frame.seq} carries version {frame.version}, "
-                    f"expected {frame.seq // m}"
-                )
+        # The sender computed microbatch seq (of step seq // m) with weights no more than
+        # max_staleness versions old, and not from the future.
+        oldest = step - self.run_config.max_staleness
+        if not oldest <= frame.version <= step:
+            raise FrameError(
+                f"{frame.kind.name.lower()} seq {frame.seq} carries weight version "
+                f"{frame.version}, expected {step}"
+                + (f" or down to {max(oldest, 0)}" if oldest < step else "")
+            )
 
     def _check_samples(self, frame: Frame) -> None:
         """Forward frames of a fixed-dataset run list their rows' sample ids; others list none."""
@@ -263,48 +324,88 @@ class StageRuntime:
 
     @property
     def in_flight(self) -> int:
-        return len(self._stash)
+        """Microbatches between forward and backward on this stage."""
+        return len(self._in_flight)
+
+    @property
+    def queued(self) -> int:
+        """Admitted frames waiting for the compute loop."""
+        return len(self._forwards) + len(self._backwards)
 
     @property
     def done(self) -> bool:
         return self.version >= self.run_config.steps
 
+    def metrics(self) -> StageMetrics:
+        return StageMetrics(
+            wall_s=time.monotonic() - self._started,
+            compute_s=self.compute_s,
+            idle_upstream_s=self._idle_upstream_s,
+            idle_downstream_s=self._idle_downstream_s,
+            staleness=tuple(self._staleness),
+            max_in_flight=self._max_in_flight,
+            max_weight_versions=self._max_versions,
+            activation_bytes_sent=self.activation_bytes_sent,
+            gradient_bytes_sent=self.gradient_bytes_sent,
+        )
+
     # ----- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
         """Train until the last step is applied, then send the final report."""
-        m = self.run_config.microbatches
-        produced = self.version * m
+        self._started = time.monotonic()
         while not self.done:
-            # The first stage feeds the pipeline: all microbatches of the current step, with the
-            # current weights; then it waits for their gradients (synchronous, max_staleness=0).
-            if self.spec.is_first and produced < (self.version + 1) * m and self._may_produce():
-                await self._produce(produced)
-                produced += 1
-                continue
-            received = await self.inbox.get()
-            if received.kind is FrameKind.FORWARD:
+            if self._backwards:  # 1F1B: backward work first
+                await self._on_backward(self._backwards.popleft())
+            elif self._forwards and self._may_forward(self._forwards[0].seq):
+                received = self._forwards.popleft()
                 await self._on_forward(received.seq, received.tensors, received.samples)
+            elif self.spec.is_first and self._may_produce():
+                await self._produce(self._produced)
+                self._produced += 1
             else:
-                await self._on_backward(received)
+                await self._idle()
         params_sq_sum, num_params = await self._call(self._param_stats)
         await self._report(
             StepReport(
                 step=self.version,
                 loss=math.nan,
                 done=True,
+                metrics=self.metrics(),
                 params_sq_sum=params_sq_sum,
                 num_params=num_params,
-                compute_s=self.compute_s,
-                activation_bytes_sent=self.activation_bytes_sent,
-                gradient_bytes_sent=self.gradient_bytes_sent,
             )
         )
         if self.downstream is not None:
             await self.downstream.close()
 
+    async def _idle(self) -> None:
+        """Wait for a frame or a finished send; the time counts against the neighbour that
+        would have given us work (upstream when a forward would be allowed now)."""
+        waiting_for_upstream = (
+            not self.spec.is_first
+            and not self._forwards
+            and self._may_forward(self._next_forward_seq)
+        )
+        self._wake.clear()
+        started = time.monotonic()
+        await self._wake.wait()
+        waited = time.monotonic() - started
+        if waiting_for_upstream:
+            self._idle_upstream_s += waited
+        else:
+            self._idle_downstream_s += waited
+
+    def _may_forward(self, seq: int) -> bool:
+        """The staleness bound: microbatch seq (of step seq // microbatches) may run forward
+        with the current weights only if they are at most max_staleness versions behind."""
+        step = seq // self.run_config.microbatches
+        return step - self.version <= self.run_config.max_staleness
+
     def _may_produce(self) -> bool:
-        """GPipe feeds a step's microbatches back to back; the sequential (naive) schedule
-        waits until the previous microbatch's gradient is back."""
+        """GPipe/1F1B feed microbatches as far as the bound allows; the sequential (naive)
+        schedule waits until the previous microbatch's gradient is back."""
+        if self._produced >= self._total_microbatches or not self._may_forward(self._produced):
+            return False
         return self.run_config.schedule == "gpipe" or not self._awaiting_grad
 
     async def _produce(self, seq: int) -> None:
@@ -322,48 +423,66 @@ class StageRuntime:
         self, seq: int, received: dict[str, torch.Tensor], samples: tuple[int, ...]
     ) -> None:
         version = self.version
-        # Synchronous steps: frames of step t+1 wait in the inbox until step t is applied.
-        assert version == seq // self.run_config.microbatches, (version, seq)
+        assert self._may_forward(seq), (seq, version)
         if self.spec.is_last:
             loss, message = await self._call(self._forward_loss_backward, seq, received, version)
             self._step_loss += loss
+            self._record_staleness(0)
             if message is not None:
                 await self._send_upstream(message)
-            await self._microbatch_done()
+            await self._microbatch_done(seq)
         else:
             message = await self._call(self._forward, seq, received, version, samples)
-            assert self.downstream is not None
             self._awaiting_grad.add(seq)
+            self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
+            self._max_versions = max(self._max_versions, len(self._snapshots))
+            assert self.downstream is not None
             self.activation_bytes_sent += len(message)
-            await self.downstream.send(message)
+            await self._send(self.downstream, message)
 
     async def _on_backward(self, frame: Received) -> None:
+        forward_version = self._in_flight[frame.seq].version
         message = await self._call(self._backward, frame)
+        self._record_staleness(self.version - forward_version)
         if message is not None:
             await self._send_upstream(message)
-        await self._microbatch_done()
+        await self._microbatch_done(frame.seq)
+
+    def _record_staleness(self, staleness: int) -> None:
+        # Backward of step t runs at version t (steps apply in order), and its forward ran at
+        # a version >= t - max_staleness: anything else is a bug in the schedule.
+        if not 0 <= staleness <= self.run_config.max_staleness:
+            raise RuntimeError(f"staleness {staleness} outside 0..{self.run_config.max_staleness}")
+        self._staleness[staleness] += 1
 
     async def _send_upstream(self, message: bytes) -> None:
         assert self.upstream is not None
         self.gradient_bytes_sent += len(message)
-        await self.upstream.send(message)
+        await self._send(self.upstream, message)
 
-    async def _microbatch_done(self) -> None:
+    async def _send(self, link: BoundaryLink, message: bytes) -> None:
+        """Queue a frame on a link; time spent waiting for room counts as idle on that side."""
+        started = time.monotonic()
+        await link.send(message)
+        waited = time.monotonic() - started
+        if link is self.downstream:
+            self._idle_downstream_s += waited
+        else:
+            self._idle_upstream_s += waited
+
+    async def _microbatch_done(self, seq: int) -> None:
+        m = self.run_config.microbatches
+        assert seq // m == self.version, (seq, self.version)  # backwards arrive in order
         self._step_done += 1
-        if self._step_done < self.run_config.microbatches:
+        if self._step_done < m:
             return
         await self._call(self._optimizer_step)
         self.version += 1
         loss = self._step_loss if self.spec.is_last else math.nan
         self._step_done, self._step_loss = 0, 0.0
+        self._wake.set()  # the bound moved: forwards may be allowed now
         await self._report(
-            StepReport(
-                step=self.version,
-                loss=loss,
-                done=False,
-                activation_bytes_sent=self.activation_bytes_sent,
-                gradient_bytes_sent=self.gradient_bytes_sent,
-            )
+            StepReport(step=self.version, loss=loss, done=False, metrics=self.metrics())
         )
 
     async def _call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -378,6 +497,40 @@ class StageRuntime:
             self.compute_s += time.perf_counter() - started
 
     # ----- torch work, on the compute thread --------------------------------------------------
+    def _weights(self, version: int) -> dict[str, torch.Tensor]:
+        """The snapshot of the parameters at `version` (taken now if this is the first forward
+        with it): leaves that collect the gradients of the microbatches that used them."""
+        snapshot = self._snapshots.get(version)
+        if snapshot is None:
+            assert version == self.version
+            snapshot = {
+                name: p.detach().clone().requires_grad_(True) for name, p in self._params.items()
+            }
+            self._snapshots[version] = snapshot
+        return snapshot
+
+    def _apply_blocks(self, x: torch.Tensor, version: int) -> torch.Tensor:
+        out: torch.Tensor = torch.func.functional_call(self._blocks, self._weights(version), (x,))
+        return out
+
+    def _release(self, version: int) -> None:
+        """Move the snapshot's gradients into the optimizer's parameters (the step's gradient
+        sums microbatches in the order their backwards ran), and drop the snapshot once no
+        microbatch in flight uses it."""
+        snapshot = self._snapshots[version]
+        with torch.no_grad():
+            for name, p in self._params.items():
+                g = snapshot[name].grad
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+                snapshot[name].grad = None
+        if version != self.version and all(f.version != version for f in self._in_flight.values()):
+            del self._snapshots[version]
+
     def _inputs(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         x = tensors[HIDDEN]
         if not self.spec.is_first:
@@ -392,8 +545,8 @@ class StageRuntime:
         samples: tuple[int, ...],
     ) -> bytes:
         x, targets = self._inputs(received)
-        out = self._blocks(x)
-        self._stash[seq] = (x, out)
+        out = self._apply_blocks(x, version)
+        self._in_flight[seq] = _InFlight(version, x, out)
         return encode_frame(
             FrameKind.FORWARD,
             seq,
@@ -410,15 +563,20 @@ class StageRuntime:
         self, seq: int, received: dict[str, torch.Tensor], version: int
     ) -> tuple[float, bytes | None]:
         x, targets = self._inputs(received)
-        out = self._blocks(x)
+        out = self._apply_blocks(x, version)
         loss = self._model.loss(out, targets) / self.run_config.microbatches
         torch.autograd.backward(loss)
+        self._release(version)
+        self._slow_down()
         return loss.item(), self._grad_frame(seq, version, x)
 
     def _backward(self, frame: Received) -> bytes | None:
-        x, out = self._stash.pop(frame.seq)
-        torch.autograd.backward(out, frame.tensors[GRAD])
-        return self._grad_frame(frame.seq, frame.version, x)
+        flight = self._in_flight.pop(frame.seq)
+        torch.autograd.backward(flight.outputs, frame.tensors[GRAD])
+        self._release(flight.version)
+        self._slow_down()
+        # The gradient frame carries the version our forward used.
+        return self._grad_frame(frame.seq, flight.version, flight.inputs)
 
     def _grad_frame(self, seq: int, version: int, x: torch.Tensor) -> bytes | None:
         if self.spec.is_first:
@@ -432,17 +590,27 @@ class StageRuntime:
             lz4_min_ratio=self._lz4_ratio,
         )
 
+    def _slow_down(self) -> None:
+        """Test only: the stage named by fault_slow_stage works fault_slow_ms longer per
+        microbatch, as a slower machine would."""
+        if self.run_config.fault_slow_stage == self.spec.index:
+            time.sleep(self.run_config.fault_slow_ms / 1000)
+
     def _optimizer_step(self) -> None:
         if self.run_config.fault_skip_step_stage == self.spec.index:
             log.warning("fault injection: stage %d skips its optimizer step", self.spec.index)
         else:
             self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
+        # The current version's snapshot is stale now; keep it only while microbatches use it.
+        old = self.version
+        if old in self._snapshots and all(f.version != old for f in self._in_flight.values()):
+            del self._snapshots[old]
 
     def _param_stats(self) -> tuple[float, int]:
         with torch.no_grad():
-            total = sum(float(p.double().square().sum()) for p in self._blocks.parameters())
-            count = sum(p.numel() for p in self._blocks.parameters())
+            total = sum(float(p.double().square().sum()) for p in self._params.values())
+            count = sum(p.numel() for p in self._params.values())
         return total, count
 
     async def params_digest(self) -> str:
@@ -460,6 +628,6 @@ class StageRuntime:
     def _params_sha256(self) -> str:
         digest = hashlib.sha256()
         with torch.no_grad():
-            for p in self._blocks.parameters():
+            for p in self._params.values():
                 digest.update(p.detach().contiguous().numpy().tobytes())
         return digest.hexdigest()
