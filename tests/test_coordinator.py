@@ -10,7 +10,16 @@ import grpc
 import pytest
 
 from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
-from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.coordination.static_plan import (
+    Member,
+    check_plan,
+    replica_group,
+    stage_at,
+    static_plan,
+)
+from ravnest_node.errors import ConfigError
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 
 
@@ -127,3 +136,70 @@ async def test_reports_become_progress_and_a_summary(tmp_path: Path) -> None:
     assert summary["final_params_l2"] == 5.0 and summary["num_params"] == 7
     assert summary["bytes_on_wire"] == 180 and summary["wall_s"] == 2.0
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+async def test_two_pipelines_make_replica_groups_and_mean_losses(tmp_path: Path) -> None:
+    svc = CoordinatorService(
+        train=TrainConfig(model="bench-small", steps=2, batch_size=16, pipelines=2),
+        swarm_size=4,
+        swarm_id="test/bench-small",
+        summary_path=None,
+        clock=Clock(),
+    )
+    for node in "abcd":
+        await _join(svc, node)
+    plan = svc.plan
+    assert plan is not None and plan.run.pipelines == 2
+    assert [(s.pipeline, s.index, s.first_block, s.stop_block, s.node_id) for s in plan.stages] == [
+        (0, 0, 0, 4, "a"), (0, 1, 4, 8, "b"), (1, 0, 0, 4, "c"), (1, 1, 4, 8, "d"),
+    ]  # fmt: skip
+    me = check_plan(plan, get_model("bench-small"), "d")
+    assert [s.node_id for s in replica_group(plan, me)] == ["b", "d"]
+    first = stage_at(plan, 1, 0)
+    assert first is not None and first.node_id == "c"
+    assert stage_at(plan, 1, 2) is None
+    ctx: Any = FakeContext()
+
+    def report(node: str, pipeline: int, stage: int, step: int, **kw: Any) -> pb.StageReport:
+        return pb.StageReport(
+            node_id=node, pipeline=pipeline, stage=stage, plan_epoch=1, step=step, **kw
+        )
+
+    with pytest.raises(Aborted) as info:  # d owns stage 1 of pipeline 1, not of pipeline 0
+        await svc.Report(report("d", 0, 1, 1, loss=1.0), ctx)
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    await svc.Report(report("b", 0, 1, 1, loss=5.0), ctx)
+    await svc.Report(report("b", 0, 1, 2, loss=4.0), ctx)
+    await svc.Report(report("d", 1, 1, 1, loss=3.0), ctx)  # step 1 is complete now
+    await svc.Report(report("d", 1, 1, 2, loss=2.0), ctx)
+    for node, pipeline, stage in (("a", 0, 0), ("b", 0, 1), ("c", 1, 0), ("d", 1, 1)):
+        await svc.Report(report(node, pipeline, stage, 2, done=True, num_params=1), ctx)
+    events = [e async for e in svc.WatchProgress(pb.WatchProgressRequest(), ctx)]
+    assert [(e.step, e.loss, e.samples) for e in events[:2]] == [(1, 4.0, 32), (2, 3.0, 64)]
+    summary = json.loads(events[-1].summary_json)
+    assert summary["loss_history_per_pipeline"] == [[5.0, 4.0], [3.0, 2.0]]
+    assert summary["samples"] == 64 and summary["num_params"] == 2
+
+
+def test_plans_with_replicas_are_checked() -> None:
+    model = get_model("bench-small")
+    members = [Member(node_id=n, address=f"{n}:1") for n in "abcd"]
+    plan = static_plan(
+        epoch=1, swarm_id="s", model=model, members=members, run=pb.RunSpec(pipelines=2)
+    )
+    assert check_plan(plan, model, "c").pipeline == 1
+    bad = pb.Plan()
+    bad.CopyFrom(plan)
+    bad.stages[3].first_block = 5  # pipeline 1 cut differently from pipeline 0
+    with pytest.raises(ConfigError, match="out of order"):
+        check_plan(bad, model, "c")
+    bad.CopyFrom(plan)
+    bad.stages[2].pipeline = 0
+    with pytest.raises(ConfigError, match="out of order"):
+        check_plan(bad, model, "c")
+    with pytest.raises(ConfigError, match="3 nodes cannot form 2 equal pipelines"):
+        static_plan(
+            epoch=1, swarm_id="s", model=model, members=members[:3], run=pb.RunSpec(pipelines=2)
+        )
+    with pytest.raises(ConfigError, match="multiple"):
+        check_swarm_shape(3, TrainConfig(pipelines=2))

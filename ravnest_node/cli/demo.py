@@ -30,7 +30,7 @@ from ravnest_node.cli.signals import install_stop_handlers
 from ravnest_node.daemon.node import LogLevel
 from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.models import get_model
-from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
+from ravnest_node.pipeline.run import TrainConfig, check_frame_limit, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import write_atomic
@@ -59,12 +59,7 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 64:
             raise ConfigError(f"nodes={self.nodes}: must be between 1 and 64")
-        num_blocks = get_model(self.train.model).num_blocks()
-        if self.nodes > num_blocks:
-            raise ConfigError(
-                f"nodes={self.nodes}: model {self.train.model} has only {num_blocks} blocks, "
-                "so at most that many stages"
-            )
+        check_swarm_shape(self.nodes, self.train)
         if self.compute_threads < 0:
             raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
         check_frame_limit(self.train, self.transport.max_message_bytes)
@@ -320,8 +315,10 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         f"{s['gradient_codec']} back)",
         f"final parameter L2 norm {s['final_params_l2']:.6f}",
     ]
+    several = s.get("pipelines", 1) > 1
     lines += [
-        f"  stage {st['index']}: blocks [{st['blocks'][0]}, {st['blocks'][1]}) "
+        ("  " + (f"pipeline {st['pipeline']} " if several else ""))
+        + f"stage {st['index']}: blocks [{st['blocks'][0]}, {st['blocks'][1]}) "
         f"on {st['address']} (node {st['node_id']})"
         for st in s["stages"]
     ]

@@ -23,7 +23,7 @@ from ravnest_node.coordination.static_plan import Member, static_plan
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
-from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import MAX_NODE_ID_LEN, valid_node_id, write_atomic
@@ -35,9 +35,12 @@ PROTOCOL = "ravnest.v1"
 
 
 def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
-    """The schedule figures of a stage's final report, for the run summary."""
+    """The traffic and schedule figures of a stage's final report, for the run summary."""
     wall = report.wall_s
     return {
+        "compute_s": report.compute_s,
+        "activation_bytes_sent": report.activation_bytes_sent,
+        "gradient_bytes_sent": report.gradient_bytes_sent,
         "wall_s": wall,
         "busy_fraction": report.compute_s / wall if wall > 0 else math.nan,
         "idle_upstream_s": report.idle_upstream_s,
@@ -46,6 +49,10 @@ def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
         "max_staleness_seen": max((k for k, n in enumerate(report.staleness) if n), default=0),
         "max_in_flight": report.max_in_flight,
         "max_weight_versions": report.max_weight_versions,
+        "averaging_rounds": report.averaging_rounds,
+        "averaging_rounds_incomplete": report.averaging_rounds_incomplete,
+        "averaging_bytes_sent": report.averaging_bytes_sent,
+        "averaging_wait_s": report.averaging_wait_s,
     }
 
 
@@ -64,6 +71,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._train = train
         self._model = get_model(train.model)
         self._swarm_size = swarm_size
+        check_swarm_shape(swarm_size, train)
         self._swarm_id = swarm_id
         self._summary_path = summary_path
         self._clock = clock
@@ -71,9 +79,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._plan: pb.Plan | None = None
         self._changed = asyncio.Condition()
         self._started_at = 0.0
-        self._losses: dict[int, float] = {}
+        self._pipeline_losses: dict[int, dict[int, float]] = {}  # pipeline -> step -> loss
+        self._losses: dict[int, float] = {}  # step -> mean loss over the pipelines
         self._bytes_sent: dict[str, int] = {}
-        self._final: dict[int, pb.StageReport] = {}
+        self._final: dict[tuple[int, int], pb.StageReport] = {}  # (pipeline, stage) -> report
         self._events: list[pb.Progress] = []
         data = StdlibBytes(seq_len=self._model.input_spec(1).shape[1], seed=train.seed)
         self._fingerprint = data.fingerprint
@@ -176,38 +185,50 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if plan is None or request.plan_epoch != plan.epoch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "report for an unknown plan")
         assert plan is not None
-        if not (
-            request.stage < len(plan.stages)
-            and plan.stages[request.stage].node_id == request.node_id
-        ):
+        owner = next((s for s in plan.stages if s.node_id == request.node_id), None)
+        if owner is None or (owner.pipeline, owner.index) != (request.pipeline, request.stage):
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"node {request.node_id!r} does not own stage {request.stage}",
+                f"node {request.node_id!r} does not own stage {request.stage} of pipeline "
+                f"{request.pipeline}",
             )
+        assert owner is not None
+        key = (owner.pipeline, owner.index)
         # Counters only grow; max() keeps a late-arriving older report from undoing a newer one.
         previous = self._bytes_sent.get(request.node_id, 0)
         self._bytes_sent[request.node_id] = max(previous, request.bytes_sent)
-        last = len(plan.stages) - 1
+        last = len(plan.stages) // self._train.pipelines - 1
         if request.done:
-            if request.stage in self._final or request.step != self._train.steps:
+            if key in self._final or request.step != self._train.steps:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"stage {request.stage} cannot be done at step {request.step}",
+                    f"stage {request.stage} of pipeline {request.pipeline} cannot be done at "
+                    f"step {request.step}",
                 )
-            self._final[request.stage] = request
+            self._final[key] = request
             if len(self._final) == len(plan.stages):
                 self._events.append(self._finish(plan))
-        elif request.stage == last:
+        elif owner.index == last:
             # Steps are reported once each, in order: anything else is a confused or hostile
             # peer, and must not grow the event list.
-            expected = len(self._losses) + 1
+            losses = self._pipeline_losses.setdefault(owner.pipeline, {})
+            expected = len(losses) + 1
             if request.step != expected or expected > self._train.steps:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"report for step {request.step}, expected step {expected}",
                 )
-            self._losses[request.step] = request.loss
-            self._events.append(self._progress(request.step, request.loss))
+            losses[request.step] = request.loss
+            # A step is complete once every pipeline has reported it; pipelines report in
+            # order, so steps complete in order too.
+            step = len(self._losses) + 1
+            while step <= self._train.steps and all(
+                step in self._pipeline_losses.get(p, {}) for p in range(self._train.pipelines)
+            ):
+                mean = sum(self._pipeline_losses[p][step] for p in range(self._train.pipelines))
+                self._losses[step] = mean / self._train.pipelines
+                self._events.append(self._progress(step, self._losses[step]))
+                step += 1
         await self._notify()
         return pb.ReportReply()
 
@@ -216,7 +237,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             step=step,
             steps=self._train.steps,
             loss=loss,
-            samples=step * self._train.batch_size,
+            samples=step * self._train.batch_size * self._train.pipelines,
             wall_s=self._clock() - self._started_at,
             bytes_on_wire=sum(self._bytes_sent.values()),
         )
@@ -234,8 +255,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The run summary; every figure comes from what the stages reported."""
         t = self._train
         wall_s = self._clock() - self._started_at
-        samples = t.steps * t.batch_size
+        samples = t.steps * t.batch_size * t.pipelines
         losses = [self._losses.get(step, math.nan) for step in range(1, t.steps + 1)]
+        first_pipeline = [r for (p, _), r in self._final.items() if p == 0]
         bytes_on_wire = sum(self._bytes_sent.values())
         activation_bytes = sum(r.activation_bytes_sent for r in self._final.values())
         gradient_bytes = sum(r.gradient_bytes_sent for r in self._final.values())
@@ -258,8 +280,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "gradient_bytes_per_sample": gradient_bytes / samples,
             "dataset_samples": t.dataset_samples,
             "epochs": samples / t.dataset_samples if t.dataset_samples else math.nan,
-            "final_params_l2": math.sqrt(sum(r.params_sq_sum for r in self._final.values())),
-            "num_params": sum(r.num_params for r in self._final.values()),
+            # Of pipeline 0: replicas agree up to their last averaging round.
+            "final_params_l2": math.sqrt(sum(r.params_sq_sum for r in first_pipeline)),
+            "num_params": sum(r.num_params for r in first_pipeline),
+            "pipelines": t.pipelines,
+            "loss_history_per_pipeline": [
+                [self._pipeline_losses.get(p, {}).get(s, math.nan) for s in range(1, t.steps + 1)]
+                for p in range(t.pipelines)
+            ],
+            "average_every": t.average_every,
+            "average_codec": t.average_codec,
             "codec": t.activation,
             "gradient_codec": t.gradient,
             "lz4": t.lz4,
@@ -270,15 +300,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "schedule": t.schedule,
             "stages": [
                 {
+                    "pipeline": s.pipeline,
                     "index": s.index,
                     "blocks": [s.first_block, s.stop_block],
                     "node_id": s.node_id,
                     "address": s.address,
                     "bytes_sent": self._bytes_sent.get(s.node_id, 0),
-                    "compute_s": self._final[s.index].compute_s,
-                    "activation_bytes_sent": self._final[s.index].activation_bytes_sent,
-                    "gradient_bytes_sent": self._final[s.index].gradient_bytes_sent,
-                    **stage_schedule(self._final[s.index]),
+                    **stage_schedule(self._final[(s.pipeline, s.index)]),
                 }
                 for s in plan.stages
             ],

@@ -31,41 +31,77 @@ def static_plan(
     members: Sequence[Member],
     run: pb.RunSpec,
 ) -> pb.Plan:
-    """Stage i (blocks balanced by `model.block_costs()`) goes to members[i]."""
-    cuts = partition(model.block_costs(), len(members))
+    """`run.pipelines` pipelines of len(members) / pipelines stages each (blocks balanced by
+    `model.block_costs()`, the same cut in every pipeline). Member j owns stage j % S of
+    pipeline j // S; stages with the same index in different pipelines form a replica group."""
+    pipelines = max(1, run.pipelines)
+    if len(members) % pipelines:
+        raise ConfigError(f"{len(members)} nodes cannot form {pipelines} equal pipelines")
+    per_pipeline = len(members) // pipelines
+    cuts = partition(model.block_costs(), per_pipeline)
     return pb.Plan(
         epoch=epoch,
         swarm_id=swarm_id,
         run=run,
         stages=[
             pb.StageAssignment(
-                index=i, first_block=start, stop_block=stop, node_id=m.node_id, address=m.address
+                pipeline=j // per_pipeline,
+                index=j % per_pipeline,
+                first_block=cuts[j % per_pipeline][0],
+                stop_block=cuts[j % per_pipeline][1],
+                node_id=m.node_id,
+                address=m.address,
             )
-            for i, ((start, stop), m) in enumerate(zip(cuts, members, strict=True))
+            for j, m in enumerate(members)
         ],
     )
 
 
 def check_plan(plan: pb.Plan, model: BlockModel, node_id: str) -> pb.StageAssignment:
     """This node's stage in a received plan, after checking that the plan is one a node can
-    follow: stages numbered in order, contiguous and covering every block, one per node, with
-    valid ids and addresses. Raises ConfigError saying what is wrong."""
+    follow: `run.pipelines` pipelines listed in order, each with its stages numbered in order,
+    contiguous, covering every block and cut the same way; one stage per node, with valid ids
+    and addresses. Raises ConfigError saying what is wrong."""
     stages = plan.stages
-    if not 0 < len(stages) <= model.num_blocks():
-        raise ConfigError(f"plan has {len(stages)} stages for {model.num_blocks()} blocks")
+    pipelines = max(1, plan.run.pipelines)
+    if not stages or len(stages) % pipelines:
+        raise ConfigError(f"plan has {len(stages)} stages for {pipelines} pipelines")
+    per_pipeline = len(stages) // pipelines
+    if per_pipeline > model.num_blocks():
+        raise ConfigError(f"plan has {per_pipeline} stages for {model.num_blocks()} blocks")
     expected_start = 0
-    for i, s in enumerate(stages):
-        if s.index != i or s.first_block != expected_start or s.stop_block <= s.first_block:
-            raise ConfigError(f"plan stage {i} is out of order or empty")
+    for j, s in enumerate(stages):
+        p, i = divmod(j, per_pipeline)
+        if i == 0:
+            expected_start = 0
+        first = stages[i]
+        if s.pipeline != p or s.index != i or s.first_block != expected_start:
+            raise ConfigError(f"plan stage {i} of pipeline {p} is out of order")
+        if s.stop_block <= s.first_block or s.stop_block != first.stop_block:
+            raise ConfigError(f"plan stage {i} of pipeline {p} is empty or cut differently")
         if not valid_node_id(s.node_id):
-            raise ConfigError(f"plan stage {i} has an invalid node id")
+            raise ConfigError(f"plan stage {i} of pipeline {p} has an invalid node id")
         split_host_port(s.address)
         expected_start = s.stop_block
-    if expected_start != model.num_blocks():
-        raise ConfigError(f"plan covers {expected_start} of {model.num_blocks()} blocks")
+        if i == per_pipeline - 1 and expected_start != model.num_blocks():
+            raise ConfigError(f"plan covers {expected_start} of {model.num_blocks()} blocks")
     if len({s.node_id for s in stages}) != len(stages):
         raise ConfigError("plan gives one node several stages")
     mine = [s for s in stages if s.node_id == node_id]
     if not mine:
         raise ConfigError(f"plan epoch {plan.epoch} has no stage for this node")
     return mine[0]
+
+
+def stage_at(plan: pb.Plan, pipeline: int, index: int) -> pb.StageAssignment | None:
+    """Stage `index` of `pipeline` in a checked plan, or None past either end."""
+    per_pipeline = len(plan.stages) // max(1, plan.run.pipelines)
+    if not 0 <= index < per_pipeline:
+        return None
+    return plan.stages[pipeline * per_pipeline + index]
+
+
+def replica_group(plan: pb.Plan, me: pb.StageAssignment) -> list[pb.StageAssignment]:
+    """The owners of my stage in every pipeline (me included), in pipeline order."""
+    group = [stage_at(plan, p, me.index) for p in range(max(1, plan.run.pipelines))]
+    return [s for s in group if s is not None]

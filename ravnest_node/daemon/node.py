@@ -24,7 +24,7 @@ import torch
 from ravnest_node.coordination.coordinator import CoordinatorService
 from ravnest_node.daemon.worker import Worker
 from ravnest_node.errors import ConfigError, RavnestError, RunFailed, StartupError
-from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
+from ravnest_node.pipeline.run import TrainConfig, check_frame_limit, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import load_or_create_node_id, write_atomic
@@ -79,6 +79,7 @@ class NodeConfig:
             raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
         if self.is_coordinator:
             check_frame_limit(self.train, self.transport.max_message_bytes)
+            check_swarm_shape(self.swarm_size, self.train)
 
     @property
     def is_coordinator(self) -> bool:

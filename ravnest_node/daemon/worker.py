@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from ravnest_node.coordination.coordinator import PROTOCOL
-from ravnest_node.coordination.static_plan import check_plan
+from ravnest_node.coordination.static_plan import check_plan, stage_at
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
@@ -188,9 +188,11 @@ class Worker:
             raise RunFailed(f"cannot follow plan epoch {plan.epoch}: {exc}") from None
         spec = StageSpec(
             index=me.index,
-            num_stages=len(plan.stages),
+            num_stages=len(plan.stages) // run.pipelines,
             first_block=me.first_block,
             stop_block=me.stop_block,
+            pipeline=me.pipeline,
+            num_pipelines=run.pipelines,
         )
         reports: asyncio.Queue[StepReport] = asyncio.Queue()
 
@@ -214,8 +216,9 @@ class Worker:
                 f"({runtime.data_fingerprint} vs {plan.run.data_fingerprint}): "
                 "use the same Python version on every node"
             )
-        downstream = None if spec.is_last else plan.stages[me.index + 1]
-        upstream_id = "" if spec.is_first else plan.stages[me.index - 1].node_id
+        downstream = stage_at(plan, me.pipeline, me.index + 1)
+        upstream = stage_at(plan, me.pipeline, me.index - 1)
+        upstream_id = "" if upstream is None else upstream.node_id
         loop = asyncio.get_running_loop()
         self.plan = plan
         self._session = _Session(runtime, upstream_id, loop.create_future())
@@ -237,6 +240,7 @@ class Worker:
                         pb.StageReport(
                             node_id=self.node_id,
                             stage=spec.index,
+                            pipeline=spec.pipeline,
                             plan_epoch=plan.epoch,
                             step=r.step,
                             loss=r.loss,

@@ -24,6 +24,9 @@ MAX_BATCH_SIZE = 4096
 FRAME_OVERHEAD_BYTES = 1024
 MAX_DATASET_SAMPLES = 1 << 24
 MAX_STALENESS = 8
+MAX_PIPELINES = 64
+# Codecs replica averaging may use for parameter deltas (error feedback on the sender).
+AVERAGE_CODECS = ("none", "bf16", "int8-block", "int4-block")
 # A frame lists a microbatch's sample ids in its header (FrameLimits.max_samples).
 MAX_MICROBATCH_WITH_IDS = 512
 # aq-delta keeps a float32 reference per sample at each end of a boundary.
@@ -70,6 +73,19 @@ class TrainConfig:
     """Test only: the stage with this index works fault_slow_ms longer per microbatch."""
     fault_slow_ms: int = 0
     """Test only: extra milliseconds per microbatch on fault_slow_stage."""
+    pipelines: int = 1
+    """Pipelines training side by side, each on its own shard of the data; the swarm's nodes are
+    split evenly between them and the owners of a stage average as a replica group."""
+    average_every: int = 16
+    """Local optimizer steps between two averaging rounds of a replica group (DiLoCo's H)."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer (Nesterov) step applied to the averaged parameter delta."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer Nesterov step."""
+    average_codec: str = "int8-block"
+    """Codec of the parameter deltas replicas exchange (with error feedback)."""
+    average_timeout_s: float = 10.0
+    """How long an averaging round waits for the other replicas before leaving them out."""
 
     def __post_init__(self) -> None:
         get_model(self.model)  # raises ConfigError naming the known presets
@@ -109,6 +125,18 @@ class TrainConfig:
                 f"max_staleness={self.max_staleness}: must be 0 to {MAX_STALENESS} (each unit "
                 "keeps one more step of microbatches and one more weight copy in flight)"
             )
+        if not 1 <= self.pipelines <= MAX_PIPELINES:
+            raise ConfigError(f"pipelines={self.pipelines}: must be 1 to {MAX_PIPELINES}")
+        if self.average_every < 1 or not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(
+                "average_every must be >= 1, outer_lr > 0 and outer_momentum in [0, 1)"
+            )
+        if self.average_codec not in AVERAGE_CODECS:
+            raise ConfigError(
+                f"average_codec={self.average_codec!r}: choose one of {', '.join(AVERAGE_CODECS)}"
+            )
+        if not 0 < self.average_timeout_s <= 3600:
+            raise ConfigError(f"average_timeout_s={self.average_timeout_s}: must be in (0, 3600]")
         if not 0 <= self.fault_slow_ms <= 60_000:
             raise ConfigError(f"fault_slow_ms={self.fault_slow_ms}: must be 0 to 60000")
 
@@ -170,6 +198,12 @@ class TrainConfig:
             weight_decay=self.weight_decay,
             seed=self.seed,
             dataset_samples=self.dataset_samples,
+            pipelines=self.pipelines,
+            average_every=self.average_every,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            average_codec=self.average_codec,
+            average_timeout_s=self.average_timeout_s,
             activation_codec=self.activation,
             gradient_codec=self.gradient,
             lz4=self.lz4,
@@ -199,6 +233,12 @@ class TrainConfig:
             weight_decay=spec.weight_decay,
             seed=spec.seed,
             dataset_samples=spec.dataset_samples,
+            pipelines=spec.pipelines,
+            average_every=spec.average_every,
+            outer_lr=spec.outer_lr,
+            outer_momentum=spec.outer_momentum,
+            average_codec=spec.average_codec,
+            average_timeout_s=spec.average_timeout_s,
             activation_codec=spec.activation_codec,
             gradient_codec=spec.gradient_codec,
             lz4=spec.lz4,
@@ -241,4 +281,19 @@ def check_frame_limit(run: TrainConfig, max_message_bytes: int) -> None:
         raise ConfigError(
             f"max_message_bytes={max_message_bytes} is too small for {run.model} with "
             f"microbatches of {run.microbatch_size}: frames need up to {need} bytes"
+        )
+
+
+def check_swarm_shape(nodes: int, run: TrainConfig) -> None:
+    """ConfigError unless `nodes` split into `run.pipelines` equal pipelines of at most as many
+    stages as the model has blocks."""
+    if nodes % run.pipelines:
+        raise ConfigError(
+            f"{nodes} nodes cannot form {run.pipelines} equal pipelines: use a multiple"
+        )
+    num_blocks = get_model(run.model).num_blocks()
+    if nodes // run.pipelines > num_blocks:
+        raise ConfigError(
+            f"nodes={nodes}: model {run.model} has only {num_blocks} blocks, so at most that "
+            f"many stages per pipeline ({run.pipelines} pipelines)"
         )

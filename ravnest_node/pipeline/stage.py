@@ -81,6 +81,8 @@ class StageSpec:
     num_stages: int
     first_block: int
     stop_block: int
+    pipeline: int = 0
+    num_pipelines: int = 1
 
     @property
     def is_first(self) -> bool:
@@ -188,6 +190,8 @@ class StageRuntime:
             StdlibBytes(
                 seq_len=model.input_spec(1).shape[1],
                 seed=run.seed,
+                shard=spec.pipeline,
+                num_shards=spec.num_pipelines,
                 num_samples=run.dataset_samples,
             )
             if spec.is_first

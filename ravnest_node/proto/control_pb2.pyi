@@ -45,7 +45,7 @@ class WatchPlanRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms")
+    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,12 @@ class RunSpec(_message.Message):
     DATASET_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FAULT_SLOW_STAGE_FIELD_NUMBER: _ClassVar[int]
     FAULT_SLOW_MS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_FIELD_NUMBER: _ClassVar[int]
+    OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_CODEC_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     steps: int
     batch_size: int
@@ -80,21 +86,29 @@ class RunSpec(_message.Message):
     dataset_samples: int
     fault_slow_stage: int
     fault_slow_ms: int
-    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ...) -> None: ...
+    pipelines: int
+    average_every: int
+    outer_lr: float
+    outer_momentum: float
+    average_codec: str
+    average_timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("index", "first_block", "stop_block", "node_id", "address")
+    __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     STOP_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     index: int
     first_block: int
     stop_block: int
     node_id: str
     address: str
-    def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    pipeline: int
+    def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("epoch", "swarm_id", "run", "stages")
@@ -109,7 +123,7 @@ class Plan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness", "max_in_flight", "max_weight_versions")
+    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +142,11 @@ class StageReport(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_ROUNDS_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     stage: int
     plan_epoch: int
@@ -146,7 +165,12 @@ class StageReport(_message.Message):
     staleness: _containers.RepeatedScalarFieldContainer[int]
     max_in_flight: int
     max_weight_versions: int
-    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ..., activation_bytes_sent: _Optional[int] = ..., gradient_bytes_sent: _Optional[int] = ..., wall_s: _Optional[float] = ..., idle_upstream_s: _Optional[float] = ..., idle_downstream_s: _Optional[float] = ..., staleness: _Optional[_Iterable[int]] = ..., max_in_flight: _Optional[int] = ..., max_weight_versions: _Optional[int] = ...) -> None: ...
+    pipeline: int
+    averaging_rounds: int
+    averaging_rounds_incomplete: int
+    averaging_bytes_sent: int
+    averaging_wait_s: float
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ..., activation_bytes_sent: _Optional[int] = ..., gradient_bytes_sent: _Optional[int] = ..., wall_s: _Optional[float] = ..., idle_upstream_s: _Optional[float] = ..., idle_downstream_s: _Optional[float] = ..., staleness: _Optional[_Iterable[int]] = ..., max_in_flight: _Optional[int] = ..., max_weight_versions: _Optional[int] = ..., pipeline: _Optional[int] = ..., averaging_rounds: _Optional[int] = ..., averaging_rounds_incomplete: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ..., averaging_wait_s: _Optional[float] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ()
