@@ -38,6 +38,7 @@ def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
     """The traffic and schedule figures of a stage's final report, for the run summary."""
     wall = report.wall_s
     return {
+        "params_sq_sum": report.params_sq_sum,
         "compute_s": report.compute_s,
         "activation_bytes_sent": report.activation_bytes_sent,
         "gradient_bytes_sent": report.gradient_bytes_sent,

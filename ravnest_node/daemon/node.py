@@ -21,6 +21,7 @@ from typing import Any, Literal
 import grpc
 import torch
 
+from ravnest_node.averaging import AveragingService
 from ravnest_node.coordination.coordinator import CoordinatorService
 from ravnest_node.daemon.worker import Worker
 from ravnest_node.errors import ConfigError, RavnestError, RunFailed, StartupError
@@ -140,7 +141,9 @@ class NodeDaemon:
             raise StartupError(f"cannot listen on {cfg.listen}: {_bind_reason(exc)}") from None
         self.address = cfg.advertise or f"{host}:{port}"
         coordinator_address = cfg.join or self.address
+        averaging = AveragingService()
         worker = Worker(
+            averaging=averaging,
             node_id=self.node_id,
             address=self.address,
             coordinator=coordinator_address,
@@ -150,6 +153,7 @@ class NodeDaemon:
             counters=self._counters,
         )
         self._worker = worker
+        server.add_generic_rpc_handlers([averaging.handler()])
         boundary = BoundaryServer(
             worker.open_session, worker.close_session, worker.on_refused, worker.limits
         )

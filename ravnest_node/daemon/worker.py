@@ -15,13 +15,15 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 import grpc
+import torch
 
+from ravnest_node.averaging import AveragingConfig, AveragingService, Member, ReplicaAverager
 from ravnest_node.coordination.coordinator import PROTOCOL
-from ravnest_node.coordination.static_plan import check_plan, stage_at
+from ravnest_node.coordination.static_plan import check_plan, replica_group, stage_at
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
-from ravnest_node.pipeline.stage import StageRuntime, StageSpec, StepReport
+from ravnest_node.pipeline.stage import Averaging, StageRuntime, StageSpec, StepReport
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.boundary import (
@@ -85,8 +87,10 @@ class Worker:
         transport: TransportConfig,
         compute: Executor,
         counters: LinkCounters,
+        averaging: AveragingService | None = None,
     ) -> None:
         self.node_id = node_id
+        self._averaging_service = averaging
         self._address = address
         self._coordinator = coordinator
         self._threads = compute_threads
@@ -178,6 +182,49 @@ class Worker:
                 raise PeerUnavailable(f"coordinator {self._coordinator} closed the plan stream")
             await self._train(plan, stub)
 
+    def _averaging(
+        self,
+        plan: pb.Plan,
+        me: pb.StageAssignment,
+        run: TrainConfig,
+        blocks: list[torch.nn.Module],
+    ) -> Averaging | None:
+        """This stage's replica group, attached to the node's Push service; None with one
+        pipeline."""
+        group = replica_group(plan, me)
+        if len(group) < 2:
+            return None
+        if self._averaging_service is None:
+            raise RunFailed("this node cannot serve replica averaging")
+        config = AveragingConfig(
+            every_steps=run.average_every,
+            outer_lr=run.outer_lr,
+            momentum=run.outer_momentum,
+            codec=run.average_codec,
+            timeout_s=run.average_timeout_s,
+        )
+        try:
+            averager = ReplicaAverager(
+                node_id=self.node_id,
+                members=[Member(node_id=s.node_id, address=s.address) for s in group],
+                config=config,
+                numel=sum(p.numel() for b in blocks for p in b.parameters()),
+                max_message_bytes=self._transport.max_message_bytes,
+                counters=self.counters,
+            )
+        except ConfigError as exc:
+            raise RunFailed(f"cannot average stage {me.index}: {exc}") from None
+        self._averaging_service.attach(averager)
+        log.info(
+            "stage %d averages with %d replicas every %d steps (%s, %s)",
+            me.index,
+            len(group) - 1,
+            config.every_steps,
+            averager.topology,
+            config.codec,
+        )
+        return Averaging(config=config, averager=averager)
+
     async def _train(self, plan: pb.Plan, stub: pb_grpc.CoordinatorStub) -> None:
         try:
             run = TrainConfig.from_proto(plan.run)
@@ -202,6 +249,7 @@ class Worker:
         blocks = await asyncio.get_running_loop().run_in_executor(
             self._compute, model.build_stage, run.seed, spec.first_block, spec.stop_block
         )
+        averaging = self._averaging(plan, me, run, blocks)
         runtime = StageRuntime(
             spec=spec,
             model=model,
@@ -209,6 +257,7 @@ class Worker:
             run=run,
             compute=self._compute,
             report=report,
+            averaging=averaging,
         )
         if spec.is_first and runtime.data_fingerprint != plan.run.data_fingerprint:
             raise RunFailed(
@@ -257,6 +306,10 @@ class Worker:
                             staleness=r.metrics.staleness,
                             max_in_flight=r.metrics.max_in_flight,
                             max_weight_versions=r.metrics.max_weight_versions,
+                            averaging_rounds=r.metrics.averaging_rounds,
+                            averaging_rounds_incomplete=r.metrics.averaging_rounds_incomplete,
+                            averaging_bytes_sent=r.metrics.averaging_bytes_sent,
+                            averaging_wait_s=r.metrics.averaging_wait_s,
                         ),
                         timeout=self._transport.connect_timeout_s,
                     )
@@ -289,3 +342,7 @@ class Worker:
                 await runtime.run()
             upstream_watch.cancel()
         log.info("stage %d finished %d steps", spec.index, runtime.version)
+        if averaging is not None:
+            assert self._averaging_service is not None
+            self._averaging_service.attach(None)
+            await averaging.averager.close()

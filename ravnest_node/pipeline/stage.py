@@ -29,6 +29,11 @@ and the schedule on the event loop as they arrive (`accept_from_*`) and decoded 
 thread before they are queued: a refused frame, malformed payloads included, changes nothing.
 Sends go through the links' bounded outboxes, so network I/O overlaps compute and a slow
 neighbour applies backpressure.
+
+**Replica averaging**: with several pipelines, every `average_every` steps the stage takes its
+parameter delta and averages it with its replica group in the background (DiLoCo outer step,
+docs/averaging.md); the result is applied between two microbatches when it arrives, and new
+forwards use the averaged weights from then on.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from ravnest_node.averaging import AveragingConfig, OuterOptimizer, ReplicaAverager, RoundResult
 from ravnest_node.compression import ACTIVATION_ONLY, SampleReferences, encoder, get_codec
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import FrameError
@@ -124,6 +130,15 @@ class StageMetrics:
     """Most weight snapshots this stage kept at once."""
     activation_bytes_sent: int = 0
     gradient_bytes_sent: int = 0
+    averaging_rounds: int = 0
+    """Averaging rounds applied."""
+    averaging_rounds_incomplete: int = 0
+    """Rounds in which some replica was missing or rejected."""
+    averaging_bytes_sent: int = 0
+    """Bytes this stage pushed to its replicas."""
+    averaging_wait_s: float = 0.0
+    """Seconds the compute loop spent on averaging: taking deltas, applying results, and
+    waiting for a round still in flight when the next was due or the run ended."""
 
     @property
     def busy_fraction(self) -> float:
@@ -142,13 +157,26 @@ class StepReport:
     num_params: int = 0
 
 
+Weights = dict[str, torch.Tensor]
+
+
 @dataclass(slots=True)
 class _InFlight:
     """A microbatch between its forward and its backward on this stage."""
 
     version: int
+    weights: Weights
+    """The snapshot its forward used, which its backward uses too (weight stashing)."""
     inputs: torch.Tensor
     outputs: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Averaging:
+    """A stage's replica group: how and with whom it averages (docs/averaging.md)."""
+
+    config: AveragingConfig
+    averager: ReplicaAverager
 
 
 class StageRuntime:
@@ -165,6 +193,7 @@ class StageRuntime:
         report: Callable[[StepReport], Awaitable[None]],
         upstream: BoundaryLink | None = None,
         downstream: BoundaryLink | None = None,
+        averaging: Averaging | None = None,
     ) -> None:
         self.spec = spec
         self.run_config = run
@@ -221,8 +250,19 @@ class StageRuntime:
         self._produced = 0  # first stage: microbatches fed into the pipeline
         self._awaiting_grad: set[int] = set()  # sent downstream, gradient not yet received
         self._in_flight: dict[int, _InFlight] = {}  # seq -> what its backward needs
-        # Weight snapshots by version, for the microbatches in flight (weight stashing).
-        self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        # The weight snapshot new forwards use, with its version (weight stashing); microbatches
+        # in flight hold theirs.
+        self._current: tuple[int, Weights] | None = None
+        # Replica averaging: the outer optimizer, and the round in flight (at most one).
+        self._averaging = averaging
+        self._outer = (
+            OuterOptimizer(list(self._params.values()), averaging.config) if averaging else None
+        )
+        self._round: asyncio.Task[RoundResult] | None = None
+        self._rounds = 0
+        self._rounds_incomplete = 0
+        self._averaging_bytes = 0
+        self._averaging_wait_s = 0.0
         self.version = 0  # optimizer steps applied
         self._step_loss = 0.0
         self._step_done = 0  # microbatches of the current step whose backward is done
@@ -351,6 +391,10 @@ class StageRuntime:
             max_weight_versions=self._max_versions,
             activation_bytes_sent=self.activation_bytes_sent,
             gradient_bytes_sent=self.gradient_bytes_sent,
+            averaging_rounds=self._rounds,
+            averaging_rounds_incomplete=self._rounds_incomplete,
+            averaging_bytes_sent=self._averaging_bytes,
+            averaging_wait_s=self._averaging_wait_s,
         )
 
     # ----- the loop ---------------------------------------------------------------------------
@@ -358,7 +402,9 @@ class StageRuntime:
         """Train until the last step is applied, then send the final report."""
         self._started = time.monotonic()
         while not self.done:
-            if self._backwards:  # 1F1B: backward work first
+            if self._round is not None and self._round.done():  # an averaged result arrived
+                await self._finish_round()
+            elif self._backwards:  # 1F1B: backward work first
                 await self._on_backward(self._backwards.popleft())
             elif self._forwards and self._may_forward(self._forwards[0].seq):
                 received = self._forwards.popleft()
@@ -368,6 +414,8 @@ class StageRuntime:
                 self._produced += 1
             else:
                 await self._idle()
+        if self._round is not None:  # the run ends with the last round applied
+            await self._finish_round()
         params_sq_sum, num_params = await self._call(self._param_stats)
         await self._report(
             StepReport(
@@ -430,6 +478,7 @@ class StageRuntime:
         assert self._may_forward(seq), (seq, version)
         if self.spec.is_last:
             loss, message = await self._call(self._forward_loss_backward, seq, received, version)
+            self._max_versions = max(self._max_versions, self._live_versions)
             self._step_loss += loss
             self._record_staleness(0)
             if message is not None:
@@ -439,7 +488,7 @@ class StageRuntime:
             message = await self._call(self._forward, seq, received, version, samples)
             self._awaiting_grad.add(seq)
             self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
-            self._max_versions = max(self._max_versions, len(self._snapshots))
+            self._max_versions = max(self._max_versions, self._live_versions)
             assert self.downstream is not None
             self.activation_bytes_sent += len(message)
             await self._send(self.downstream, message)
@@ -485,9 +534,47 @@ class StageRuntime:
         loss = self._step_loss if self.spec.is_last else math.nan
         self._step_done, self._step_loss = 0, 0.0
         self._wake.set()  # the bound moved: forwards may be allowed now
+        if self._averaging is not None and self._averaging.config.round_due(self.version):
+            await self._begin_round()
         await self._report(
             StepReport(step=self.version, loss=loss, done=False, metrics=self.metrics())
         )
+
+    # ----- replica averaging ------------------------------------------------------------------
+    async def _begin_round(self) -> None:
+        """Take this replica's delta and average it with the group in the background. A round
+        still in flight is finished first: one round at a time (that wait is the
+        backpressure of a slow group)."""
+        assert self._averaging is not None and self._outer is not None
+        if self._round is not None:
+            await self._finish_round()
+        started = time.monotonic()
+        delta = await self._call(self._outer.begin_round, list(self._params.values()))
+        round_number = self._averaging.config.round_of(self.version)
+        self._round = asyncio.create_task(
+            self._averaging.averager.average(round_number, delta, step=self.version)
+        )
+        self._round.add_done_callback(lambda _: self._wake.set())
+        self._averaging_wait_s += time.monotonic() - started
+
+    async def _finish_round(self) -> None:
+        """Wait for the round in flight (if it is not done yet) and apply its mean."""
+        assert self._round is not None and self._outer is not None
+        started = time.monotonic()
+        result = await self._round
+        self._round = None
+        await self._call(self._apply_round, result.mean)
+        self._rounds += 1
+        self._averaging_bytes += result.bytes_sent
+        if result.missing or result.rejected:
+            self._rounds_incomplete += 1
+            log.warning(
+                "averaging round %d of stage %d went on without %s",
+                result.round,
+                self.spec.index,
+                ", ".join(result.missing + result.rejected),
+            )
+        self._averaging_wait_s += time.monotonic() - started
 
     async def _call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         loop = asyncio.get_running_loop()
@@ -501,27 +588,30 @@ class StageRuntime:
             self.compute_s += time.perf_counter() - started
 
     # ----- torch work, on the compute thread --------------------------------------------------
-    def _weights(self, version: int) -> dict[str, torch.Tensor]:
-        """The snapshot of the parameters at `version` (taken now if this is the first forward
-        with it): leaves that collect the gradients of the microbatches that used them."""
-        snapshot = self._snapshots.get(version)
-        if snapshot is None:
+    def _weights(self, version: int) -> Weights:
+        """The snapshot of the parameters new forwards use (taken now if the parameters
+        changed since the last one): leaves that collect the gradients of the microbatches
+        that used them."""
+        if self._current is None or self._current[0] != version:
             assert version == self.version
             snapshot = {
                 name: p.detach().clone().requires_grad_(True) for name, p in self._params.items()
             }
-            self._snapshots[version] = snapshot
-        return snapshot
+            self._current = (version, snapshot)
+        return self._current[1]
 
-    def _apply_blocks(self, x: torch.Tensor, version: int) -> torch.Tensor:
-        out: torch.Tensor = torch.func.functional_call(self._blocks, self._weights(version), (x,))
-        return out
+    @property
+    def _live_versions(self) -> int:
+        """Weight snapshots alive: the current one and those of microbatches in flight."""
+        alive = {id(f.weights) for f in self._in_flight.values()}
+        if self._current is not None:
+            alive.add(id(self._current[1]))
+        return len(alive)
 
-    def _release(self, version: int) -> None:
+    def _release(self, snapshot: Weights) -> None:
         """Move the snapshot's gradients into the optimizer's parameters (the step's gradient
-        sums microbatches in the order their backwards ran), and drop the snapshot once no
-        microbatch in flight uses it."""
-        snapshot = self._snapshots[version]
+        sums microbatches in the order their backwards ran). A snapshot is freed when no
+        microbatch in flight holds it and it is no longer current."""
         with torch.no_grad():
             for name, p in self._params.items():
                 g = snapshot[name].grad
@@ -532,8 +622,6 @@ class StageRuntime:
                 else:
                     p.grad += g
                 snapshot[name].grad = None
-        if version != self.version and all(f.version != version for f in self._in_flight.values()):
-            del self._snapshots[version]
 
     def _inputs(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         x = tensors[HIDDEN]
@@ -549,8 +637,9 @@ class StageRuntime:
         samples: tuple[int, ...],
     ) -> bytes:
         x, targets = self._inputs(received)
-        out = self._apply_blocks(x, version)
-        self._in_flight[seq] = _InFlight(version, x, out)
+        weights = self._weights(version)
+        out = torch.func.functional_call(self._blocks, weights, (x,))
+        self._in_flight[seq] = _InFlight(version, weights, x, out)
         return encode_frame(
             FrameKind.FORWARD,
             seq,
@@ -567,17 +656,18 @@ class StageRuntime:
         self, seq: int, received: dict[str, torch.Tensor], version: int
     ) -> tuple[float, bytes | None]:
         x, targets = self._inputs(received)
-        out = self._apply_blocks(x, version)
+        weights = self._weights(version)
+        out = torch.func.functional_call(self._blocks, weights, (x,))
         loss = self._model.loss(out, targets) / self.run_config.microbatches
         torch.autograd.backward(loss)
-        self._release(version)
+        self._release(weights)
         self._slow_down()
         return loss.item(), self._grad_frame(seq, version, x)
 
     def _backward(self, frame: Received) -> bytes | None:
         flight = self._in_flight.pop(frame.seq)
         torch.autograd.backward(flight.outputs, frame.tensors[GRAD])
-        self._release(flight.version)
+        self._release(flight.weights)
         self._slow_down()
         # The gradient frame carries the version our forward used.
         return self._grad_frame(frame.seq, flight.version, flight.inputs)
@@ -606,10 +696,12 @@ class StageRuntime:
         else:
             self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
-        # The current version's snapshot is stale now; keep it only while microbatches use it.
-        old = self.version
-        if old in self._snapshots and all(f.version != old for f in self._in_flight.values()):
-            del self._snapshots[old]
+        self._current = None  # stale now; microbatches in flight keep theirs
+
+    def _apply_round(self, mean: torch.Tensor) -> None:
+        assert self._outer is not None
+        self._outer.apply(list(self._params.values()), mean)
+        self._current = None  # the next forward sees the averaged weights
 
     def _param_stats(self) -> tuple[float, int]:
         with torch.no_grad():

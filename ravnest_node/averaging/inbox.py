@@ -1,0 +1,96 @@
+"""What a member keeps of the deltas other members pushed to it, and which it admits.
+
+Frames are admitted by round: the round in progress and the next one (a faster member may start
+it first) are kept; older rounds are dropped without complaint (a late member's delta is of no
+use any more); rounds further ahead are refused, so memory stays bounded by two rounds. Every
+frame carries one tensor, whose name says which part of the round it is (`part_of`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from ravnest_node.errors import FrameError
+
+WHOLE = "delta"
+"""Tensor name of a whole delta (all-to-all rounds and the ring's fallback)."""
+SCATTER = "scatter"
+"""Tensor name prefix of a ring reduce-scatter partial sum: `scatter-<chunk>`."""
+GATHER = "gather"
+"""Tensor name prefix of a ring all-gather summed chunk: `gather-<chunk>`."""
+
+
+class Admission(Enum):
+    """What to do with a frame of some round."""
+
+    ACCEPT = "accept"
+    """Keep it: it belongs to the round in progress or to the next one."""
+    DROP = "drop"
+    """Ignore it quietly: its round is over."""
+    REFUSE = "refuse"
+    """Refuse it with a status: its round is further ahead than the next one."""
+
+
+def admit_round(seq: int, current: int, round_open: bool) -> Admission:
+    """Admission of a frame of round `seq` at a member whose latest round is `current`
+    (-1 before the first), still in progress if `round_open`."""
+    if seq == current + 1 or (seq == current and round_open):
+        return Admission.ACCEPT
+    if seq <= current:
+        return Admission.DROP
+    return Admission.REFUSE
+
+
+def part_name(prefix: str, chunk: int) -> str:
+    """Tensor name of ring chunk `chunk` in phase `prefix` (SCATTER or GATHER)."""
+    return f"{prefix}-{chunk}"
+
+
+def part_of(name: str, n: int) -> tuple[str, int]:
+    """(WHOLE, -1), (SCATTER, chunk) or (GATHER, chunk) for a received tensor name; FrameError
+    for any other name or a chunk outside 0 .. n - 1."""
+    if name == WHOLE:
+        return WHOLE, -1
+    prefix, _, index = name.partition("-")
+    if prefix not in (SCATTER, GATHER) or not (index.isascii() and index.isdigit()):
+        raise FrameError(f"tensor {name!r:.70} is not part of an averaging round")
+    chunk = int(index[:8]) if len(index) <= 8 else n
+    if chunk >= n:
+        raise FrameError(f"tensor {name!r}: chunk {chunk} of a ring of {n}")
+    return prefix, chunk
+
+
+@dataclass(slots=True)
+class RoundInbox:
+    """Everything received for one round so far."""
+
+    deltas: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Decoded whole deltas, by sender."""
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Senders whose whole delta was refused on arrival (not finite, undecodable): the reason."""
+    partials: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Ring reduce-scatter partial sums from the predecessor, by chunk."""
+    gathered: dict[int, tuple[bytes, torch.Tensor]] = field(default_factory=dict)
+    """Ring all-gather chunks from the predecessor, by chunk: (the message, to pass on as it
+    is, and its decoded sum)."""
+    ring_fault: str | None = None
+    """Why the ring of this round broke, if it did (a part that could not be used, a push that
+    failed): the members fall back to exchanging whole deltas."""
+
+    def heard_from(self, member: str) -> bool:
+        """Whether `member`'s whole delta arrived (used or refused)."""
+        return member in self.deltas or member in self.rejected
+
+    def has(self, part: str, chunk: int, sender: str) -> bool:
+        """Whether this part from `sender` arrived already (a second copy is refused)."""
+        if part == WHOLE:
+            return self.heard_from(sender)
+        return chunk in (self.partials if part == SCATTER else self.gathered)
+
+    def ring_broken(self) -> bool:
+        """Whether the ring of this round cannot complete: a fault, or a member that sent its
+        whole delta (it fell back already)."""
+        return self.ring_fault is not None or bool(self.deltas) or bool(self.rejected)
