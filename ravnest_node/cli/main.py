@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ravnest_node import __version__
 from ravnest_node.bench.codecs import run_codec_bench
+from ravnest_node.bench.replicas import run_replicas_bench
 from ravnest_node.bench.runner import BenchConfig, run_bench
 from ravnest_node.cli import settings
 from ravnest_node.cli.demo import DemoConfig, run_demo
@@ -82,10 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "suite",
         nargs="?",
-        choices=["links", "codecs"],
+        choices=["links", "codecs", "replicas"],
         default="links",
         help="links (default): the systems over emulated links; codecs: bits, speed and "
-        "convergence of every codec",
+        "convergence of every codec; replicas: two pipelines that average against one",
     )
     bench.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(bench, BenchConfig)
@@ -144,11 +145,11 @@ def _run(args: argparse.Namespace) -> int:
             return _start(node_cfg)
         if args.command == "bench":
             bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
-            if args.suite == "codecs":
-                work_dir = bench_cfg.work_dir or Path(tempfile.mkdtemp(prefix="ravnest-codecs-"))
-                return run_codec_bench(
-                    bench_cfg.train, bench_cfg.jsonl, work_dir, quick=bench_cfg.quick
-                )
+            if args.suite in ("codecs", "replicas"):
+                prefix = f"ravnest-{args.suite}-"
+                work_dir = bench_cfg.work_dir or Path(tempfile.mkdtemp(prefix=prefix))
+                run_suite = run_codec_bench if args.suite == "codecs" else run_replicas_bench
+                return run_suite(bench_cfg.train, bench_cfg.jsonl, work_dir, quick=bench_cfg.quick)
             return run_bench(bench_cfg)
         demo_cfg = settings.load(DemoConfig, args=args, env=os.environ, toml_path=args.config)
         return run_demo(demo_cfg)

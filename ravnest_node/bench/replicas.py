@@ -1,0 +1,157 @@
+"""`ravnest-node bench replicas`: two pipelines that average against one pipeline.
+
+Runs, on loopback node processes:
+- **one pipeline** of 3 stages for 2T steps;
+- **two pipelines** of 3 stages for T steps each (the same total samples), every stage
+  averaging with its replica every `average_every` steps (DiLoCo, docs/averaging.md);
+
+and reports the loss of both at equal total samples, the averaging traffic per sample against
+what averaging every step in fp32 would send and against hivemind-style data-parallel averaging
+(estimated from its documented scheme: an all-reduce of fp16 gradients every step), samples/s
+per pipeline, and the share of each stage's time spent on averaging.
+
+This machine has 2 cores: two pipelines share them, so they add no compute here; the figures
+that matter are loss, bytes and the waiting share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from ravnest_node.cli.demo import Demo, DemoConfig
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.run import TrainConfig
+
+Record = dict[str, Any]
+STAGES = 3
+
+
+async def _train(cfg: DemoConfig, log: TextIO) -> dict[str, Any] | None:
+    return await Demo(cfg, log).run()
+
+
+def _run(train: TrainConfig, pipelines: int, work_dir: Path) -> dict[str, Any]:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    cfg = DemoConfig(
+        nodes=STAGES * pipelines,
+        work_dir=work_dir,
+        compute_threads=1,
+        train=dataclasses.replace(train, pipelines=pipelines),
+    )
+    with open(work_dir / "progress.log", "w") as log:
+        summary = asyncio.run(_train(cfg, log))
+    if summary is None:
+        raise RuntimeError(f"the run in {work_dir} was stopped")
+    return summary
+
+
+def fp32_every_step_bytes(params_per_stage: list[int], replicas: int) -> float:
+    """Bytes one training step would move if every replica sent its whole fp32 stage to every
+    other replica of its group (the naive way to keep replicas equal)."""
+    return sum(replicas * (replicas - 1) * 4 * p for p in params_per_stage)
+
+
+def hivemind_step_bytes(num_params: int, peers: int) -> float:
+    """Bytes one step of hivemind-style data parallelism moves: each of `peers` full-model
+    peers all-reduces fp16 gradients with a butterfly all-reduce, sending 2 (n-1)/n of the
+    model per round (hivemind's averager; its examples use Float16Compression)."""
+    return peers * 2 * (peers - 1) / peers * 2 * num_params
+
+
+def replicas_table(train: TrainConfig, work_dir: Path) -> list[Record]:
+    """The two runs and the derived figures, one record each."""
+    one = _run(dataclasses.replace(train, steps=2 * train.steps), 1, work_dir / "one-pipeline")
+    two = _run(train, 2, work_dir / "two-pipelines")
+    model = get_model(train.model)
+    params = [
+        sum(p.numel() for b in model.build_stage(train.seed, a, z) for p in b.parameters())
+        for a, z in (tuple(s["blocks"]) for s in one["stages"])
+    ]
+    samples = two["samples"]
+    averaging = sum(s["averaging_bytes_sent"] for s in two["stages"])
+    fp32 = fp32_every_step_bytes(params, 2) * train.steps
+    hivemind = hivemind_step_bytes(sum(params), 2) * train.steps
+    wait_share = max(s["averaging_wait_s"] / s["wall_s"] for s in two["stages"])
+    rows = []
+    for name, s in (("one pipeline", one), ("two pipelines", two)):
+        rows.append(
+            {
+                "run": name,
+                "pipelines": s["pipelines"],
+                "steps": s["steps"],
+                "samples": s["samples"],
+                "wall_s": s["wall_s"],
+                "samples_per_s": s["samples_per_s"],
+                "samples_per_s_per_pipeline": s["samples_per_s"] / s["pipelines"],
+                "final_loss": s["final_loss"],
+                "mean_loss_last_5": sum(s["loss_history"][-5:]) / 5,
+                "bytes_per_sample": s["bytes_per_sample"],
+                "averaging_rounds": min(st["averaging_rounds"] for st in s["stages"]),
+                "averaging_rounds_incomplete": sum(
+                    st["averaging_rounds_incomplete"] for st in s["stages"]
+                ),
+            }
+        )
+    rows[1] |= {
+        "loss_gap_vs_one_pipeline": rows[1]["mean_loss_last_5"] / rows[0]["mean_loss_last_5"] - 1,
+        "averaging_bytes_per_sample": averaging / samples,
+        "fp32_every_step_bytes_per_sample": fp32 / samples,
+        "hivemind_bytes_per_sample": hivemind / samples,
+        "fewer_than_fp32_every_step": fp32 / averaging if averaging else float("inf"),
+        "fewer_than_hivemind": hivemind / averaging if averaging else float("inf"),
+        "averaging_wait_share": wait_share,
+        "average_every": train.average_every,
+        "average_codec": train.average_codec,
+    }
+    return rows
+
+
+def run_replicas_bench(
+    train: TrainConfig, jsonl: Path, work_dir: Path, quick: bool, out: TextIO = sys.stdout
+) -> int:
+    """The `bench replicas` command."""
+    if quick:
+        train = dataclasses.replace(train, steps=8, average_every=4)
+    print(
+        f"replicas: {train.model}, 1 pipeline x {2 * train.steps} steps vs 2 pipelines x "
+        f"{train.steps} steps, averaging every {train.average_every} steps "
+        f"({train.average_codec})",
+        file=out,
+        flush=True,
+    )
+    rows = replicas_table(train, work_dir)
+    two = rows[1]
+    lines = [
+        "| run | samples | samples/s | per pipeline | mean loss, last 5 steps | bytes/sample |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {r['run']} | {r['samples']} | {r['samples_per_s']:.2f} | "
+            f"{r['samples_per_s_per_pipeline']:.2f} | {r['mean_loss_last_5']:.4f} | "
+            f"{r['bytes_per_sample']:,.0f} |"
+            for r in rows
+        ),
+        "",
+        f"loss gap, two pipelines vs one: {two['loss_gap_vs_one_pipeline']:+.2%}",
+        f"averaging: {two['averaging_rounds']} rounds "
+        f"({two['averaging_rounds_incomplete']} incomplete), "
+        f"{two['averaging_bytes_per_sample']:,.0f} bytes/sample; fp32 every step would send "
+        f"{two['fp32_every_step_bytes_per_sample']:,.0f} "
+        f"({two['fewer_than_fp32_every_step']:.0f}x more), hivemind-style fp16 data "
+        f"parallelism {two['hivemind_bytes_per_sample']:,.0f} "
+        f"({two['fewer_than_hivemind']:.0f}x more)",
+        f"largest share of a stage's time spent on averaging: {two['averaging_wait_share']:.2%}",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text, file=out, flush=True)
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
+    with open(jsonl, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    jsonl.with_suffix(".md").write_text(text)
+    print(f"wrote {jsonl} and {jsonl.with_suffix('.md')}", file=out, flush=True)
+    return 0
