@@ -29,6 +29,18 @@ def _bench(tmp_path: Path, *args: str) -> tuple[list[dict[str, Any]], str]:
     return records, result.stdout
 
 
+def _suite(tmp_path: Path, suite: str) -> tuple[list[dict[str, Any]], str]:
+    """`bench SUITE --quick` on the tiny model: its JSON lines and what it printed."""
+    jsonl = tmp_path / f"{suite}.jsonl"
+    result = subprocess.run(
+        ravnest("bench", suite, "--model", "tiny", "--quick", "--jsonl", str(jsonl),
+                "--work-dir", str(tmp_path / "work")),
+        env=NODE_ENV, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in jsonl.read_text().splitlines()], result.stdout
+
+
 def _same_training(a: dict[str, Any], b: dict[str, Any], rel: float = 1e-5) -> None:
     for x, y in zip(a["loss_history"], b["loss_history"], strict=True):
         assert math.isclose(x, y, rel_tol=rel), (a["system"], b["system"], x, y)
@@ -82,14 +94,7 @@ def test_bench_in_namespaces_with_torch_pipelining(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_codecs(tmp_path: Path) -> None:
-    jsonl = tmp_path / "codecs.jsonl"
-    result = subprocess.run(
-        ravnest("bench", "codecs", "--model", "tiny", "--quick", "--jsonl", str(jsonl),
-                "--work-dir", str(tmp_path / "work")),
-        env=NODE_ENV, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    rows, _ = _suite(tmp_path, "codecs")
     micro = {(r["role"], r["codec"]): r for r in rows if r["table"] == "micro"}
     assert micro[("activation", "int8-block")]["bits_per_element"] <= 8.1
     assert micro[("activation", "none")]["relative_error"] == 0
@@ -100,3 +105,26 @@ def test_bench_codecs(tmp_path: Path) -> None:
     assert 3.5 < conv["int8-block/int8-block"]["bytes_ratio_vs_fp32"] < 4.1
     assert abs(conv["int8-block/int8-block"]["loss_gap"]) < 0.01
     assert (tmp_path / "codecs.md").read_text().count("|") > 50
+    # The multi-epoch table: aq-delta sends a sample's first visit whole, then 2-bit deltas.
+    epochs = {r["codec"]: r for r in rows if r["table"] == "epochs"}
+    assert set(epochs) == {"none/none", "int4-block/none", "aq-delta/none", "aq-delta2/none"}
+    assert epochs["none/none"]["epochs"] == 6
+    aq2, aq4 = epochs["aq-delta2/none"], epochs["aq-delta/none"]
+    # 6 visits: (32 + 5 x 2.5) / 6 = 7.4 bits per element on average, 4.3x fewer than fp32.
+    assert 3.5 < aq2["activation_ratio_vs_fp32"] < 5 and aq4["activation_ratio_vs_fp32"] > 3
+    assert abs(aq2["loss_gap"]) < 0.05
+
+
+@pytest.mark.slow
+def test_bench_replicas(tmp_path: Path) -> None:
+    (one, double, two), stdout = _suite(tmp_path, "replicas")
+    assert (one["pipelines"], double["pipelines"], two["pipelines"]) == (1, 1, 2)
+    assert one["samples"] == double["samples"] == two["samples"]
+    assert one["steps"] == 2 * two["steps"] == 2 * double["steps"]
+    assert one["averaging_rounds"] == 0 and two["averaging_rounds"] == two["steps"] // 4
+    assert two["averaging_rounds_incomplete"] == 0
+    # Measured averaging bytes against the two references they are compared with.
+    assert 0 < two["averaging_bytes_per_sample"] < two["hivemind_bytes_per_sample"]
+    assert two["hivemind_bytes_per_sample"] < two["fp32_every_step_bytes_per_sample"]
+    assert 0 <= two["averaging_wait_share"] < 1
+    assert "loss gap, two pipelines vs one pipeline" in stdout

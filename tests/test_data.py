@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 
 import pytest
 import torch
@@ -81,23 +80,29 @@ def test_does_not_disturb_the_global_rng() -> None:
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_shards_draw_disjoint_windows() -> None:
+def test_shards_draw_disjoint_windows_from_the_whole_corpus() -> None:
     seq_len, num_shards = 64, 3
     shards = [
         StdlibBytes(seq_len=seq_len, seed=0, shard=s, num_shards=num_shards)
         for s in range(num_shards)
     ]
-    ranges = [s.byte_range for s in shards]
-    assert ranges[0][0] == 0 and ranges[-1][1] == shards[0].num_bytes
-    assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(ranges))
-
     corpus = _corpus_bytes()
-    for shard, (lo, hi) in zip(shards, ranges, strict=True):
-        own = corpus[lo:hi]
-        for step in range(5):
-            x, y = shard.batch(step, 8)
-            for window in _windows(x, y):
-                assert window in own
+    n = len(corpus)
+    for shard in shards:
+        seen_parts = set()
+        for step in range(20):
+            starts = shard.window_starts(step, 16).tolist()
+            x, _ = shard.batch(step, 16)
+            for start, row in zip(starts, x.tolist(), strict=True):
+                # Inside one of its own chunks, and in nobody else's.
+                assert shard.owns(start)
+                assert not any(o.owns(start) for o in shards if o is not shard)
+                assert bytes(row) == corpus[start : start + seq_len]
+                seen_parts.add(start * 4 // n)
+        assert seen_parts == {0, 1, 2, 3}  # every quarter of the corpus (every file), not a slice
+    # One shard is the whole corpus, drawn exactly as before sharding existed.
+    whole = StdlibBytes(seq_len=seq_len, seed=0)
+    assert all(whole.owns(s) for s in whole.window_starts(3, 64).tolist())
 
 
 def test_rejects_bad_config() -> None:
@@ -108,7 +113,7 @@ def test_rejects_bad_config() -> None:
     with pytest.raises(ConfigError, match="num_shards"):
         StdlibBytes(seq_len=8, seed=0, num_shards=0)
     with pytest.raises(ConfigError, match="fewer shards"):
-        StdlibBytes(seq_len=1 << 20, seed=0, num_shards=8)
+        StdlibBytes(seq_len=1 << 20, seed=0, shard=7, num_shards=8)
     data = StdlibBytes(seq_len=8, seed=0)
     with pytest.raises(ValueError, match="step"):
         data.batch(-1, 2)

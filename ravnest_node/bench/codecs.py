@@ -168,7 +168,10 @@ def convergence_table(
             nodes=3,
             work_dir=run_dir,
             compute_threads=1,
-            train=dataclasses.replace(train, activation_codec=act, gradient_codec=grad),
+            # Synchronous, so that the codec is the only difference between rows.
+            train=dataclasses.replace(
+                train, activation_codec=act, gradient_codec=grad, max_staleness=0
+            ),
         )
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / "progress.log", "w") as log:

@@ -1,14 +1,16 @@
 """`ravnest-node bench replicas`: two pipelines that average against one pipeline.
 
-Runs, on loopback node processes:
-- **one pipeline** of 3 stages for 2T steps;
-- **two pipelines** of 3 stages for T steps each (the same total samples), every stage
-  averaging with its replica every `average_every` steps (DiLoCo, docs/averaging.md);
+Runs, on loopback node processes, three ways to train on the same total samples:
+- **one pipeline** of 3 stages for 2T steps of the batch;
+- **one pipeline, double batch**: T steps of twice the batch (what perfectly synchronous data
+  parallelism over two pipelines would compute);
+- **two pipelines** of 3 stages for T steps each, every stage averaging with its replica every
+  `average_every` steps (DiLoCo, docs/averaging.md);
 
-and reports the loss of both at equal total samples, the averaging traffic per sample against
-what averaging every step in fp32 would send and against hivemind-style data-parallel averaging
-(estimated from its documented scheme: an all-reduce of fp16 gradients every step), samples/s
-per pipeline, and the share of each stage's time spent on averaging.
+and reports the loss of the two pipelines against both references, the averaging traffic per
+sample against what averaging every step in fp32 would send and against hivemind-style
+data-parallel averaging (estimated from its documented scheme: an all-reduce of fp16 gradients
+every step), samples/s per pipeline, and the share of each stage's time spent on averaging.
 
 This machine has 2 cores: two pipelines share them, so they add no compute here; the figures
 that matter are loss, bytes and the waiting share.
@@ -66,6 +68,13 @@ def hivemind_step_bytes(num_params: int, peers: int) -> float:
 def replicas_table(train: TrainConfig, work_dir: Path) -> list[Record]:
     """The two runs and the derived figures, one record each."""
     one = _run(dataclasses.replace(train, steps=2 * train.steps), 1, work_dir / "one-pipeline")
+    double = _run(
+        dataclasses.replace(
+            train, batch_size=2 * train.batch_size, microbatches=2 * train.microbatches
+        ),
+        1,
+        work_dir / "one-pipeline-double-batch",
+    )
     two = _run(train, 2, work_dir / "two-pipelines")
     model = get_model(train.model)
     params = [
@@ -78,7 +87,8 @@ def replicas_table(train: TrainConfig, work_dir: Path) -> list[Record]:
     hivemind = hivemind_step_bytes(sum(params), 2) * train.steps
     wait_share = max(s["averaging_wait_s"] / s["wall_s"] for s in two["stages"])
     rows = []
-    for name, s in (("one pipeline", one), ("two pipelines", two)):
+    runs = (("one pipeline", one), ("one pipeline, double batch", double), ("two pipelines", two))
+    for name, s in runs:
         rows.append(
             {
                 "run": name,
@@ -97,8 +107,9 @@ def replicas_table(train: TrainConfig, work_dir: Path) -> list[Record]:
                 ),
             }
         )
-    rows[1] |= {
-        "loss_gap_vs_one_pipeline": rows[1]["mean_loss_last_5"] / rows[0]["mean_loss_last_5"] - 1,
+    rows[2] |= {
+        "loss_gap_vs_one_pipeline": rows[2]["mean_loss_last_5"] / rows[0]["mean_loss_last_5"] - 1,
+        "loss_gap_vs_double_batch": rows[2]["mean_loss_last_5"] / rows[1]["mean_loss_last_5"] - 1,
         "averaging_bytes_per_sample": averaging / samples,
         "fp32_every_step_bytes_per_sample": fp32 / samples,
         "hivemind_bytes_per_sample": hivemind / samples,
@@ -125,7 +136,7 @@ def run_replicas_bench(
         flush=True,
     )
     rows = replicas_table(train, work_dir)
-    two = rows[1]
+    two = rows[2]
     lines = [
         "| run | samples | samples/s | per pipeline | mean loss, last 5 steps | bytes/sample |",
         "|---|---|---|---|---|---|",
@@ -136,7 +147,9 @@ def run_replicas_bench(
             for r in rows
         ),
         "",
-        f"loss gap, two pipelines vs one: {two['loss_gap_vs_one_pipeline']:+.2%}",
+        f"loss gap, two pipelines vs one pipeline: {two['loss_gap_vs_one_pipeline']:+.2%} "
+        f"(same samples in twice the steps), vs one pipeline with double batch: "
+        f"{two['loss_gap_vs_double_batch']:+.2%} (same samples and steps)",
         f"averaging: {two['averaging_rounds']} rounds "
         f"({two['averaging_rounds_incomplete']} incomplete), "
         f"{two['averaging_bytes_per_sample']:,.0f} bytes/sample; fp32 every step would send "

@@ -23,7 +23,10 @@ import torch
 
 from ravnest_node.errors import ConfigError
 
-__all__ = ["StdlibBytes", "stdlib_dir"]
+__all__ = ["SHARD_CHUNK", "StdlibBytes", "stdlib_dir"]
+
+SHARD_CHUNK = 4096
+"""Bytes per chunk when the corpus is dealt out to several shards."""
 
 
 def stdlib_dir() -> Path:
@@ -49,9 +52,12 @@ def _load_corpus(directory: Path) -> tuple[torch.Tensor, str]:
 class StdlibBytes:
     """Random byte windows from the standard library's source, a pure function of the step.
 
-    With ``num_shards > 1`` the corpus is split into ``num_shards`` contiguous ranges of (almost)
-    equal size and shard ``shard`` draws only from its own range, so different shards never see
-    the same bytes (data-parallel replicas each take one shard).
+    With ``num_shards > 1`` the corpus is cut into chunks of `SHARD_CHUNK` bytes dealt out in
+    turn (chunk c belongs to shard c mod num_shards), and shard ``shard`` draws windows inside its
+    own chunks only: different shards never see the same bytes, and each still sees every part
+    of the corpus (every file), so replicas that average their parameters train on the same
+    distribution. (Contiguous ranges would give each replica different files, and averaging
+    replicas that learn different distributions costs loss.)
     """
 
     def __init__(
@@ -69,24 +75,24 @@ class StdlibBytes:
         self.shard = shard
         self.num_shards = num_shards
         n = self.num_bytes
-        self._lo = n * shard // num_shards
-        self._hi = n * (shard + 1) // num_shards
-        if self._hi - self._lo < seq_len + 1:
+        # Window starts: [chunk start, chunk start + span) for each chunk of this shard.
+        chunk = n if num_shards == 1 else max(SHARD_CHUNK, 4 * (seq_len + 1))
+        firsts = torch.tensor(range(shard * chunk, n, num_shards * chunk), dtype=torch.long)
+        spans = (torch.clamp(n - firsts, max=chunk) - seq_len).clamp(min=0)
+        keep = spans > 0
+        self._chunk_starts, self._spans = firsts[keep], spans[keep]
+        self.chunk_bytes = chunk
+        if not len(self._spans):
             raise ConfigError(
-                f"shard {shard} of {num_shards} holds {self._hi - self._lo} bytes, fewer than "
-                f"seq_len + 1 = {seq_len + 1}; use fewer shards or a shorter seq_len"
+                f"shard {shard} of {num_shards} has no {seq_len + 1} contiguous bytes; use fewer "
+                "shards or a shorter seq_len"
             )
         self._offsets = torch.arange(seq_len + 1)
         if num_samples < 0:
             raise ConfigError(f"num_samples must not be negative, got {num_samples}")
         self.num_samples = num_samples
         self._starts = (
-            torch.randint(
-                self._lo,
-                self._hi - seq_len,
-                (num_samples,),
-                generator=torch.Generator().manual_seed(self._seed_of("dataset")),
-            )
+            self._draw_starts(num_samples, torch.Generator().manual_seed(self._seed_of("dataset")))
             if num_samples
             else None
         )
@@ -97,10 +103,24 @@ class StdlibBytes:
         """Size of the whole corpus (all shards) in bytes."""
         return int(self._corpus.numel())
 
-    @property
-    def byte_range(self) -> tuple[int, int]:
-        """The ``[start, stop)`` byte offsets of this shard in the corpus; windows stay inside."""
-        return self._lo, self._hi
+    def owns(self, start: int) -> bool:
+        """Whether a window starting at byte `start` lies inside one of this shard's chunks."""
+        index = start // self.chunk_bytes
+        return index % self.num_shards == self.shard and start + self.seq_len + 1 <= min(
+            (index + 1) * self.chunk_bytes, self.num_bytes
+        )
+
+    def _draw_starts(self, count: int, generator: torch.Generator) -> torch.Tensor:
+        """`count` window starts, uniform over this shard's windows."""
+        if self.num_shards == 1:  # one chunk: the whole corpus (the single-pipeline case)
+            return torch.randint(0, self.num_bytes - self.seq_len, (count,), generator=generator)
+        # A chunk with probability proportional to its windows, then a window inside it.
+        which = torch.multinomial(
+            self._spans.double(), count, replacement=True, generator=generator
+        )
+        offsets = (torch.rand(count, generator=generator, dtype=torch.float64)
+                   * self._spans[which]).long()  # fmt: skip
+        return self._chunk_starts[which] + offsets
 
     @property
     def fingerprint(self) -> str:
@@ -118,16 +138,16 @@ class StdlibBytes:
             raise ValueError(f"step must be non-negative, got {step}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if self._starts is not None:
-            starts = self._starts[torch.tensor(self.sample_ids(step, batch_size))]
-        else:
-            generator = torch.Generator().manual_seed(self._seed_of(f"{step}:{batch_size}"))
-            # A window is seq_len + 1 bytes starting at `start`, all inside [lo, hi).
-            starts = torch.randint(
-                self._lo, self._hi - self.seq_len, (batch_size,), generator=generator
-            )
+        starts = self.window_starts(step, batch_size)
         windows = self._corpus[starts[:, None] + self._offsets]
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def window_starts(self, step: int, batch_size: int) -> torch.Tensor:
+        """Byte offsets of the windows of `step`'s batch (each window is seq_len + 1 bytes)."""
+        if self._starts is not None:
+            return self._starts[torch.tensor(self.sample_ids(step, batch_size))]
+        generator = torch.Generator().manual_seed(self._seed_of(f"{step}:{batch_size}"))
+        return self._draw_starts(batch_size, generator)
 
     def sample_ids(self, step: int, batch_size: int) -> list[int]:
         """Dataset ids of the rows of `step`'s batch (fixed dataset only; [] otherwise).
