@@ -29,6 +29,7 @@ def test_a_slow_stage_never_breaks_the_bound(tmp_path: Path) -> None:
     s = _demo(
         tmp_path, "slow", "--steps", str(steps), "--max-staleness", str(staleness),
         "--microbatches", str(microbatches), "--fault-slow-stage", "1", "--fault-slow-ms", "15",
+        "--staleness-warmup-steps", "0",
     )  # fmt: skip
     window = (staleness + 1) * microbatches
     first, middle, last = s["stages"]

@@ -323,6 +323,7 @@ class Bench:
             "codec": t.activation,
             "gradient_codec": t.gradient,
             "max_staleness": t.max_staleness,
+            "staleness_warmup_steps": t.staleness_warmup_steps,
             "replicas": 1,
             "seed": t.seed,
             "threads_per_node": _cores() if system == "compute-bound" else self.cfg.compute_threads,
@@ -348,8 +349,8 @@ class Bench:
                 schedule="sequential",
                 max_staleness=0,
                 codec="none",
-                activation_codec=None,
-                gradient_codec=None,
+                activation_codec="",
+                gradient_codec="",
                 lz4=False,
             )
             base |= {"codec": "none", "gradient_codec": "none", "max_staleness": 0}

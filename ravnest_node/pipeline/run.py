@@ -56,9 +56,9 @@ class TrainConfig:
     codec: str = "int4-block"
     """Codec for activations and their gradients: none, fp16, bf16, int8-block, int4-block
     (4.5 bits per element; 0.2% loss at 40 steps of bench-small, docs/compression.md)."""
-    activation_codec: str | None = None
+    activation_codec: str = ""
     """Codec for activations only (default: --codec); also aq-delta, aq-delta2."""
-    gradient_codec: str | None = None
+    gradient_codec: str = ""
     """Codec for activation gradients only (default: --codec); also topk-ef."""
     lz4: bool = True
     """lz4-compress a frame's payload when that makes it at least 1.1x smaller."""
@@ -67,6 +67,9 @@ class TrainConfig:
     max_staleness: int = 1
     """Updates a stage may apply between a microbatch's forward and backward (0 = synchronous;
     1 lets the first stage feed the next step while gradients of this one flow back)."""
+    staleness_warmup_steps: int = 20
+    """Steps trained synchronously before max_staleness applies: stale gradients hurt most
+    while the loss falls fastest (PipeMare, arXiv 1910.05124, warms up for the same reason)."""
     fault_skip_step_stage: int | None = None
     """Test only: the stage with this index skips its optimizer step (to prove tests catch it)."""
     fault_slow_stage: int | None = None
@@ -110,7 +113,7 @@ class TrainConfig:
             ("activation_codec", self.activation_codec),
             ("gradient_codec", self.gradient_codec),
         ):
-            if name is not None and name not in CODECS:
+            if name and name not in CODECS:
                 raise ConfigError(f"{role}={name!r}: choose one of {', '.join(CODECS)}")
         if self.activation in GRADIENT_ONLY:
             raise ConfigError(
@@ -138,6 +141,10 @@ class TrainConfig:
             )
         if not 0 < self.average_timeout_s <= 3600:
             raise ConfigError(f"average_timeout_s={self.average_timeout_s}: must be in (0, 3600]")
+        if self.staleness_warmup_steps < 0:
+            raise ConfigError(
+                f"staleness_warmup_steps={self.staleness_warmup_steps}: must not be negative"
+            )
         if not 0 <= self.fault_slow_ms <= 60_000:
             raise ConfigError(f"fault_slow_ms={self.fault_slow_ms}: must be 0 to 60000")
 
@@ -183,6 +190,11 @@ class TrainConfig:
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
+    def staleness_bound(self, step: int) -> int:
+        """The most updates microbatches of `step` may see between forward and backward:
+        0 during the warm-up, max_staleness after."""
+        return 0 if step < self.staleness_warmup_steps else self.max_staleness
+
     @property
     def window(self) -> int:
         """Most microbatches a stage may hold between forward and backward, and most frames of
@@ -209,6 +221,7 @@ class TrainConfig:
             gradient_codec=self.gradient,
             lz4=self.lz4,
             max_staleness=self.max_staleness,
+            staleness_warmup_steps=self.staleness_warmup_steps,
             data_fingerprint=data_fingerprint,
             schedule=_SCHEDULE_TO_PB[self.schedule],
         )
@@ -244,6 +257,7 @@ class TrainConfig:
             gradient_codec=spec.gradient_codec,
             lz4=spec.lz4,
             max_staleness=spec.max_staleness,
+            staleness_warmup_steps=spec.staleness_warmup_steps,
             schedule=schedule,
             fault_skip_step_stage=(
                 spec.fault_skip_step_stage if spec.HasField("fault_skip_step_stage") else None

@@ -449,9 +449,10 @@ class StageRuntime:
 
     def _may_forward(self, seq: int) -> bool:
         """The staleness bound: microbatch seq (of step seq // microbatches) may run forward
-        with the current weights only if they are at most max_staleness versions behind."""
+        with the current weights only if they are at most max_staleness versions behind (0
+        during the synchronous warm-up)."""
         step = seq // self.run_config.microbatches
-        return step - self.version <= self.run_config.max_staleness
+        return step - self.version <= self.run_config.staleness_bound(step)
 
     def _may_produce(self) -> bool:
         """GPipe/1F1B feed microbatches as far as the bound allows; the sequential (naive)
