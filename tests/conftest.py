@@ -29,6 +29,19 @@ def ravnest(*args: str) -> list[str]:
     return [sys.executable, "-m", "ravnest_node", *args]
 
 
+def demo_summary(tmp_path: Path, name: str, *args: str, timeout: float = 600) -> dict[str, Any]:
+    """Run `ravnest-node demo ARGS` to the end (work dir and summary under tmp_path/name) and
+    return its summary; fails the test with the demo's output if it does not exit 0."""
+    summary = tmp_path / f"{name}.json"
+    result = subprocess.run(
+        ravnest("demo", "--work-dir", str(tmp_path / name), "--summary-json", str(summary), *args),
+        env=NODE_ENV, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    data: dict[str, Any] = json.loads(summary.read_text())
+    return data
+
+
 def read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
     """One line of the process's stdout, or b"" at EOF; fails the test after `timeout_s`."""
     assert proc.stdout is not None

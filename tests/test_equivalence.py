@@ -3,29 +3,30 @@ processes trains exactly what one process trains."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import NODE_ENV, ravnest
+from .conftest import demo_summary
 
 RTOL = 1e-5
 
 
 def _demo(tmp_path: Path, name: str, *args: str, timeout: float = 600) -> dict[str, Any]:
-    summary = tmp_path / f"{name}.json"
-    result = subprocess.run(
-        ravnest("demo", "--seed", "0", "--max-staleness", "0", "--codec", "none",
-                "--work-dir", str(tmp_path / name), "--summary-json", str(summary), *args),
-        env=NODE_ENV, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    data: dict[str, Any] = json.loads(summary.read_text())
-    return data
+    return demo_summary(
+        tmp_path,
+        name,
+        "--seed",
+        "0",
+        "--max-staleness",
+        "0",
+        "--codec",
+        "none",
+        *args,
+        timeout=timeout,
+    )
 
 
 def assert_same_training(a: dict[str, Any], b: dict[str, Any]) -> None:

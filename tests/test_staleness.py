@@ -4,24 +4,14 @@ training still converges."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
-from .conftest import NODE_ENV, ravnest
+from .conftest import demo_summary
 
 
 def _demo(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
-    summary = tmp_path / f"{name}.json"
-    result = subprocess.run(
-        ravnest("demo", "--model", "tiny", "--seed", "0", "--work-dir", str(tmp_path / name),
-                "--summary-json", str(summary), *args),
-        env=NODE_ENV, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    data: dict[str, Any] = json.loads(summary.read_text())
-    return data
+    return demo_summary(tmp_path, name, "--model", "tiny", "--seed", "0", *args)
 
 
 def test_a_slow_stage_never_breaks_the_bound(tmp_path: Path) -> None:
