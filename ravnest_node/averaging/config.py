@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ravnest_node.compression import CODECS, Codec
 from ravnest_node.compression.codecs import INT4_BLOCK, INT8_BLOCK
+from ravnest_node.compression.powersgd import PowerSGD
 from ravnest_node.compression.quant import BlockQuant, int4_block, int8_block
 from ravnest_node.errors import ConfigError
 
-DELTA_CODECS = ("none", "bf16", "int8-block", "int4-block")
-"""Codecs a delta may be sent with. The block codecs keep an error-feedback residual per group;
-the others are (nearly) lossless and stateless."""
+DELTA_CODECS = ("none", "bf16", "int8-block", "int4-block", "powersgd")
+"""Codecs a delta may be sent with. The block codecs and powersgd keep an error-feedback
+residual per group; the others are (nearly) lossless and stateless."""
+POWERSGD_RANK = 4
+"""r of `powersgd` (rank 1-4 is typical; the paper reaches full accuracy at rank 2)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -28,7 +32,8 @@ class AveragingConfig:
     momentum: float = 0.9
     """μ: the outer Nesterov momentum (0.9 in DiLoCo; 0 gives plain averaging when η_out = 1)."""
     codec: str = "int8-block"
-    """Codec of the deltas on the wire: one of DELTA_CODECS (block codecs use error feedback)."""
+    """Codec of the deltas on the wire: one of DELTA_CODECS (block codecs and powersgd use error
+    feedback)."""
     timeout_s: float = 10.0
     """Seconds a round waits for the other members before it completes without them."""
     max_norm_ratio: float = 10.0
@@ -66,10 +71,17 @@ class AveragingConfig:
         return step // self.every_steps - 1
 
 
-def delta_codec(name: str) -> Codec:
+def delta_codec(name: str, layout: Sequence[Sequence[int]] | None = None) -> Codec:
     """The sender's codec for deltas called `name`: int8-block (block 512) and int4-block
-    (block 64) with error feedback, none and bf16 as registered. Receivers decode with the
-    registered codec of the same name. ConfigError for any other name."""
+    (block 64) with error feedback, none and bf16 as registered, powersgd (rank POWERSGD_RANK,
+    error feedback) for a flat vector of `layout` (the shapes of the stage's parameters, in
+    order). Receivers decode with the registered codec of the same name, or with this one for
+    powersgd, which is not registered: it needs the layout. ConfigError for any other name, or
+    powersgd without a layout."""
+    if name == "powersgd":
+        if layout is None:
+            raise ConfigError("codec powersgd needs the layout (shapes) of the stage's parameters")
+        return PowerSGD(layout=tuple(tuple(s) for s in layout), rank=POWERSGD_RANK)
     if name == "int8-block":
         return int8_block(INT8_BLOCK, error_feedback=True)
     if name == "int4-block":
@@ -82,5 +94,7 @@ def delta_codec(name: str) -> Codec:
 def payload_nbytes(codec: Codec, numel: int) -> int:
     """Bytes of the payload that `codec` makes of a flat float32 tensor of `numel` elements,
     before lz4 (which is kept only when it shrinks the payload)."""
+    if isinstance(codec, PowerSGD):
+        return codec.payload_nbytes((numel,), torch.float32, codec.params)
     params = {"bits": codec.bits, "block": codec.block} if isinstance(codec, BlockQuant) else {}
     return codec.payload_nbytes((numel,), torch.float32, params)

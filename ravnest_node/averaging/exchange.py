@@ -13,6 +13,14 @@ then completes with the members it heard from. A ring that breaks (a push fails,
 arrive within half of `timeout_s`, a member sends its whole delta) falls back, for that round,
 to exchanging whole deltas all-to-all in the time left; members then average with those they
 heard from, as in a small group. The poisoning guard (robust.py) applies to whole deltas.
+
+With powersgd a whole delta travels in an envelope: the frame's one tensor `delta` is the codec's
+payload as uint8 (codec `none`), which the receiver decodes with its own PowerSGD codec, built
+from the same layout and rank (the group's codec name fixes the rank, so its params need not
+travel; a payload of another rank or layout has another size and is refused). The frame layer
+cannot decode it itself: it looks codecs up by name, and this one needs the layout. powersgd
+always runs all-to-all, whatever the group size: a ring would cut the flat vector into chunks
+that split matrices, and its partial sums would be sums of factors, not of deltas.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ from ravnest_node.averaging.topology import (
     scatter_chunk,
 )
 from ravnest_node.averaging.wire import ChannelFactory, Member, Pusher, push_handler
+from ravnest_node.compression import CODECS
+from ravnest_node.compression.powersgd import PowerSGD
 from ravnest_node.errors import ConfigError, FrameError, PeerError, PeerRefused, PeerUnavailable
 from ravnest_node.transport.boundary import LinkCounters, Refusal
 from ravnest_node.transport.frames import (
@@ -122,6 +132,7 @@ class ReplicaAverager:
         executor: Executor | None = None,
         counters: LinkCounters | None = None,
         first_round: int = 0,
+        layout: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """A member `node_id` of the group `members` (itself included) averaging deltas of
         `numel` elements in messages of at most `max_message_bytes` (use the node's
@@ -129,8 +140,10 @@ class ReplicaAverager:
         round `first_round` (a member that joins late starts with the group's next round).
         `channel_factory` makes a channel to an address (default: an insecure grpc.aio channel
         with the transport's options); `counters` also counts the bytes pushed per peer.
-        ConfigError for a group without this node, duplicate ids, or a delta that cannot fit
-        one message."""
+        `layout` (the shapes of the stage's parameters, in the order of the flat delta) is
+        needed by the powersgd codec only. ConfigError for a group without this node, duplicate
+        ids, a delta that cannot fit one message, or powersgd without a layout of `numel`
+        elements."""
         ids = [m.node_id for m in members]
         if len(set(ids)) != len(ids):
             raise ConfigError(f"replica group lists a node id twice: {sorted(ids)}")
@@ -144,17 +157,28 @@ class ReplicaAverager:
         self.members = tuple(sorted(members, key=lambda m: m.node_id))
         self.rank = [m.node_id for m in self.members].index(node_id)
         n = len(self.members)
+        self._codec = delta_codec(config.codec, layout)
+        # powersgd payloads travel in an envelope (module doc) and only whole: a ring chunk would
+        # cut through matrices.
+        self._envelope = self._codec if isinstance(self._codec, PowerSGD) else None
+        if self._envelope is not None and self._envelope.numel != numel:
+            raise ConfigError(
+                f"the layout holds {self._envelope.numel} elements, the delta has {numel}"
+            )
         # A ring needs a non-empty chunk per member; tiny stages exchange whole deltas.
-        self.topology = choose_topology(n) if numel >= n else Topology.ALL_TO_ALL
+        ring_ok = numel >= n and self._envelope is None
+        self.topology = choose_topology(n) if ring_ok else Topology.ALL_TO_ALL
         self._ids = frozenset(ids)
         self._others = tuple(m for m in self.members if m.node_id != node_id)
         self._other_ids = tuple(m.node_id for m in self._others)
         self._bounds = ring_chunks(numel, n) if self.topology is Topology.RING else []
-        self._codec = delta_codec(config.codec)
         self._states: dict[str, object | None] = {}
         transport = TransportConfig(max_message_bytes=max_message_bytes)
-        # parse_frame bounds what decoding costs: the float32 result plus the payload.
-        need = HEADER_RESERVE + 4 * numel + payload_nbytes(self._codec, numel)
+        # parse_frame bounds what decoding costs: the float32 result plus the payload (for an
+        # envelope, its uint8 tensor counts 4 bytes an element, and the payload once more).
+        payload = payload_nbytes(self._codec, numel)
+        decoded = 4 * payload if self._envelope is not None else 4 * numel
+        need = HEADER_RESERVE + decoded + payload
         if need > max_message_bytes:
             raise ConfigError(
                 f"a delta of {numel} parameters with codec {config.codec} needs "
@@ -206,7 +230,7 @@ class ReplicaAverager:
                 grpc.StatusCode.ALREADY_EXISTS, f"round {frame.seq}: this part arrived already"
             )
         try:
-            value = await self._in_executor(_decode_finite, frame)
+            value = await self._in_executor(self._decode, frame)
         except FrameError as exc:
             if self._still_wanted(frame.seq, part, chunk, sender):
                 await self._record_fault(frame.seq, part, sender, str(exc))
@@ -242,7 +266,11 @@ class ReplicaAverager:
             start, stop = self._bounds[chunk]
             length = stop - start
         name = frame.headers[0].name
-        check_tensors(frame, [Expected(name, (length,), torch.float32)])
+        if self._envelope is not None:
+            nbytes = payload_nbytes(self._envelope, self.numel)
+            check_tensors(frame, [Expected(name, (nbytes,), torch.uint8)])
+        else:
+            check_tensors(frame, [Expected(name, (length,), torch.float32)])
         return frame, part, chunk
 
     def _still_wanted(self, seq: int, part: str, chunk: int, sender: str) -> bool:
@@ -508,7 +536,13 @@ class ReplicaAverager:
             raise ValueError(f"round {round}: this member's {name} is not finite")
         if name not in self._states:
             self._states[name] = self._codec.new_state()
-        out = Outgoing(name, tensor.contiguous(), self._codec, self._states[name])
+        if self._envelope is not None:
+            params, payload = self._envelope.encode(tensor, self._states[name])
+            assert params == self._envelope.params  # the receivers assume them (module doc)
+            carrier = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            out = Outgoing(name, carrier, CODECS["none"])
+        else:
+            out = Outgoing(name, tensor.contiguous(), self._codec, self._states[name])
         return encode_frame(FrameKind.DELTA, round, step, [out])
 
     def _encode_decoded(
@@ -522,7 +556,17 @@ class ReplicaAverager:
         """`_encode`, and the tensor as the receivers decode it (what this member uses too, so
         that every member computes with the same values)."""
         message = self._encode(round, step, name, tensor, plus)
-        return message, _decode_finite(parse_frame(message, self._limits))
+        return message, self._decode(parse_frame(message, self._limits))
+
+    def _decode(self, frame: Frame) -> torch.Tensor:
+        """The frame's delta, flat float32 (from its envelope with powersgd); FrameError if it
+        does not decode or holds values that are not finite. Runs in the executor."""
+        if self._envelope is None:
+            return _decode_finite(frame)
+        carrier = next(iter(frame.decode().values()))
+        payload = memoryview(carrier.numpy().tobytes())
+        value = self._envelope.decode(payload, (self.numel,), torch.float32, self._envelope.params)
+        return _decode_finite_tensor(value)
 
     # ---- the client side ----
 
@@ -575,7 +619,12 @@ class ReplicaAverager:
 
 def _decode_finite(frame: Frame) -> torch.Tensor:
     """The frame's one tensor, flat; FrameError if it holds values that are not finite."""
-    value = next(iter(frame.decode().values())).reshape(-1)
+    return _decode_finite_tensor(next(iter(frame.decode().values())))
+
+
+def _decode_finite_tensor(value: torch.Tensor) -> torch.Tensor:
+    """`value`, flat; FrameError if it holds values that are not finite."""
+    value = value.reshape(-1)
     if not bool(torch.isfinite(value).all()):
         raise FrameError("the delta holds values that are not finite")
     return value

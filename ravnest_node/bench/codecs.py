@@ -3,7 +3,8 @@
 Two tables:
 - **micro**: for every registered codec, on a real bench-small activation and its gradient
   (batch 16, 128 x 256 values each): bits per element on the wire (lz4 included when it pays),
-  encode+decode throughput on one core, and the relative error of one round trip;
+  encode+decode throughput on one core, and the relative error of one round trip; and, for the
+  codecs of replica averaging, the same on the parameter delta of a two-block stage;
 - **convergence**: the default model trained on a local 3-node swarm for the same samples with
   each codec on activations and gradients, final loss against fp32;
 - **epochs**: a multi-epoch run on a fixed dataset (what aq-delta is for), each activation codec
@@ -23,6 +24,7 @@ from typing import Any, TextIO
 
 import torch
 
+from ravnest_node.averaging import delta_codec
 from ravnest_node.cli.demo import Demo, DemoConfig
 from ravnest_node.compression import (
     ACTIVATION_ONLY,
@@ -30,6 +32,7 @@ from ravnest_node.compression import (
     GRADIENT_ONLY,
     SampleReferences,
     encoder,
+    get_codec,
 )
 from ravnest_node.data import StdlibBytes
 from ravnest_node.models import get_model
@@ -44,13 +47,19 @@ from ravnest_node.transport.frames import (
 
 Record = dict[str, Any]
 
+DELTA_BLOCKS = slice(1, 3)
+"""The stage whose parameter delta the micro table compresses: two transformer blocks (1.58 M
+parameters in bench-small)."""
+MEASURED_DELTA_CODECS = ("none", "int8-block", "int4-block", "powersgd")
+
 
 def sample_tensors(
     model_name: str = "bench-small", seed: int = 0, later_steps: int = 8
 ) -> dict[str, torch.Tensor]:
-    """A real activation at the first stage boundary of the model, its gradient, and the
+    """A real activation at the first stage boundary of the model, its gradient, the
     activation of the same batch `later_steps` AdamW steps later (the next visit of those
-    samples in a multi-epoch run: what aq-delta compresses against the first)."""
+    samples in a multi-epoch run: what aq-delta compresses against the first), and the flat
+    parameter delta of the DELTA_BLOCKS stage over those steps (what replicas average)."""
     model = get_model(model_name)
     blocks = torch.nn.Sequential(*model.build_blocks(seed))
     data = StdlibBytes(seq_len=model.input_spec(1).shape[1], seed=seed)
@@ -60,6 +69,8 @@ def sample_tensors(
     torch.autograd.backward(model.loss(blocks[cut:](hidden), y))
     assert hidden.grad is not None
     out = {"activation": hidden.detach(), "gradient": hidden.grad.detach()}
+    stage = list(blocks[DELTA_BLOCKS].parameters())
+    start = torch.cat([p.detach().reshape(-1) for p in stage])
     optimizer = torch.optim.AdamW(blocks.parameters(), lr=3e-4, weight_decay=0.01)
     for step in range(1, later_steps + 1):
         optimizer.zero_grad()
@@ -68,7 +79,37 @@ def sample_tensors(
         optimizer.step()
     with torch.no_grad():
         out["activation_revisited"] = blocks[:cut](x)
+    out["delta"] = start - torch.cat([p.detach().reshape(-1) for p in stage])
     return out
+
+
+def _delta_round_trip(
+    codec_name: str, x: torch.Tensor, layout: list[tuple[int, ...]], repeats: int
+) -> Record:
+    """Bits, throughput and error of a parameter delta through the averaging codec (codec
+    payload only: the frame header adds ~130 bytes, lz4 nothing to these payloads)."""
+    codec = delta_codec(codec_name, layout)
+    decoder = codec if codec_name == "powersgd" else get_codec(codec_name)
+    state = codec.new_state()
+
+    def send() -> tuple[int, torch.Tensor]:
+        params, payload = codec.encode(x, state)
+        return len(payload), decoder.decode(memoryview(payload), x.shape, x.dtype, params)
+
+    nbytes, decoded = send()  # from a fresh state: the residual would add to later rounds
+    err = float((decoded - x).norm() / x.norm())
+    started = time.perf_counter()
+    for _ in range(repeats):
+        send()
+    seconds = (time.perf_counter() - started) / repeats
+    return {
+        "role": "parameter delta",
+        "codec": codec_name,
+        "bits_per_element": nbytes * 8 / x.numel(),
+        "lz4": False,
+        "encode_decode_mb_s": x.numel() * 4 / seconds / 1e6,
+        "relative_error": err,
+    }
 
 
 def _round_trip(
@@ -112,7 +153,8 @@ def _round_trip(
 
 def micro_table(repeats: int = 10) -> list[Record]:
     """Bits per element, MB/s and error of every codec on real tensors, one thread. aq-delta
-    is measured on a revisit: the same samples' activation 8 training steps after the first."""
+    is measured on a revisit: the same samples' activation 8 training steps after the first;
+    the averaging codecs on the delta of a bench-small stage over those 8 steps."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -130,6 +172,10 @@ def micro_table(repeats: int = 10) -> list[Record]:
                     rows.append(_round_trip(name, role, revisit, x, repeats))
                 else:
                     rows.append(_round_trip(name, role, x, None, repeats))
+        blocks = get_model("bench-small").build_blocks(0)[DELTA_BLOCKS]
+        layout = [tuple(p.shape) for b in blocks for p in b.parameters()]
+        for name in MEASURED_DELTA_CODECS:
+            rows.append(_delta_round_trip(name, tensors["delta"], layout, repeats))
         return rows
     finally:
         torch.set_num_threads(threads)

@@ -319,10 +319,23 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     lines += [
         ("  " + (f"pipeline {st['pipeline']} " if several else ""))
         + f"stage {st['index']}: blocks [{st['blocks'][0]}, {st['blocks'][1]}) "
-        f"on {st['address']} (node {st['node_id']})"
+        f"on {st['address']} (node {st['node_id']})" + _auto_choices(st)
         for st in s["stages"]
     ]
     return lines
+
+
+def _auto_choices(stage: dict[str, Any]) -> str:
+    """What `auto` chose on a stage's links (empty where it measured nothing)."""
+    parts = [
+        f"{role}s {stage.get(f'{role}_codec', '')} at {stage.get(key, 0.0) / 1e6:.0f} Mbit/s"
+        for role, key in (
+            ("activation", "downstream_bandwidth_bps"),
+            ("gradient", "upstream_bandwidth_bps"),
+        )
+        if stage.get(key, 0.0) > 0
+    ]
+    return "; " + ", ".join(parts) if parts else ""
 
 
 def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:

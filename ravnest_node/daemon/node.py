@@ -31,6 +31,7 @@ from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import load_or_create_node_id, write_atomic
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters
 from ravnest_node.transport.options import TransportConfig, server_options, split_host_port
+from ravnest_node.transport.probe import ProbeServer
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class NodeDaemon:
             worker.open_session, worker.close_session, worker.on_refused, worker.limits
         )
         server.add_generic_rpc_handlers([boundary.handler()])
+        server.add_generic_rpc_handlers([ProbeServer(worker.check_probe).handler()])
         pb_grpc.add_NodeServicer_to_server(NodeService(self), server)
         if cfg.is_coordinator:
             swarm_id = f"{cfg.swarm_name}/{cfg.train.model}"

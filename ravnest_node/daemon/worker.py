@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -22,6 +22,7 @@ from ravnest_node.coordination.coordinator import PROTOCOL
 from ravnest_node.coordination.static_plan import check_plan, replica_group, stage_at
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
+from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
 from ravnest_node.pipeline.stage import Averaging, StageRuntime, StageSpec, StepReport
 from ravnest_node.proto import control_pb2 as pb
@@ -35,6 +36,12 @@ from ravnest_node.transport.boundary import (
 )
 from ravnest_node.transport.frames import FrameLimits
 from ravnest_node.transport.options import TransportConfig, channel_options
+from ravnest_node.transport.probe import (
+    PROBE_BUDGET_BYTES,
+    ProbePlan,
+    measure_link,
+    probe_sender,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,9 @@ class _Session:
     runtime: StageRuntime
     upstream_node_id: str
     upstream_failed: asyncio.Future[None]
+    downstream_node_id: str = ""
+    probe_bytes: dict[str, int] = field(default_factory=dict)
+    """Probe bytes received per neighbour under this plan (bounded by PROBE_BUDGET_BYTES)."""
 
 
 class Worker:
@@ -115,10 +125,10 @@ class Worker:
         return self._session.upstream_node_id if self._session else ""
 
     # ----- the server half of the upstream boundary -------------------------------------------
-    async def open_session(self, peer_node_id: str, epoch: int) -> tuple[BoundaryLink, Accept]:
-        """Called by the gRPC server when the previous stage opens its boundary stream. The
-        previous stage may have the plan a moment before this node: wait for it, within the
-        connect timeout."""
+    async def _session_at(self, epoch: int, what: str) -> _Session:
+        """This node's session once it has a stage (a neighbour may get the plan a moment
+        earlier: wait for it, within the connect timeout), if the peer's `what` is for its plan
+        epoch; Refusal otherwise."""
         if self._session is None:
             try:
                 await asyncio.wait_for(self._has_stage.wait(), self._transport.connect_timeout_s)
@@ -129,8 +139,15 @@ class Worker:
         if epoch != plan.epoch:
             raise Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"stream is for plan epoch {epoch}, this node is at epoch {plan.epoch}",
+                f"{what} is for plan epoch {epoch}, this node is at epoch {plan.epoch}",
             )
+        return session
+
+    async def open_session(self, peer_node_id: str, epoch: int) -> tuple[BoundaryLink, Accept]:
+        """Called by the gRPC server when the previous stage opens its boundary stream. The
+        previous stage may have the plan a moment before this node: wait for it, within the
+        connect timeout."""
+        session = await self._session_at(epoch, "stream")
         if session.runtime.spec.is_first:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the first stage has no upstream")
         if peer_node_id != session.upstream_node_id:
@@ -140,7 +157,12 @@ class Worker:
             )
         if session.runtime.upstream is not None:
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS, "the upstream stream is already open")
-        link = BoundaryLink(peer_node_id, self.counters, outbox_size=session.runtime.window)
+        link = BoundaryLink(
+            peer_node_id,
+            self.counters,
+            outbox_size=session.runtime.window,
+            pace_bps=session.runtime.run_config.link_pace_bps(session.runtime.spec.index - 1),
+        )
         session.runtime.upstream = link
         return link, session.runtime.accept_from_upstream
 
@@ -159,6 +181,70 @@ class Worker:
 
     def on_refused(self, reason: str) -> None:
         self.frames_refused += 1
+
+    async def check_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
+        """Called by the gRPC server for each link probe: only the plan's neighbours of this
+        stage may probe, under the current epoch, within PROBE_BUDGET_BYTES each; Refusal
+        otherwise. Waits for the plan like `open_session`."""
+        session = await self._session_at(epoch, "probe")
+        if not peer_node_id or peer_node_id not in (
+            session.upstream_node_id,
+            session.downstream_node_id,
+        ):
+            raise Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"unknown peer {peer_node_id!r}: only this stage's neighbours may probe it",
+            )
+        total = session.probe_bytes.get(peer_node_id, 0) + nbytes
+        if total > PROBE_BUDGET_BYTES:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{peer_node_id} has sent {PROBE_BUDGET_BYTES} bytes of probes under this plan",
+            )
+        session.probe_bytes[peer_node_id] = total
+
+    async def _measure_links(
+        self,
+        plan: pb.Plan,
+        links: list[tuple[pb.StageAssignment, CodecChoice, float]],
+    ) -> None:
+        """Probe each (neighbour, codec choice, pace) whose choice is `auto`, in parallel, and
+        give the choice the measured bandwidth. A link that cannot be measured is logged and
+        keeps the smallest codec."""
+
+        async def measure(peer: pb.StageAssignment, choice: CodecChoice, pace_bps: float) -> None:
+            try:
+                async with open_channel(peer.address, self._transport) as channel:
+                    send = probe_sender(
+                        channel,
+                        peer=peer.node_id,
+                        node_id=self.node_id,
+                        epoch=plan.epoch,
+                        counters=self.counters,
+                        timeout_s=self._transport.connect_timeout_s,
+                        pace_bps=pace_bps,
+                    )
+                    estimate = await measure_link(
+                        send, ProbePlan.within(self._transport.max_message_bytes)
+                    )
+            except (PeerUnavailable, PeerRefused) as exc:
+                log.warning("%s: cannot measure the link (%s); using %s", choice.what, exc,
+                            choice.name)  # fmt: skip
+                return
+            choice.bandwidth_bps = estimate.bandwidth_bps
+            log.info(
+                "%s: link to %s measured at %.1f Mbit/s, RTT %.2f ms (%d probe bytes)",
+                choice.what,
+                peer.node_id,
+                estimate.bandwidth_bps / 1e6,
+                estimate.rtt_s * 1e3,
+                estimate.probe_bytes,
+            )
+
+        async with asyncio.TaskGroup() as tg:
+            for peer, choice, pace_bps in links:
+                if choice.auto:
+                    tg.create_task(measure(peer, choice, pace_bps))
 
     # ----- the run ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -203,14 +289,17 @@ class Worker:
             codec=run.average_codec,
             timeout_s=run.average_timeout_s,
         )
+        # The stage's parameters in the order its delta concatenates them (stage.py).
+        params = list(torch.nn.Sequential(*blocks).parameters())
         try:
             averager = ReplicaAverager(
                 node_id=self.node_id,
                 members=[Member(node_id=s.node_id, address=s.address) for s in group],
                 config=config,
-                numel=sum(p.numel() for b in blocks for p in b.parameters()),
+                numel=sum(p.numel() for p in params),
                 max_message_bytes=self._transport.max_message_bytes,
                 counters=self.counters,
+                layout=[tuple(p.shape) for p in params],
             )
         except ConfigError as exc:
             raise RunFailed(f"cannot average stage {me.index}: {exc}") from None
@@ -270,7 +359,12 @@ class Worker:
         upstream_id = "" if upstream is None else upstream.node_id
         loop = asyncio.get_running_loop()
         self.plan = plan
-        self._session = _Session(runtime, upstream_id, loop.create_future())
+        self._session = _Session(
+            runtime,
+            upstream_id,
+            loop.create_future(),
+            downstream_node_id="" if downstream is None else downstream.node_id,
+        )
         self._has_stage.set()
         log.info(
             "stage %d of %d: blocks [%d, %d) of %s",
@@ -310,6 +404,12 @@ class Worker:
                             averaging_rounds_incomplete=r.metrics.averaging_rounds_incomplete,
                             averaging_bytes_sent=r.metrics.averaging_bytes_sent,
                             averaging_wait_s=r.metrics.averaging_wait_s,
+                            activation_codec=r.metrics.activation_codec,
+                            gradient_codec=r.metrics.gradient_codec,
+                            activation_codec_frames=r.metrics.activation_codec_frames,
+                            gradient_codec_frames=r.metrics.gradient_codec_frames,
+                            downstream_bandwidth_bps=r.metrics.downstream_bandwidth_bps,
+                            upstream_bandwidth_bps=r.metrics.upstream_bandwidth_bps,
                         ),
                         timeout=self._transport.connect_timeout_s,
                     )
@@ -321,12 +421,26 @@ class Worker:
             assert session is not None
             await session.upstream_failed  # raises PeerUnavailable if the stream breaks
 
+        # `auto` codecs: measure the links this stage sends on before its first frame.
+        neighbours = [
+            (downstream, runtime.activation_codec, run.link_pace_bps(spec.index)),
+            (upstream, runtime.gradient_codec, run.link_pace_bps(spec.index - 1)),
+        ]
+        await self._measure_links(
+            plan, [(p, c, pace) for p, c, pace in neighbours if p is not None]
+        )
+
         async with asyncio.TaskGroup() as tg:
             tg.create_task(send_reports())
             upstream_watch = tg.create_task(watch_upstream())
             if downstream is not None:
                 async with open_channel(downstream.address, self._transport) as channel:
-                    link = BoundaryLink(downstream.node_id, self.counters, runtime.window)
+                    link = BoundaryLink(
+                        downstream.node_id,
+                        self.counters,
+                        runtime.window,
+                        pace_bps=run.link_pace_bps(spec.index),
+                    )
                     runtime.downstream = link
                     tg.create_task(runtime.run())
                     await run_client_stream(

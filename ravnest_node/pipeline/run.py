@@ -13,6 +13,7 @@ from typing import Literal
 from ravnest_node.averaging.config import DELTA_CODECS
 from ravnest_node.compression import ACTIVATION_ONLY, CODECS, GRADIENT_ONLY
 from ravnest_node.compression.aq import reference_bytes
+from ravnest_node.compression.auto import AUTO
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.proto import control_pb2 as pb
@@ -53,13 +54,16 @@ class TrainConfig:
     dataset_samples: int = 0
     """Train on a fixed set of this many byte windows, revisited every epoch in a new order (a
     multiple of batch_size; 0 = a fresh random window for every sample). aq-delta needs it."""
-    codec: str = "int4-block"
-    """Codec for activations and their gradients: none, fp16, bf16, int8-block, int4-block
-    (4.5 bits per element; 0.2% loss at 40 steps of bench-small, docs/compression.md)."""
+    codec: str = "auto"
+    """Codec of activations and gradients: none, fp16, bf16, int8-block, int4-block or auto.
+    auto (the default): each link picks none, bf16, int8-block or int4-block from its measured
+    bandwidth and the stage's compute time, so a fast link sends fp32 and a slow one int4-block
+    (docs/compression.md); int4-block: 4.5 bits per element, 0.2% loss at 40 steps of
+    bench-small."""
     activation_codec: str = ""
-    """Codec for activations only (default: --codec); also aq-delta, aq-delta2."""
+    """Codec for activations only (default: --codec); also aq-delta, aq-delta2, auto."""
     gradient_codec: str = ""
-    """Codec for activation gradients only (default: --codec); also topk-ef."""
+    """Codec for activation gradients only (default: --codec); also topk-ef, auto."""
     lz4: bool = True
     """lz4-compress a frame's payload when that makes it at least 1.1x smaller."""
     schedule: ScheduleName = "gpipe"
@@ -76,6 +80,11 @@ class TrainConfig:
     """Test only: the stage with this index works fault_slow_ms longer per microbatch."""
     fault_slow_ms: int = 0
     """Test only: extra milliseconds per microbatch on fault_slow_stage."""
+    fault_slow_link: int | None = None
+    """Test only: pace the link from the stage with this index to the next to fault_link_kbps.
+    Both directions; senders hold frames and probes as long as a link of that rate would."""
+    fault_link_kbps: int = 0
+    """Test only: rate of fault_slow_link, in kilobits per second."""
     pipelines: int = 1
     """Pipelines training side by side, each on its own shard of the data; the swarm's nodes are
     split evenly between them and the owners of a stage average as a replica group."""
@@ -87,7 +96,7 @@ class TrainConfig:
     """Momentum of the outer Nesterov step."""
     average_codec: str = "int4-block"
     """Codec of the parameter deltas replicas exchange, with error feedback: none, bf16,
-    int8-block or int4-block."""
+    int8-block, int4-block or powersgd (rank 4, docs/averaging.md)."""
     average_timeout_s: float = 10.0
     """How long an averaging round waits for the other replicas before leaving them out."""
 
@@ -113,8 +122,8 @@ class TrainConfig:
             ("activation_codec", self.activation_codec),
             ("gradient_codec", self.gradient_codec),
         ):
-            if name and name not in CODECS:
-                raise ConfigError(f"{role}={name!r}: choose one of {', '.join(CODECS)}")
+            if name and name != AUTO and name not in CODECS:
+                raise ConfigError(f"{role}={name!r}: choose one of {', '.join(CODECS)} or {AUTO}")
         if self.activation in GRADIENT_ONLY:
             raise ConfigError(
                 f"{self.activation} is for gradients only: use it as --gradient-codec"
@@ -147,6 +156,13 @@ class TrainConfig:
             )
         if not 0 <= self.fault_slow_ms <= 60_000:
             raise ConfigError(f"fault_slow_ms={self.fault_slow_ms}: must be 0 to 60000")
+        if (self.fault_slow_link is None) != (self.fault_link_kbps == 0) or not (
+            0 <= self.fault_link_kbps <= 10_000_000
+        ):
+            raise ConfigError(
+                f"fault_slow_link={self.fault_slow_link} needs fault_link_kbps in 1..10000000 "
+                f"and the other way round (got {self.fault_link_kbps})"
+            )
 
     def _check_dataset(self) -> None:
         n = self.dataset_samples
@@ -230,6 +246,9 @@ class TrainConfig:
         if self.fault_slow_stage is not None:
             spec.fault_slow_stage = self.fault_slow_stage
             spec.fault_slow_ms = self.fault_slow_ms
+        if self.fault_slow_link is not None:
+            spec.fault_slow_link = self.fault_slow_link
+            spec.fault_link_kbps = self.fault_link_kbps
         return spec
 
     @classmethod
@@ -264,7 +283,14 @@ class TrainConfig:
             ),
             fault_slow_stage=(spec.fault_slow_stage if spec.HasField("fault_slow_stage") else None),
             fault_slow_ms=spec.fault_slow_ms if spec.HasField("fault_slow_stage") else 0,
+            fault_slow_link=spec.fault_slow_link if spec.HasField("fault_slow_link") else None,
+            fault_link_kbps=spec.fault_link_kbps if spec.HasField("fault_slow_link") else 0,
         )
+
+    def link_pace_bps(self, from_stage: int) -> float:
+        """Test only: the rate (bits/s) at which the link from stage `from_stage` to the next
+        is paced, in either direction; 0 for an unpaced link."""
+        return self.fault_link_kbps * 1000.0 if self.fault_slow_link == from_stage else 0.0
 
 
 def aq_reference_bytes(run: TrainConfig) -> int:

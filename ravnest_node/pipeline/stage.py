@@ -46,17 +46,18 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import ParamSpec, TypeVar
 
 import torch
 
 from ravnest_node.averaging import AveragingConfig, OuterOptimizer, ReplicaAverager, RoundResult
-from ravnest_node.compression import ACTIVATION_ONLY, SampleReferences, encoder, get_codec
+from ravnest_node.compression import ACTIVATION_ONLY, SampleReferences, get_codec
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import FrameError
 from ravnest_node.models import BlockModel
+from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.boundary import BoundaryLink
 from ravnest_node.transport.frames import (
@@ -139,6 +140,18 @@ class StageMetrics:
     averaging_wait_s: float = 0.0
     """Seconds the compute loop spent on averaging: taking deltas, applying results, and
     waiting for a round still in flight when the next was due or the run ended."""
+    activation_codec: str = ""
+    """Codec of the last activation frame sent downstream ("" on the last stage)."""
+    gradient_codec: str = ""
+    """Codec of the last gradient frame sent upstream ("" on the first stage)."""
+    activation_codec_frames: dict[str, int] = field(default_factory=dict)
+    """Activation frames sent, per codec."""
+    gradient_codec_frames: dict[str, int] = field(default_factory=dict)
+    """Gradient frames sent, per codec."""
+    downstream_bandwidth_bps: float = 0.0
+    """Bandwidth `auto` measured towards the next stage, bits/s (0: not measured)."""
+    upstream_bandwidth_bps: float = 0.0
+    """Bandwidth `auto` measured towards the previous stage, bits/s (0: not measured)."""
 
     @property
     def busy_fraction(self) -> float:
@@ -203,11 +216,16 @@ class StageRuntime:
         self.upstream = upstream
         self.downstream = downstream
         self._raw = get_codec("none")
-        self._act_codec = encoder(run.activation, "activation")
-        self._grad_codec = encoder(run.gradient, "gradient")
-        # Sender-side codec state (error feedback) lives as long as the stream it encodes.
-        self._act_state = self._act_codec.new_state()
-        self._grad_state = self._grad_codec.new_state()
+        # The codec (and its sender state) of each role on its link: fixed, or chosen by `auto`
+        # from the link's measured bandwidth and this stage's compute time (codec_choice.py).
+        self.activation_codec = CodecChoice(
+            run.activation, "activation", compute_s=lambda: self.compute_s,
+            every=run.microbatches, what=f"stage {spec.index} activations downstream",
+        )  # fmt: skip
+        self.gradient_codec = CodecChoice(
+            run.gradient, "gradient", compute_s=lambda: self.compute_s,
+            every=run.microbatches, what=f"stage {spec.index} gradients upstream",
+        )  # fmt: skip
         self._lz4_ratio = LZ4_MIN_RATIO if run.lz4 else 0.0
         mb = run.microbatch_size
         self._blocks = torch.nn.Sequential(*blocks)
@@ -395,6 +413,12 @@ class StageRuntime:
             averaging_rounds_incomplete=self._rounds_incomplete,
             averaging_bytes_sent=self._averaging_bytes,
             averaging_wait_s=self._averaging_wait_s,
+            activation_codec=self.activation_codec.name if not self.spec.is_last else "",
+            gradient_codec=self.gradient_codec.name if not self.spec.is_first else "",
+            activation_codec_frames=self.activation_codec.frames,
+            gradient_codec_frames=self.gradient_codec.frames,
+            downstream_bandwidth_bps=self.activation_codec.bandwidth_bps or 0.0,
+            upstream_bandwidth_bps=self.gradient_codec.bandwidth_bps or 0.0,
         )
 
     # ----- the loop ---------------------------------------------------------------------------
@@ -646,7 +670,7 @@ class StageRuntime:
             seq,
             version,
             [
-                Outgoing(HIDDEN, out.detach(), self._act_codec, self._act_state),
+                self.activation_codec.outgoing(HIDDEN, out.detach()),
                 Outgoing(TARGETS, targets, self._raw),
             ],
             samples=samples,
@@ -681,7 +705,7 @@ class StageRuntime:
             FrameKind.BACKWARD,
             seq,
             version,
-            [Outgoing(GRAD, x.grad, self._grad_codec, self._grad_state)],
+            [self.gradient_codec.outgoing(GRAD, x.grad)],
             lz4_min_ratio=self._lz4_ratio,
         )
 

@@ -63,12 +63,28 @@ class LinkCounters:
 Accept = Callable[[Frame], Awaitable[None]]
 
 
+def caller(context: Any) -> tuple[str, int]:
+    """(node id, plan epoch) a call's invocation metadata claims: "" and -1 where missing or
+    malformed, so the checks that follow refuse it."""
+    metadata = dict(context.invocation_metadata() or ())
+    peer_id = str(metadata.get(NODE_ID_KEY, ""))[:128]
+    try:
+        epoch = int(str(metadata.get(EPOCH_KEY, ""))[:20])
+    except ValueError:
+        epoch = -1
+    return peer_id, epoch
+
+
 class BoundaryLink:
     """One side of a boundary stream, as the stage runtime sees it."""
 
-    def __init__(self, peer: str, counters: LinkCounters, outbox_size: int) -> None:
+    def __init__(
+        self, peer: str, counters: LinkCounters, outbox_size: int, *, pace_bps: float = 0.0
+    ) -> None:
         self.peer = peer
         self._counters = counters
+        # Test only: hold each message as long as a link of this rate would (0 = no pacing).
+        self._pace_bps = pace_bps
         self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=outbox_size)
         self.closing = False
 
@@ -84,6 +100,8 @@ class BoundaryLink:
     async def pump_writes(self, write: Callable[[bytes], Awaitable[Any]]) -> None:
         """Write queued frames until `close`; counts each message's bytes once written."""
         while (message := await self._outbox.get()) is not None:
+            if self._pace_bps > 0:
+                await asyncio.sleep(len(message) * 8 / self._pace_bps)
             await write(message)
             self._counters.add(self.peer, len(message))
 
@@ -186,12 +204,7 @@ class BoundaryServer:
         )
 
     async def _serve(self, _requests: object, context: Any) -> None:
-        metadata = dict(context.invocation_metadata() or ())
-        peer_id = str(metadata.get(NODE_ID_KEY, ""))[:128]
-        try:
-            epoch = int(str(metadata.get(EPOCH_KEY, ""))[:20])
-        except ValueError:
-            epoch = -1
+        peer_id, epoch = caller(context)
         try:
             link, accept = await self._open_session(peer_id, epoch)
         except Refusal as refusal:

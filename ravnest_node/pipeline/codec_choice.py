@@ -1,0 +1,113 @@
+"""The codec one stage sends one role with over one link: fixed by the run, or chosen by `auto`.
+
+With a named codec this is that codec and its sender state, for the whole run. With `auto` the
+stage starts with the smallest codec of the ladder (nothing is known yet), and re-decides every
+`every` frames (one step's microbatches) with `choose_codec` (compression/auto.py) from:
+- the link's bandwidth, measured by the worker's probe before the stage starts
+  (`bandwidth_bps`; a link that could not be measured keeps the smallest codec), and
+- the stage's compute seconds per microbatch: the growth of the stage's compute time over the
+  last `every` frames divided by `every`, smoothed over decisions (mean of the last estimate and
+  the new one). The first window holds start-up costs (first calls, allocations) and is
+  skipped, so the first decision comes at frame 2 x `every`.
+
+A change takes effect at the next frame; the sender state (error feedback, rounding RNG) starts
+afresh with the new codec. Changes are logged; the metrics keep the codec of the last frame and
+how many frames each codec carried.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from ravnest_node.compression import Codec, encoder
+from ravnest_node.compression.auto import AUTO, AUTO_LADDER, choose_codec, payload_sizes
+from ravnest_node.compression.codecs import Role
+from ravnest_node.transport.frames import Outgoing
+
+log = logging.getLogger(__name__)
+
+SMOOTHING = 0.5
+"""Weight of the newest compute-time estimate against the previous one."""
+
+
+class CodecChoice:
+    """One role's codec on one link. `outgoing` runs on the compute thread only; `name`,
+    `frames` and `bandwidth_bps` may be read from the event loop at any time."""
+
+    def __init__(
+        self,
+        name: str,
+        role: Role,
+        *,
+        compute_s: Callable[[], float],
+        every: int,
+        what: str,
+    ) -> None:
+        """`name`: a registered codec or "auto"; `compute_s`: the stage's compute seconds so
+        far; `every`: frames between two decisions; `what`: the link, for logs."""
+        self.auto = name == AUTO
+        self.role: Role = role
+        self.what = what
+        self.bandwidth_bps: float | None = None
+        """The link's measured bandwidth (set by the worker before the first frame)."""
+        self.compute_per_microbatch_s: float | None = None
+        self.frames: dict[str, int] = {}
+        """Frames sent per codec (replaced, never mutated: safe to read from another thread)."""
+        self._compute_s = compute_s
+        self._every = max(1, every)
+        self._current = self._make(AUTO_LADDER[-1] if self.auto else name)
+        self._sizes: list[tuple[str, int]] | None = None
+        self._sent = 0
+        self._mark_s = 0.0
+
+    @property
+    def name(self) -> str:
+        """The codec the next frame is sent with."""
+        return self._current[0].name
+
+    def _make(self, name: str) -> tuple[Codec, object | None]:
+        codec = encoder(name, self.role)
+        return codec, codec.new_state()
+
+    def outgoing(self, tensor_name: str, tensor: torch.Tensor) -> Outgoing:
+        """The tensor with the codec (and sender state) it goes with in this frame."""
+        if self.auto and self._sent % self._every == 0:
+            self._decide(tensor)
+        self._sent += 1
+        codec, state = self._current
+        self.frames = {**self.frames, codec.name: self.frames.get(codec.name, 0) + 1}
+        return Outgoing(tensor_name, tensor, codec, state)
+
+    def _decide(self, tensor: torch.Tensor) -> None:
+        now_s = self._compute_s()
+        window_s, self._mark_s = now_s - self._mark_s, now_s
+        if self._sizes is None:  # the first frame: nothing measured yet
+            self._sizes = payload_sizes(self.role, tensor.shape, tensor.dtype)
+            return
+        if self._sent == self._every:  # the first window holds start-up costs: skip it
+            return
+        per_mb = window_s / self._every
+        previous = self.compute_per_microbatch_s
+        estimate = per_mb if previous is None else SMOOTHING * per_mb + (1 - SMOOTHING) * previous
+        self.compute_per_microbatch_s = estimate
+        if self.bandwidth_bps is None or not estimate > 0:
+            return
+        chosen = choose_codec(
+            self._sizes,
+            bandwidth_bps=self.bandwidth_bps,
+            compute_s=estimate,
+            current=self.name,
+        )
+        if chosen != self.name:
+            log.info(
+                "%s: codec %s -> %s (link %.1f Mbit/s, compute %.1f ms per microbatch)",
+                self.what,
+                self.name,
+                chosen,
+                self.bandwidth_bps / 1e6,
+                estimate * 1e3,
+            )
+            self._current = self._make(chosen)

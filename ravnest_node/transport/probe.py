@@ -1,0 +1,196 @@
+"""Link probes: measure a link's round trip and bandwidth at the application level.
+
+A gRPC write completes once HTTP/2 flow control admits the message, not when the peer has it
+(grpc/grpc#21348), so write timings overstate a link. A probe is a unary call instead: it ends
+only when the peer has received the whole request and answered, so its duration is what the
+link took. `/ravnest.v1.Pipeline/Probe` is raw bytes (no protobuf): the request is N filler
+bytes, the answer is empty.
+
+`measure_link` sends a few empty probes (their fastest is the RTT), then probes of growing size
+(64 KiB, doubling) until one takes `target_s` (100 ms) beyond the RTT or reaches `max_bytes`,
+and estimates bandwidth = bytes of the last probe / (its duration - RTT). Growing sizes keep the
+traffic small on a slow link (a 10 Mbit/s link stops at 128 KiB) and give HTTP/2's window time
+to open on a fast one (loopback stops at 1 MiB, ~2 MiB sent in all). Probe bytes are bytes on
+the wire: they are counted in the node's link counters like frames.
+
+The server half refuses a probe larger than `MAX_PROBE_BYTES`, from a node that is not a
+neighbour in the current plan, or beyond a per-peer byte budget (`check`, given by the worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable
+from ravnest_node.transport.boundary import (
+    EPOCH_KEY,
+    NODE_ID_KEY,
+    SERVICE,
+    LinkCounters,
+    Refusal,
+    caller,
+)
+
+METHOD = "Probe"
+PATH = f"/{SERVICE}/{METHOD}"
+MAX_PROBE_BYTES = 4 << 20
+"""Largest probe request a node accepts."""
+DEFAULT_PROBE_BYTES = 1 << 20
+"""Largest probe a measurement sends by default: at 1 Gbit/s it takes 8 ms, enough to tell that
+even fp32 frames fit, and a measurement then sends about 2 MiB."""
+PROBE_BUDGET_BYTES = 32 << 20
+"""Probe bytes a node accepts from one peer per plan (a measurement sends about 2 MiB)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ProbePlan:
+    """How a link is measured."""
+
+    rtt_probes: int = 3
+    """Empty probes sent first; the fastest is taken as the round-trip time."""
+    first_bytes: int = 64 << 10
+    """Size of the first sized probe; each next one doubles."""
+    max_bytes: int = DEFAULT_PROBE_BYTES
+    """Largest probe; the measurement stops after a probe of this size."""
+    target_s: float = 0.1
+    """The measurement stops after a probe whose transfer (beyond the RTT) took this long."""
+    timeout_s: float = 30.0
+    """Seconds one probe may take before the link counts as unavailable."""
+
+    @classmethod
+    def within(cls, max_message_bytes: int) -> ProbePlan:
+        """The default plan, with probes no larger than half the transport's message limit."""
+        limit = max(1, min(DEFAULT_PROBE_BYTES, max_message_bytes // 2))
+        default = cls()
+        return cls(first_bytes=min(default.first_bytes, limit), max_bytes=limit)
+
+    def __post_init__(self) -> None:
+        if self.rtt_probes < 1 or not 1 <= self.first_bytes <= self.max_bytes <= MAX_PROBE_BYTES:
+            raise ConfigError(
+                f"probe plan: rtt_probes must be >= 1 and 1 <= first_bytes <= max_bytes <= "
+                f"{MAX_PROBE_BYTES}, got {self.rtt_probes}, {self.first_bytes}, {self.max_bytes}"
+            )
+        if not self.target_s > 0 or not self.timeout_s > 0:
+            raise ConfigError("probe plan: target_s and timeout_s must be > 0 (seconds)")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEstimate:
+    """What a measurement found about one direction of a link."""
+
+    rtt_s: float
+    """Round trip of an empty probe, in seconds."""
+    bandwidth_bps: float
+    """Estimated bandwidth, in bits per second."""
+    probe_bytes: int
+    """Bytes the measurement sent."""
+
+
+def estimate_bandwidth_bps(size_bytes: int, elapsed_s: float, rtt_s: float) -> float:
+    """Bandwidth implied by a probe of `size_bytes` that took `elapsed_s`, of which `rtt_s` is
+    the round trip every call pays (a probe no slower than an empty one counts 1 µs)."""
+    return size_bytes * 8 / max(elapsed_s - rtt_s, 1e-6)
+
+
+Send = Callable[[int], Awaitable[None]]
+"""Sends one probe of that many bytes and returns once the peer has answered."""
+
+
+async def measure_link(
+    send: Send, plan: ProbePlan = ProbePlan(), clock: Callable[[], float] = time.perf_counter
+) -> LinkEstimate:
+    """Measure a link by probing it (see the module doc); whatever `send` raises propagates."""
+
+    async def timed(nbytes: int) -> float:
+        started = clock()
+        await send(nbytes)
+        return clock() - started
+
+    rtt_s = min([await timed(0) for _ in range(plan.rtt_probes)])
+    size, sent = plan.first_bytes, 0
+    while True:
+        elapsed_s = await timed(size)
+        sent += size
+        if elapsed_s - rtt_s >= plan.target_s or size >= plan.max_bytes:
+            break
+        size = min(2 * size, plan.max_bytes)
+    return LinkEstimate(
+        rtt_s=rtt_s,
+        bandwidth_bps=estimate_bandwidth_bps(size, elapsed_s, rtt_s),
+        probe_bytes=sent,
+    )
+
+
+def probe_sender(
+    channel: grpc.aio.Channel,
+    *,
+    peer: str,
+    node_id: str,
+    epoch: int,
+    counters: LinkCounters,
+    timeout_s: float,
+    pace_bps: float = 0.0,
+) -> Send:
+    """A `Send` that probes `peer` over `channel`, counting the bytes in `counters`. Raises
+    PeerUnavailable / PeerRefused for a failed call. `pace_bps` (test only) delays each probe
+    as a link of that rate would."""
+    call = channel.unary_unary(PATH)
+    metadata = ((NODE_ID_KEY, node_id), (EPOCH_KEY, str(epoch)))
+
+    async def send(nbytes: int) -> None:
+        if pace_bps > 0:
+            await asyncio.sleep(nbytes * 8 / pace_bps)
+        try:
+            await call(bytes(nbytes), metadata=metadata, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            what = f"probe of {peer}: {exc.code().name}: {exc.details()}"
+            if exc.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                raise PeerUnavailable(what) from None
+            raise PeerRefused(what) from None
+        counters.add(peer, nbytes)
+
+    return send
+
+
+Check = Callable[[str, int, int], Awaitable[None]]
+"""check(peer_node_id, epoch, nbytes): returns if that peer may probe with that many bytes now,
+raises Refusal otherwise."""
+
+
+class ProbeServer:
+    """The server half: a generic raw-bytes unary handler for `PATH`."""
+
+    def __init__(self, check: Check) -> None:
+        self._check = check
+
+    def handler(self) -> Any:
+        """The gRPC generic handler to add to a server."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(self._serve)}
+        )
+
+    async def _serve(self, request: object, context: Any) -> bytes:
+        peer_id, epoch = caller(context)
+        if not isinstance(request, bytes):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "probes are raw bytes")
+        assert isinstance(request, bytes)
+        if len(request) > MAX_PROBE_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"probe of {len(request)} bytes exceeds the limit of {MAX_PROBE_BYTES}",
+            )
+        try:
+            await self._check(peer_id, epoch, len(request))
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.reason)
+        return b""

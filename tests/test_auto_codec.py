@@ -1,0 +1,299 @@
+"""`auto` codec choice: the pure rule, the probe estimator against a fake clock, the probe
+method's validation, the per-link choice object, and a real swarm with one slow link."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from ravnest_node.compression import CODECS
+from ravnest_node.compression.auto import AUTO, AUTO_LADDER, choose_codec, payload_sizes
+from ravnest_node.errors import ConfigError, PeerRefused
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.codec_choice import CodecChoice
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.transport.boundary import LinkCounters, Refusal
+from ravnest_node.transport.probe import (
+    MAX_PROBE_BYTES,
+    ProbePlan,
+    ProbeServer,
+    Send,
+    measure_link,
+    probe_sender,
+)
+
+from .conftest import demo_summary
+
+MBIT = 1e6
+
+
+def _bench_small_activation() -> list[tuple[str, int]]:
+    """Payload sizes of one bench-small microbatch's activation (4 x 128 x 256 float32)."""
+    spec = get_model("bench-small").output_spec(1, TrainConfig().microbatch_size)
+    return payload_sizes("activation", spec.shape, spec.dtype)
+
+
+# ---------------------------------------------------------------------------------- the rule
+
+
+def test_payload_sizes_follow_the_ladder() -> None:
+    sizes = dict(_bench_small_activation())
+    numel = 4 * 128 * 256
+    assert list(sizes) == list(AUTO_LADDER)
+    assert sizes["none"] == numel * 4
+    assert sizes["bf16"] == numel * 2
+    assert sizes["int8-block"] == numel + 4 * numel // 512
+    assert sizes["int4-block"] == numel // 2 + 4 * numel // 64
+    grad = dict(payload_sizes("gradient", (4, 128, 256), torch.float32))
+    assert grad == sizes  # stochastic rounding does not change the wire format
+
+
+@pytest.mark.parametrize(
+    ("bandwidth_mbit", "compute_ms", "expected"),
+    [
+        (1000, 40, "none"),  # LAN: 512 KiB in 4.2 ms, well inside 20 ms
+        (50, 40, "int4-block"),  # home: int8 takes 21 ms, just over the budget
+        (50, 70, "int8-block"),  # a slower stage leaves room for int8 (21 ms of 35)
+        (200, 30, "bf16"),  # bf16 in 10.5 ms of 15; none would take 21 ms
+        (10, 40, "int4-block"),  # internet: even int4 (59 ms) misses; take the smallest
+        (10, 300, "int8-block"),  # ... unless the stage is very slow (106 ms of 150)
+    ],
+)
+def test_rule_picks_the_most_faithful_codec_that_fits(
+    bandwidth_mbit: float, compute_ms: float, expected: str
+) -> None:
+    got = choose_codec(
+        _bench_small_activation(), bandwidth_bps=bandwidth_mbit * MBIT, compute_s=compute_ms / 1e3
+    )
+    assert got == expected
+
+
+def test_rule_moves_to_a_more_faithful_codec_only_with_a_margin() -> None:
+    sizes = [("none", 1000), ("int4-block", 150)]
+    # none: 1000 bytes at 1 Mbit/s = 8 ms, inside the budget of 8.5 ms but not its 80%.
+    fits_barely = {"bandwidth_bps": 1 * MBIT, "compute_s": 0.017}
+    assert choose_codec(sizes, **fits_barely) == "none"
+    assert choose_codec(sizes, **fits_barely, current="none") == "none"  # staying needs no margin
+    assert choose_codec(sizes, **fits_barely, current="int4-block") == "int4-block"
+    roomy = {"bandwidth_bps": 1 * MBIT, "compute_s": 0.030}
+    assert choose_codec(sizes, **roomy, current="int4-block") == "none"
+
+
+def test_rule_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        choose_codec([], bandwidth_bps=1.0, compute_s=1.0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="must be > 0"):
+            choose_codec([("none", 1)], bandwidth_bps=bad, compute_s=1.0)
+        with pytest.raises(ValueError, match="must be > 0"):
+            choose_codec([("none", 1)], bandwidth_bps=1.0, compute_s=bad)
+
+
+# ------------------------------------------------------------------- the probe, on a fake clock
+
+
+class FakeLink:
+    """A link of `bandwidth_bps` and `rtt_s`: each probe advances the fake clock."""
+
+    def __init__(self, bandwidth_bps: float, rtt_s: float) -> None:
+        self.bandwidth_bps = bandwidth_bps
+        self.rtt_s = rtt_s
+        self.now = 0.0
+        self.sent: list[int] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def send(self, nbytes: int) -> None:
+        self.sent.append(nbytes)
+        self.now += self.rtt_s + nbytes * 8 / self.bandwidth_bps
+
+
+@pytest.mark.parametrize(
+    ("bandwidth_mbit", "rtt_ms", "last_probe"),
+    [
+        (10, 50, 128 << 10),  # 128 KiB take 105 ms + RTT: stop there
+        (50, 20, 1 << 20),  # 1 MiB takes 168 ms
+        (1000, 1, 1 << 20),  # LAN: stops at the 1 MiB default cap (8 ms)
+    ],
+)
+async def test_probe_estimates_bandwidth_and_rtt(
+    bandwidth_mbit: float, rtt_ms: float, last_probe: int
+) -> None:
+    link = FakeLink(bandwidth_mbit * MBIT, rtt_ms / 1e3)
+    estimate = await measure_link(link.send, ProbePlan(), clock=link.clock)
+    assert estimate.bandwidth_bps == pytest.approx(bandwidth_mbit * MBIT, rel=1e-6)
+    assert estimate.rtt_s == pytest.approx(rtt_ms / 1e3)
+    assert link.sent[:3] == [0, 0, 0]
+    assert link.sent[3] == 64 << 10 and link.sent[-1] == last_probe
+    assert all(b == 2 * a for a, b in itertools.pairwise(link.sent[3:]))
+    assert estimate.probe_bytes == sum(link.sent)
+
+
+async def test_probe_respects_a_small_message_limit() -> None:
+    link = FakeLink(1000 * MBIT, 0.001)
+    plan = ProbePlan.within(max_message_bytes=100_000)
+    estimate = await measure_link(link.send, plan, clock=link.clock)
+    assert max(link.sent) <= 50_000
+    assert estimate.bandwidth_bps == pytest.approx(1000 * MBIT, rel=1e-6)
+    with pytest.raises(ConfigError):
+        ProbePlan(max_bytes=MAX_PROBE_BYTES + 1)
+
+
+# ------------------------------------------------------------- the probe method, over gRPC
+
+
+class _Check:
+    """A worker's check: only node "up" may probe, under epoch 3, 1 MiB at most in all."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    async def __call__(self, peer: str, epoch: int, nbytes: int) -> None:
+        if peer != "up" or epoch != 3:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"unknown peer {peer!r}")
+        if self.bytes + nbytes > 1 << 20:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "probe budget spent")
+        self.bytes += nbytes
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def probe_server() -> AsyncIterator[tuple[str, _Check]]:
+    check = _Check()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 8 << 20)])
+    server.add_generic_rpc_handlers([ProbeServer(check).handler()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", check
+    finally:
+        await server.stop(0)
+
+
+async def test_probe_method_checks_peer_size_and_budget(probe_server: tuple[str, _Check]) -> None:
+    address, check = probe_server
+    counters = LinkCounters()
+    options = [("grpc.max_send_message_length", 8 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+
+        def sender(node_id: str, epoch: int = 3) -> Send:
+            return probe_sender(
+                channel, peer="down", node_id=node_id, epoch=epoch, counters=counters, timeout_s=5
+            )
+
+        estimate = await measure_link(sender("up"), ProbePlan(max_bytes=256 << 10))
+        assert estimate.bandwidth_bps > 0
+        assert counters.bytes_sent["down"] == estimate.probe_bytes == check.bytes
+        for who, epoch in (("stranger", 3), ("up", 2)):
+            with pytest.raises(PeerRefused, match="PERMISSION_DENIED"):
+                await sender(who, epoch)(1)
+        with pytest.raises(PeerRefused, match=r"INVALID_ARGUMENT.*exceeds the limit"):
+            await sender("up")(MAX_PROBE_BYTES + 1)
+        with pytest.raises(PeerRefused, match="RESOURCE_EXHAUSTED"):
+            await sender("up")(1 << 20)
+    assert counters.bytes_sent["down"] == check.bytes  # refused probes are not counted
+
+
+# ------------------------------------------------------------------ the per-link choice object
+
+
+class _Compute:
+    def __init__(self) -> None:
+        self.s = 0.0
+
+    def __call__(self) -> float:
+        return self.s
+
+
+def _send_steps(choice: CodecChoice, compute: _Compute, steps: int, per_mb_s: float) -> list[str]:
+    tensor = torch.zeros(4, 32, 64)
+    used = []
+    for _ in range(steps * 4):
+        used.append(choice.outgoing("hidden", tensor).codec.name)
+        compute.s += per_mb_s
+    return used
+
+
+def test_auto_starts_small_then_follows_the_measurements() -> None:
+    compute = _Compute()
+    choice = CodecChoice(AUTO, "activation", compute_s=compute, every=4, what="test")
+    choice.bandwidth_bps = 1000 * MBIT  # 32 KiB in 0.26 ms
+    used = _send_steps(choice, compute, 3, per_mb_s=0.004)  # budget 2 ms
+    # Step 0 has nothing measured, step 1's measurement is start-up: skipped.
+    assert used == ["int4-block"] * 8 + ["none"] * 4
+    assert choice.frames == {"int4-block": 8, "none": 4}
+    assert choice.compute_per_microbatch_s == pytest.approx(0.004)
+    choice.bandwidth_bps = 1 * MBIT  # 32 KiB in 262 ms; int4 in 37 ms: nothing fits
+    assert _send_steps(choice, compute, 2, per_mb_s=0.004)[-4:] == ["int4-block"] * 4
+
+
+def test_auto_without_a_measured_link_keeps_the_smallest_codec() -> None:
+    compute = _Compute()
+    choice = CodecChoice(AUTO, "gradient", compute_s=compute, every=4, what="test")
+    assert set(_send_steps(choice, compute, 4, per_mb_s=0.01)) == {"int4-block"}
+
+
+def test_a_named_codec_never_changes() -> None:
+    compute = _Compute()
+    choice = CodecChoice("bf16", "activation", compute_s=compute, every=4, what="test")
+    choice.bandwidth_bps = 1.0
+    assert set(_send_steps(choice, compute, 4, per_mb_s=0.01)) == {"bf16"}
+    assert not choice.auto
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+def test_auto_is_accepted_wherever_a_codec_is_and_travels_in_the_run_spec() -> None:
+    for kwargs in ({"codec": AUTO}, {"activation_codec": AUTO}, {"gradient_codec": AUTO}):
+        TrainConfig(**kwargs)
+    run = TrainConfig(codec=AUTO, gradient_codec="int8-block", fault_slow_link=0,
+                      fault_link_kbps=500)  # fmt: skip
+    back = TrainConfig.from_proto(run.to_proto(""))
+    assert (back.activation, back.gradient) == (AUTO, "int8-block")
+    assert back.link_pace_bps(0) == 500_000 and back.link_pace_bps(1) == 0
+    assert AUTO not in CODECS  # never a wire codec
+    with pytest.raises(ConfigError, match="or auto"):
+        TrainConfig(codec="automatic")
+    with pytest.raises(ConfigError, match="fault_link_kbps"):
+        TrainConfig(fault_slow_link=0)
+
+
+# ------------------------------------------------------------------------ a real swarm
+
+
+def test_a_slow_link_gets_a_lighter_codec_than_a_fast_one(tmp_path: Path) -> None:
+    """Three nodes on loopback, `--codec auto`; the link between stages 0 and 1 is paced to
+    1 Mbit/s each way. Both directions of it settle on int4-block; the loopback link between
+    stages 1 and 2 on something more faithful; training works."""
+    steps = 10
+    s = demo_summary(
+        tmp_path, "auto", "--model", "tiny", "--seed", "0", "--steps", str(steps),
+        "--codec", "auto", "--fault-slow-link", "0", "--fault-link-kbps", "1000",
+    )  # fmt: skip
+    first, middle, last = s["stages"]
+    assert (s["codec"], s["gradient_codec"]) == (AUTO, AUTO)
+    # Every link reports a registered codec per role, and what it measured.
+    for stage, role in ((first, "activation"), (middle, "activation"), (middle, "gradient"),
+                        (last, "gradient")):  # fmt: skip
+        assert stage[f"{role}_codec"] in AUTO_LADDER
+        assert sum(stage[f"{role}_codec_frames"].values()) == steps * 4
+        assert set(stage[f"{role}_codec_frames"]) <= set(AUTO_LADDER)
+    assert first["gradient_codec"] == "" and last["activation_codec"] == ""
+    # The slow link: measured near its pace, int4-block both ways.
+    assert 0.5 * MBIT < first["downstream_bandwidth_bps"] < 1.1 * MBIT
+    assert 0.5 * MBIT < middle["upstream_bandwidth_bps"] < 1.1 * MBIT
+    assert first["activation_codec_frames"] == {"int4-block": steps * 4}
+    assert middle["gradient_codec_frames"] == {"int4-block": steps * 4}
+    # The loopback link: far faster, and a more faithful codec once measured.
+    assert middle["downstream_bandwidth_bps"] > 50 * MBIT
+    rank = AUTO_LADDER.index
+    assert rank(middle["activation_codec"]) < rank("int4-block")
+    assert rank(last["gradient_codec"]) < rank("int4-block")
+    assert s["final_loss"] < s["initial_loss"]
