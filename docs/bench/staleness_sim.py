@@ -1,0 +1,103 @@
+"""One-process simulation of the asynchronous pipeline's staleness, to study its cost on loss.
+
+bench-small is cut into stages; the stages named in STAGES compute their forward and backward at
+the weights of `delay` optimizer steps ago (what weight stashing gives a stage whose forward ran
+`delay` versions before its backward), the others at the current weights; every gradient is
+applied to the current weights with AdamW, as the stage runtime does. At the end the final
+weights are evaluated on 8 batches that training never drew.
+
+    python docs/bench/staleness_sim.py DELAY [STEPS [LR]]
+
+Environment knobs (all optional):
+  CUTS="0,3,5,8"  block boundaries of the stages (default: the pipeline's three stages)
+  STAGES="01"     indices of the stages that see the delay (default: all but the last)
+  WU=20           synchronous warm-up steps before the delay applies
+  PRED=1          forwards of delayed stages use weights predicted PRED steps ahead from
+                  AdamW's moments (w - PRED * lr * (m_hat / (sqrt(v_hat) + eps) + wd * w))
+  LRS, ELRS       learning-rate multipliers of the middle stages and of the first stage
+  B1, SB1         AdamW beta1 of all stages, and of all but the last
+  SEED=0          model and data seed
+"""
+
+import copy
+import os
+import sys
+
+import torch
+
+from ravnest_node.data.stdlib_bytes import StdlibBytes
+from ravnest_node.models.base import get_model
+
+torch.set_num_threads(1)
+delay = int(sys.argv[1])
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+lr = float(sys.argv[3]) if len(sys.argv) > 3 else 3e-4
+env = os.environ.get
+seed = int(env("SEED", "0"))
+model = get_model("bench-small")
+blocks = model.build_blocks(seed)
+bounds = [int(c) for c in env("CUTS", "0,3,5,8").split(",")]
+stages = [torch.nn.Sequential(*blocks[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+delayed = env("STAGES", "".join(str(i) for i in range(len(stages) - 1)))
+warmup, predict = int(env("WU", "0")), float(env("PRED", "0"))
+beta1 = float(env("B1", "0.9"))
+stale_beta1 = float(env("SB1", str(beta1)))
+opt = torch.optim.AdamW(
+    [
+        {"params": list(stages[0].parameters()), "lr": lr * float(env("ELRS", "1")),
+         "betas": (stale_beta1, 0.999)},
+        {"params": [p for s in stages[1:-1] for p in s.parameters()],
+         "lr": lr * float(env("LRS", "1")), "betas": (stale_beta1, 0.999)},
+        {"params": list(stages[-1].parameters())},
+    ],
+    lr=lr, weight_decay=0.01, betas=(beta1, 0.999),
+)  # fmt: skip
+data = StdlibBytes(seq_len=model.input_spec(1).shape[1], seed=seed)
+
+
+def predicted(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The stage's weights, moved `predict` AdamW steps ahead along its current moments."""
+    weights = copy.deepcopy(stage.state_dict())
+    for name, p in stage.named_parameters():
+        state, group = opt.state.get(p), next(g for g in opt.param_groups if any(p is q for q in g["params"]))
+        if state:
+            k, (b1, b2) = float(state["step"]), group["betas"]
+            m = state["exp_avg"] / (1 - b1**k)
+            v = state["exp_avg_sq"] / (1 - b2**k)
+            weights[name] = p.detach() - predict * group["lr"] * (
+                m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p.detach()
+            )
+    return weights
+
+
+history: list[list[dict[str, torch.Tensor]]] = []  # per step: the weights a delayed forward uses
+losses = []
+for step in range(steps):
+    x, y = data.batch(step, 16)
+    current = [copy.deepcopy(s.state_dict()) for s in stages]
+    history.append([predicted(s) for s in stages] if predict else current)
+    h, leaves = x, []
+    for i, stage in enumerate(stages):
+        lag = delay if str(i) in delayed and step >= warmup else 0
+        used = history[step - lag][i] if 0 < lag <= step else current[i]
+        w = {k: t.clone().requires_grad_(True) for k, t in used.items() if t.dtype.is_floating_point}
+        leaves.append(w)
+        h = torch.func.functional_call(stage, {**used, **w}, (h,))
+    loss = model.loss(h, y)
+    loss.backward()
+    for i, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            p.grad = leaves[i][name].grad
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+
+with torch.no_grad():
+    evals = []
+    for k in range(8):
+        x, y = data.batch(10_000 + k, 16)
+        for stage in stages:
+            x = stage(x)
+        evals.append(model.loss(x, y).item())
+print(f"eval {sum(evals) / len(evals):.4f}  mean train loss of the last 5 steps "
+      f"{sum(losses[-5:]) / 5:.4f}")  # fmt: skip
