@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,29 @@ def test_demo_stops_on_interrupt(procs: Procs, tmp_path: Path, whole_group: bool
         demo.send_signal(signal.SIGINT)
     assert demo.wait(10) == 0
     assert not [pid for pid in pids if pid_alive(pid)]
+
+
+STUCK_STOP = """
+import asyncio, sys
+from ravnest_node.cli.signals import install_stop_handlers
+
+async def main():
+    never = asyncio.Event()
+    # A stop that does not stop: the loop keeps waiting, as a stuck shutdown would.
+    install_stop_handlers(asyncio.get_running_loop(), lambda: None, deadline_s=1.0)
+    print("ready", flush=True)
+    await never.wait()
+
+asyncio.run(main())
+"""
+
+
+def test_a_stuck_stop_ends_at_its_deadline_and_says_what_it_waited_for(procs: Procs) -> None:
+    proc = procs.popen([sys.executable, "-c", STUCK_STOP], stderr=subprocess.PIPE)
+    assert wait_for_line(proc, "ready", timeout_s=30)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode()
+    assert "did not finish within 1 s" in err
+    assert "pending <Task" in err and "in main" in err  # the task that never finished
