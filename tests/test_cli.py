@@ -37,12 +37,13 @@ def test_help_explains_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for text in ("start", "demo", "--join", "RAVNEST_TRAIN_STEPS"):
+    for text in ("start", "demo", "status", "--join", "--mdns --join auto", "RAVNEST_TRAIN_STEPS"):
         assert text in out
     with pytest.raises(SystemExit):
         main(["start", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--listen", "--state-dir", "--join", "--swarm-size", "--model", "--codec"):
+    for flag in ("--listen", "--state-dir", "--join", "--swarm-size", "--model", "--codec",
+                 "--peer", "--mdns", "--no-mdns", "--mdns-interface"):  # fmt: skip
         assert flag in out
 
 

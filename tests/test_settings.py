@@ -340,3 +340,33 @@ def test_reference_markdown_lists_every_setting() -> None:
     assert "| path or `none` | `none` |" in text
     assert "Learning rate of the optimizer." in text
     assert len(text.splitlines()) == 2 + 8
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Repeated:
+    peers: tuple[str, ...] = field(default=(), metadata={"flag": "--peer"})
+    """Bootstrap addresses."""
+    ports: tuple[int, ...] = (1, 2)
+    """Ports."""
+
+
+def test_tuple_settings_repeat_the_flag_split_the_env_and_take_toml_arrays(
+    tmp_path: Path,
+) -> None:
+    parser = argparse.ArgumentParser(prog="ravnest-node")
+    add_arguments(parser, Repeated)
+    args = parser.parse_args(["--peer", "a:1", "--peer", "b:2"])
+    assert load(Repeated, args=args, env={"RAVNEST_PEERS": "x:1"}).peers == ("a:1", "b:2")
+    assert load(Repeated, env={"RAVNEST_PEERS": " a:1, b:2,", "RAVNEST_PORTS": ""}) == Repeated(
+        peers=("a:1", "b:2"), ports=()
+    )
+    assert load(Repeated, env={}, toml_path=write(tmp_path, "ports = [7, 8]\n")).ports == (7, 8)
+    with pytest.raises(ConfigError, match="RAVNEST_PORTS"):
+        load(Repeated, env={"RAVNEST_PORTS": "1,x"})
+    with pytest.raises(ConfigError, match="ports must be a list, each an integer, got int"):
+        load(Repeated, env={}, toml_path=write(tmp_path, "ports = 7\n"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ports", "x"])
+    text = reference_markdown(Repeated)
+    assert "| `ports` | `--ports` | `RAVNEST_PORTS` | list of int (repeat the flag" in text
+    assert "| `1,2` |" in text and "| `''` |" in text

@@ -23,6 +23,7 @@ from ravnest_node.bench.runner import BenchConfig, run_bench
 from ravnest_node.cli import settings
 from ravnest_node.cli.demo import DemoConfig, run_demo
 from ravnest_node.cli.signals import ignore_stop_signals, install_stop_handlers
+from ravnest_node.cli.status import run_status
 from ravnest_node.daemon.node import NodeConfig, NodeDaemon, NodeInfo
 from ravnest_node.errors import ConfigError, RunFailed, StartupError
 from ravnest_node.models import model_names
@@ -38,6 +39,11 @@ Start here:
   ravnest-node demo                       a local 3-node swarm trains the default model
   ravnest-node start --swarm-size 3       a coordinator node that waits for 2 more nodes
   ravnest-node start --join HOST:PORT     a node that joins that coordinator
+  ravnest-node start --peer HOST:PORT     a node that finds the coordinator through any node
+  ravnest-node status HOST:PORT           what a running node says about itself
+
+On a LAN nobody types addresses: start the coordinator with `--mdns --swarm-size 3` and the
+other nodes with `--mdns --join auto` (the same --swarm-name on each keeps swarms apart).
 
 Every flag can also be set in a TOML file (--config) or as a RAVNEST_* environment variable,
 e.g. --steps is `steps` under [train] and RAVNEST_TRAIN_STEPS; flags win over the environment,
@@ -56,12 +62,26 @@ def _parser() -> argparse.ArgumentParser:
     start = commands.add_parser(
         "start",
         help="run one node daemon",
-        description="Run one node daemon until SIGINT/SIGTERM. Without --join it is also the "
-        "coordinator: it waits for --swarm-size nodes (itself included), hands out the plan and "
-        f"the training run (models: {models}). It prints one JSON line when ready.",
+        description="Run one node daemon until SIGINT/SIGTERM. Without --join or --peer it is "
+        "also the coordinator: it waits for --swarm-size nodes (itself included), hands out the "
+        f"plan and the training run (models: {models}). With --join auto or --peer it finds the "
+        "coordinator over mDNS (--mdns) or through the bootstrap peers. It prints one JSON line "
+        "when ready.",
     )
     start.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(start, NodeConfig)
+
+    status = commands.add_parser(
+        "status",
+        help="show what a running node says about itself",
+        description="Ask a node (Node.Status) for its role, swarm, the coordinator it follows "
+        "and how it found it (--join, mDNS or a bootstrap peer), its stage and counters.",
+    )
+    status.add_argument("address", metavar="HOST:PORT", help="the node's gRPC address")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument(
+        "--timeout-s", type=float, default=10.0, help="seconds to wait for an answer (default: 10)"
+    )
 
     demo = commands.add_parser(
         "demo",
@@ -143,6 +163,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "start":
             node_cfg = settings.load(NodeConfig, args=args, env=os.environ, toml_path=args.config)
             return _start(node_cfg)
+        if args.command == "status":
+            return run_status(args.address, as_json=args.json, timeout_s=args.timeout_s)
         if args.command == "bench":
             bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
             if args.suite in ("codecs", "replicas"):

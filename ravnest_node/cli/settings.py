@@ -10,8 +10,9 @@ first:
 4. a command-line flag ``--<field-with-dashes>`` (leaf names are unique across the tree),
 
 and code may pin a field above all of them with ``load(..., overrides=...)``. Leaf types are
-``int``, ``float``, ``str``, ``bool``, ``pathlib.Path``, a ``Literal`` of strings, or ``X | None``
-of those; in text sources and TOML the word ``none`` means None for an optional field.
+``int``, ``float``, ``str``, ``bool``, ``pathlib.Path``, a ``Literal`` of strings, ``X | None``
+of those, or ``tuple[X, ...]`` of those (a repeatable flag, a TOML array, a comma-separated
+environment variable); in text sources and TOML the word ``none`` means None for an optional field.
 
 A wrong value in any source raises `ConfigError` with one line naming the source. A config tree
 this module cannot handle (duplicate leaf names, an unsupported type) raises `TypeError`: that is
@@ -57,9 +58,19 @@ class _Kind:
     base: type
     choices: tuple[str, ...] = ()
     optional: bool = False
+    many: bool = False
+    """A tuple of such values (a repeatable flag)."""
+
+    @property
+    def item(self) -> _Kind:
+        """The kind of one value of a tuple."""
+        return dataclasses.replace(self, many=False)
 
     def expected(self, *, text: bool) -> str:
         """What a valid value looks like, for 'expected ...' and 'must be ...' messages."""
+        if self.many:
+            each = self.item.expected(text=text)
+            return f"comma-separated values, each {each}" if text else f"a list, each {each}"
         if self.choices:
             noun = "one of " + ", ".join(repr(choice) for choice in self.choices)
         elif self.base is bool and text:
@@ -230,6 +241,8 @@ def reference_markdown(cls: type) -> str:
             type_name = "path" if leaf.kind.base is Path else leaf.kind.base.__name__
         if leaf.kind.optional:
             type_name += " or `none`"
+        if leaf.kind.many:
+            type_name = f"list of {type_name} (repeat the flag; comma-separated in the environment)"
         default = "*required*" if leaf.default is _MISSING else f"`{_show(leaf.default)}`"
         cells = [
             f"`{'.'.join(leaf.path)}`",
@@ -291,6 +304,12 @@ def _section(cls: type, path: tuple[str, ...], doc: str, instance: Any) -> _Sect
 
 
 def _kind(hint: Any, path: tuple[str, ...]) -> _Kind:
+    if get_origin(hint) is tuple:
+        args = get_args(hint)
+        item = _kind(args[0], path) if len(args) == 2 and args[1] is Ellipsis else None
+        if item is None or item.optional or item.many:
+            raise TypeError(f"{'.'.join(path)}: a tuple setting must be tuple[X, ...] of one type")
+        return dataclasses.replace(item, many=True)
     optional = False
     if get_origin(hint) in (Union, types.UnionType):
         members = [arg for arg in get_args(hint) if arg is not type(None)]
@@ -311,6 +330,9 @@ def _kind(hint: Any, path: tuple[str, ...]) -> _Kind:
 
 def _parse_text(text: str, kind: _Kind) -> object:
     """Convert text from a flag or env variable; ValueError says what was expected."""
+    if kind.many:
+        parts = (part.strip() for part in text.split(","))
+        return tuple(_parse_text(part, kind.item) for part in parts if part)
     word = text.strip().lower()
     if kind.optional and word == "none":
         return None
@@ -337,6 +359,10 @@ def _parse_text(text: str, kind: _Kind) -> object:
 
 def _check_value(value: object, kind: _Kind) -> object:
     """Check an already-typed value (TOML, argparse, override); ValueError says what is wrong."""
+    if kind.many:
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"must be {kind.expected(text=False)}, got {type(value).__name__}")
+        return tuple(_check_value(item, kind.item) for item in value)
     if value is None and kind.optional:
         return None
     if kind.choices:
@@ -409,13 +435,15 @@ def _build(section: _Section, values: Mapping[tuple[str, ...], object]) -> objec
 
 def _is_switch(kind: _Kind) -> bool:
     """A plain bool becomes a --name/--no-name switch; `bool | None` takes a value instead."""
-    return kind.base is bool and not kind.optional
+    return kind.base is bool and not kind.optional and not kind.many
 
 
 def _show(value: object) -> str:
     """A default as a person would type it in a flag or env variable."""
     if value is None:
         return "none"
+    if isinstance(value, tuple):
+        return ",".join(_show(item) for item in value) if value else "''"
     if isinstance(value, bool):
         return str(value).lower()
     return str(value) if value != "" else "''"
@@ -427,6 +455,10 @@ def _add_flag(add: Callable[..., argparse.Action], leaf: _Leaf) -> None:
     options: dict[str, Any] = {"dest": leaf.name, "default": argparse.SUPPRESS, "help": help_text}
     if _is_switch(leaf.kind):
         options["action"] = argparse.BooleanOptionalAction
+    elif leaf.kind.many:  # each use of the flag adds one value
+        options["action"] = "append"
+        options["type"] = functools.partial(_parse_flag, leaf.kind.item)
+        options["metavar"] = leaf.flag.removeprefix("--").replace("-", "_").upper()
     else:
         options["type"] = functools.partial(_parse_flag, leaf.kind)
         options["metavar"] = leaf.flag.removeprefix("--").replace("-", "_").upper()
@@ -462,6 +494,8 @@ def to_env(config: object, prefix: Sequence[str] = ()) -> dict[str, str]:
             out[env_name(path)] = "none"
         elif isinstance(value, bool):
             out[env_name(path)] = "true" if value else "false"
+        elif isinstance(value, tuple):
+            out[env_name(path)] = ",".join(str(item) for item in value)
         else:
             out[env_name(path)] = str(value)
     return out

@@ -1,13 +1,16 @@
 """The node daemon: one process, one event loop, one TaskGroup owning every background task.
 
 `NodeDaemon.run` opens the gRPC server (boundary streams, node status and, on the coordinator,
-the coordinator service), signals readiness, runs the worker, and on `stop()` (SIGINT/SIGTERM)
-leaves the TaskGroup, stops the server with a grace period and returns.
+the coordinator service), starts mDNS if asked, signals readiness, finds the coordinator if no
+address was given (coordination/locate.py), runs the worker, and on `stop()` (SIGINT/SIGTERM)
+leaves the TaskGroup, stops mDNS (goodbye packets) and the server with a grace period and returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -22,8 +25,16 @@ import grpc
 import torch
 
 from ravnest_node.averaging import AveragingService
-from ravnest_node.coordination.coordinator import CoordinatorService
+from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
+from ravnest_node.coordination.locate import Found, grpc_status_asker, locate_coordinator
 from ravnest_node.daemon.worker import Worker
+from ravnest_node.discovery import (
+    Advertisement,
+    MdnsDiscovery,
+    TxtRecord,
+    advertised_ips,
+    valid_swarm_name,
+)
 from ravnest_node.errors import ConfigError, RavnestError, RunFailed, StartupError
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
@@ -40,6 +51,10 @@ READY_FILE = "ready.json"
 # Calls a node serves at once (boundary streams, control calls, status); more wait or fail.
 MAX_CONCURRENT_RPCS = 64
 SUMMARY_FILE = "summary.json"
+# Seconds a stopping node's own tasks get to end before its server's calls are ended for them.
+STOP_TASKS_S = 1.0
+JOIN_AUTO = "auto"
+MAX_PEERS = 64
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -53,11 +68,21 @@ class NodeConfig:
     state_dir: Path | None = None
     """Directory for this node's id and state files (default: none kept, a new id each start)."""
     join: str | None = field(default=None, metadata={"flag": "--join"})
-    """Coordinator to join, HOST:PORT; without it this node is the coordinator."""
+    """Coordinator to join: HOST:PORT, or `auto` to find it over mDNS or through --peer.
+
+    Without --join and --peer this node is the coordinator."""
+    peers: tuple[str, ...] = field(default=(), metadata={"flag": "--peer"})
+    """Bootstrap HOST:PORT of any node of the swarm (repeatable); a node given one is a worker.
+
+    Without --join it asks them for the coordinator's address."""
+    mdns: bool = False
+    """Advertise this node and look for its swarm's coordinator over mDNS (multicast DNS)."""
+    mdns_interface: str | None = None
+    """Interface IP for mDNS, e.g. 127.0.0.1 for a one-machine swarm (default: all interfaces)."""
     swarm_size: int = 1
     """Coordinator only: nodes to wait for before handing out the plan (itself included)."""
     swarm_name: str = "default"
-    """Coordinator only: name of the swarm, part of its id."""
+    """Name of the swarm: part of its id; over mDNS a node sees only nodes of the same name."""
     compute_threads: int = field(default=0, metadata={"flag": "--threads"})
     """Threads torch may use for this node's compute (0 = torch's default)."""
     log_level: LogLevel = "info"
@@ -73,8 +98,31 @@ class NodeConfig:
             _, port = split_host_port(self.advertise)
             if port == 0:
                 raise ConfigError(f"advertise={self.advertise!r}: needs a real port, not 0")
-        if self.join is not None:
+        if self.join is not None and self.join != JOIN_AUTO:
             split_host_port(self.join)
+        if len(self.peers) > MAX_PEERS:
+            raise ConfigError(f"peers: {len(self.peers)} given, at most {MAX_PEERS}")
+        for peer in self.peers:
+            if split_host_port(peer)[1] == 0:
+                raise ConfigError(f"peer {peer!r}: needs a real port, not 0")
+        if self.join == JOIN_AUTO and not (self.mdns or self.peers):
+            raise ConfigError(
+                "join='auto' finds the coordinator over mDNS or through bootstrap peers: "
+                "add --mdns (on a LAN) or --peer HOST:PORT"
+            )
+        if self.mdns_interface is not None:
+            try:
+                ipaddress.ip_address(self.mdns_interface)
+            except ValueError:
+                raise ConfigError(
+                    f"mdns_interface={self.mdns_interface!r}: must be an IP address of this "
+                    "machine, e.g. 127.0.0.1 or 192.168.1.10"
+                ) from None
+        if not valid_swarm_name(self.swarm_name):
+            raise ConfigError(
+                f"swarm_name={self.swarm_name[:80]!r}: must be 1 to 64 printable characters "
+                "without '='"
+            )
         if not 1 <= self.swarm_size <= 1024:
             raise ConfigError(f"swarm_size={self.swarm_size}: must be between 1 and 1024")
         if self.compute_threads < 0:
@@ -85,7 +133,13 @@ class NodeConfig:
 
     @property
     def is_coordinator(self) -> bool:
-        return self.join is None
+        """No --join and no --peer: this node is the coordinator."""
+        return self.join is None and not self.peers
+
+    @property
+    def finds_coordinator(self) -> bool:
+        """A worker without a coordinator address: it looks over mDNS and asks its peers."""
+        return self.join == JOIN_AUTO or (self.join is None and bool(self.peers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +172,9 @@ class NodeDaemon:
         self.node_id = load_or_create_node_id(config.state_dir)
         self.address = ""
         self._worker: Worker | None = None
+        self._mdns: MdnsDiscovery | None = None
+        self.found: Found | None = None
+        """The coordinator this node follows and how it learned of it (None while looking)."""
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ravnest-compute")
         self.run_error: BaseException | None = None
 
@@ -141,13 +198,16 @@ class NodeDaemon:
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {cfg.listen}: {_bind_reason(exc)}") from None
         self.address = cfg.advertise or f"{host}:{port}"
-        coordinator_address = cfg.join or self.address
+        if cfg.is_coordinator:
+            self.found = Found(self.address, pb.FOUND_VIA_CONFIG)
+        elif cfg.join is not None and not cfg.finds_coordinator:
+            self.found = Found(cfg.join, pb.FOUND_VIA_CONFIG)
         averaging = AveragingService()
         worker = Worker(
             averaging=averaging,
             node_id=self.node_id,
             address=self.address,
-            coordinator=coordinator_address,
+            coordinator=self.found.address if self.found else "",
             compute_threads=torch.get_num_threads(),
             transport=cfg.transport,
             compute=self._compute,
@@ -173,12 +233,16 @@ class NodeDaemon:
             pb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
         await server.start()
         try:
-            info = NodeInfo(self.node_id, self.address, os.getpid(), cfg.is_coordinator)
-            if cfg.state_dir is not None:
-                write_atomic(cfg.state_dir / READY_FILE, json.dumps(asdict(info)).encode())
-            log.info("node %s listening on %s", self.node_id, self.address)
-            on_ready(info)
-            await self._serve(worker)
+            async with contextlib.AsyncExitStack() as stack:
+                if cfg.mdns:  # left after _serve: goodbye packets before the server stops
+                    mdns = await self._mdns_discovery()
+                    self._mdns = await stack.enter_async_context(mdns)
+                info = NodeInfo(self.node_id, self.address, os.getpid(), cfg.is_coordinator)
+                if cfg.state_dir is not None:
+                    write_atomic(cfg.state_dir / READY_FILE, json.dumps(asdict(info)).encode())
+                log.info("node %s listening on %s", self.node_id, self.address)
+                on_ready(info)
+                await self._serve(worker, server)
         finally:
             # After a failed run, end open streams at once so neighbours learn of it now.
             await server.stop(0 if self.run_error else cfg.transport.stop_grace_s)
@@ -187,12 +251,58 @@ class NodeDaemon:
         if self.run_error is not None:
             raise RunFailed(str(self.run_error)) from self.run_error
 
-    async def _serve(self, worker: Worker) -> None:
+    async def _mdns_discovery(self) -> MdnsDiscovery:
+        """This node's mDNS advertisement and browser (entered by the caller)."""
+        cfg = self.config
+        host, port = split_host_port(self.address)
+        record = TxtRecord(
+            swarm=cfg.swarm_name,
+            node_id=self.node_id,
+            protocol=PROTOCOL,
+            role="coordinator" if cfg.is_coordinator else "worker",
+        )
+        ips = await advertised_ips(host, cfg.mdns_interface)
+        return MdnsDiscovery(
+            swarm=cfg.swarm_name,
+            protocol=PROTOCOL,
+            interface=cfg.mdns_interface,
+            advertisement=Advertisement(txt=record, port=port, ips=ips),
+        )
+
+    async def _find_coordinator(self, worker: Worker) -> None:
+        """Locate and check the coordinator (mDNS, --peer), within the connect timeout;
+        PeerUnavailable naming what was tried if there is none."""
+        cfg = self.config
+        log.info(
+            "looking for the coordinator of swarm %r (%s) for up to %g s",
+            cfg.swarm_name,
+            ", ".join((["mDNS"] if self._mdns else []) + [f"peer {p}" for p in cfg.peers]),
+            cfg.transport.connect_timeout_s,
+        )
+        found = await locate_coordinator(
+            swarm=cfg.swarm_name,
+            discovery=self._mdns,
+            peers=cfg.peers,
+            ask=grpc_status_asker(cfg.transport),
+            timeout_s=cfg.transport.connect_timeout_s,
+        )
+        log.info("coordinator %s found via %s (%s)", found.address, found.via_name, found.source)
+        self.found = found
+        worker.coordinator = found.address
+
+    async def _serve(self, worker: Worker, server: grpc.aio.Server) -> None:
         async def train() -> None:
             try:
+                if not worker.coordinator:
+                    await self._find_coordinator(worker)
                 await worker.run()
             except Exception as exc:
                 error = _first_error(exc)
+                if self._stop.is_set():
+                    # Asked to stop: ending this node's own calls (below) can make the run
+                    # fail on its way out; that is the stop, not a failed run.
+                    log.info("training ended by the stop: %s", error)
+                    return
                 self.run_error = error
                 if isinstance(error, RavnestError):  # a peer's fault or a bad plan
                     log.error("training stopped: %s", error)
@@ -201,9 +311,21 @@ class NodeDaemon:
                 self._stop.set()
 
         async with asyncio.TaskGroup() as tg:
-            training = tg.create_task(train())
+            tasks = [tg.create_task(train())]
+            if self._mdns is not None:
+                tasks.append(tg.create_task(self._mdns.run()))
             await self._stop.wait()
-            training.cancel()
+            for task in tasks:
+                task.cancel()
+            # A task cancelled while it waits for a reply from this node's own server (the
+            # coordinator's worker reading its own WatchPlan) can stay cancelling until the
+            # server's side of that call ends: grpc.aio finishes the client's cancel only then.
+            # Seen as a stop that never finished, a few times in a hundred; so if the tasks do
+            # not end promptly, end the server's calls first.
+            _, lingering = await asyncio.wait(tasks, timeout=STOP_TASKS_S)
+            if lingering:
+                log.info("stopping: ending this node's calls so %d task(s) can end", len(lingering))
+                await server.stop(0)
 
     async def status(self) -> pb.NodeStatus:
         worker = self._worker
@@ -213,7 +335,15 @@ class NodeDaemon:
             address=self.address,
             stage=-1,
             bytes_sent=self._counters.total_bytes,
+            role=pb.NODE_ROLE_COORDINATOR if self.config.is_coordinator else pb.NODE_ROLE_WORKER,
+            swarm_name=self.config.swarm_name,
         )
+        if self.found is not None:
+            status.coordinator_address = self.found.address
+            status.coordinator_found_via = self.found.via
+            status.coordinator_found_from = self.found.source
+        if self._mdns is not None:
+            status.mdns_peers = len(self._mdns.records())
         if worker is not None:
             status.frames_refused = worker.frames_refused
             if worker.plan is not None:

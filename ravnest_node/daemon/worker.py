@@ -102,7 +102,8 @@ class Worker:
         self.node_id = node_id
         self._averaging_service = averaging
         self._address = address
-        self._coordinator = coordinator
+        self.coordinator = coordinator
+        """The coordinator's address; "" until the daemon has found it."""
         self._threads = compute_threads
         self._transport = transport
         self._compute = compute
@@ -249,9 +250,11 @@ class Worker:
     # ----- the run ----------------------------------------------------------------------------
     async def run(self) -> None:
         """Join, wait for the plan, train the stage; returns when this stage's run is done."""
-        async with open_channel(self._coordinator, self._transport) as channel:
+        if not self.coordinator:
+            raise RuntimeError("Worker.run() before the coordinator's address is known")
+        async with open_channel(self.coordinator, self._transport) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
-            with coordinator_errors(self._coordinator):
+            with coordinator_errors(self.coordinator):
                 await stub.Join(
                     pb.JoinRequest(
                         node_id=self.node_id,
@@ -265,7 +268,7 @@ class Worker:
                 plan = await watch.read()
                 watch.cancel()
             if plan is grpc.aio.EOF:
-                raise PeerUnavailable(f"coordinator {self._coordinator} closed the plan stream")
+                raise PeerUnavailable(f"coordinator {self.coordinator} closed the plan stream")
             await self._train(plan, stub)
 
     def _averaging(
@@ -378,7 +381,7 @@ class Worker:
         async def send_reports() -> None:
             while True:
                 r = await reports.get()
-                with coordinator_errors(self._coordinator):
+                with coordinator_errors(self.coordinator):
                     await stub.Report(
                         pb.StageReport(
                             node_id=self.node_id,

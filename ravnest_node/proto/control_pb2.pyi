@@ -12,9 +12,29 @@ class Schedule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCHEDULE_UNSPECIFIED: _ClassVar[Schedule]
     SCHEDULE_GPIPE: _ClassVar[Schedule]
     SCHEDULE_SEQUENTIAL: _ClassVar[Schedule]
+
+class NodeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_ROLE_UNSPECIFIED: _ClassVar[NodeRole]
+    NODE_ROLE_COORDINATOR: _ClassVar[NodeRole]
+    NODE_ROLE_WORKER: _ClassVar[NodeRole]
+
+class FoundVia(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FOUND_VIA_UNSPECIFIED: _ClassVar[FoundVia]
+    FOUND_VIA_CONFIG: _ClassVar[FoundVia]
+    FOUND_VIA_MDNS: _ClassVar[FoundVia]
+    FOUND_VIA_PEER: _ClassVar[FoundVia]
 SCHEDULE_UNSPECIFIED: Schedule
 SCHEDULE_GPIPE: Schedule
 SCHEDULE_SEQUENTIAL: Schedule
+NODE_ROLE_UNSPECIFIED: NodeRole
+NODE_ROLE_COORDINATOR: NodeRole
+NODE_ROLE_WORKER: NodeRole
+FOUND_VIA_UNSPECIFIED: FoundVia
+FOUND_VIA_CONFIG: FoundVia
+FOUND_VIA_MDNS: FoundVia
+FOUND_VIA_PEER: FoundVia
 
 class JoinRequest(_message.Message):
     __slots__ = ("node_id", "address", "compute_threads", "protocol")
@@ -239,7 +259,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id")
+    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +274,12 @@ class NodeStatus(_message.Message):
     PARAMS_SHA256_FIELD_NUMBER: _ClassVar[int]
     RUN_DONE_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SWARM_NAME_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FOUND_VIA_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FOUND_FROM_FIELD_NUMBER: _ClassVar[int]
+    MDNS_PEERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     plan_epoch: int
@@ -268,4 +294,10 @@ class NodeStatus(_message.Message):
     params_sha256: str
     run_done: bool
     upstream_node_id: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ...) -> None: ...
+    role: NodeRole
+    swarm_name: str
+    coordinator_address: str
+    coordinator_found_via: FoundVia
+    coordinator_found_from: str
+    mdns_peers: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ...) -> None: ...
