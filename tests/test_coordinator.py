@@ -54,10 +54,20 @@ def _service(tmp_path: Path, clock: Clock, size: int = 3) -> CoordinatorService:
     )
 
 
-async def _join(svc: CoordinatorService, node: str, address: str = "") -> pb.JoinReply:
+def _caps(total_s: float = 0.08, blocks: int = 8, memory: int = 2**34) -> pb.Capabilities:
+    return pb.Capabilities(block_s=[total_s / blocks] * blocks, memory_bytes=memory, device="cpu")
+
+
+async def _join(
+    svc: CoordinatorService, node: str, address: str = "", caps: pb.Capabilities | None = None
+) -> pb.JoinReply:
+    """A node's two joins: to learn what to measure, then with what it measured."""
     request = pb.JoinRequest(node_id=node, address=address or f"{node}:1", protocol=PROTOCOL)
-    reply: pb.JoinReply = await svc.Join(request, FakeContext())  # type: ignore[arg-type]
-    return reply
+    first: pb.JoinReply = await svc.Join(request, FakeContext())  # type: ignore[arg-type]
+    request.capabilities.CopyFrom(caps or _caps())
+    again: pb.JoinReply = await svc.Join(request, FakeContext())  # type: ignore[arg-type]
+    assert again == first
+    return again
 
 
 async def test_plan_waits_for_the_swarm_and_balances_blocks(tmp_path: Path) -> None:
@@ -76,6 +86,53 @@ async def test_plan_waits_for_the_swarm_and_balances_blocks(tmp_path: Path) -> N
     ]
     assert plan.run.model == "bench-small" and plan.run.steps == 2
     assert not plan.run.HasField("fault_skip_step_stage")
+
+
+async def test_the_plan_waits_for_every_members_measurements(tmp_path: Path) -> None:
+    svc = _service(tmp_path, Clock(), size=2)
+    ctx: Any = FakeContext()
+    reply = await svc.Join(pb.JoinRequest(node_id="a", address="a:1", protocol=PROTOCOL), ctx)
+    assert (reply.model, reply.microbatch) == ("bench-small", 4)  # what to measure
+    await _join(svc, "b")
+    assert svc.plan is None  # a has not said what it measured
+    await _join(svc, "a")
+    assert svc.plan is not None
+
+
+async def test_a_faster_machine_gets_more_blocks(tmp_path: Path) -> None:
+    svc = _service(tmp_path, Clock())
+    await _join(svc, "a", "10.0.0.1:1")
+    await _join(svc, "b", "10.0.0.2:1", caps=_caps(total_s=0.04))  # twice as fast
+    await _join(svc, "c", "10.0.0.3:1")
+    plan = svc.plan
+    assert plan is not None
+    blocks = {s.node_id: s.stop_block - s.first_block for s in plan.stages}
+    assert blocks["b"] > max(blocks["a"], blocks["c"])
+    # The same measurements from one machine are one machine's: its best total for all.
+    same = _service(tmp_path, Clock())
+    for node, total in (("a", 0.08), ("b", 0.04), ("c", 0.08)):
+        await _join(same, node, f"10.0.0.9:{ord(node)}", caps=_caps(total_s=total))
+    assert same.plan is not None
+    assert [(s.first_block, s.stop_block) for s in same.plan.stages] == [(0, 3), (3, 5), (5, 8)]
+
+
+@pytest.mark.parametrize(
+    "caps",
+    [
+        pb.Capabilities(block_s=[0.01] * 7),  # one time short
+        pb.Capabilities(block_s=[0.01] * 7 + [float("nan")]),
+        pb.Capabilities(block_s=[0.01] * 7 + [0.0]),
+        pb.Capabilities(block_s=[0.01] * 100_000),
+    ],
+    ids=["short", "nan", "zero", "huge"],
+)
+async def test_malformed_capabilities_are_refused(tmp_path: Path, caps: pb.Capabilities) -> None:
+    svc = _service(tmp_path, Clock(), size=1)
+    request = pb.JoinRequest(node_id="a", address="a:1", protocol=PROTOCOL, capabilities=caps)
+    with pytest.raises(Aborted) as info:
+        await svc.Join(request, FakeContext())  # type: ignore[arg-type]
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert svc.plan is None
 
 
 @pytest.mark.parametrize(

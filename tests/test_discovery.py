@@ -4,6 +4,7 @@ workers with no coordinator address find it over mDNS or through a bootstrap pee
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import secrets
@@ -391,6 +392,21 @@ def test_workers_find_the_coordinator_over_mdns(procs: Procs, tmp_path: Path) ->
         timeout=60, stdin=subprocess.DEVNULL, check=True,
     ).stdout  # fmt: skip
     assert f"found over mDNS (record of node {ready['node_id']})" in human
+    # The whole swarm, found by its name alone.
+    view = json.loads(subprocess.run(
+        ravnest("status", "--swarm", swarm[1], "--mdns-interface", "127.0.0.1", "--json"),
+        env=NODE_ENV, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        check=True,
+    ).stdout)  # fmt: skip
+    assert view["coordinator"]["address"] == ready["address"]
+    assert view["coordinator"]["found_via"] == "mdns" and view["plan_epoch"] == 1
+    assert view["done"] and view["step"] == 3 and view["samples_per_s"] > 0
+    members = {m["node_id"]: m for m in view["members"]}
+    assert set(members) == {ready["node_id"]} | {w["node_id"] for w in workers}
+    assert sorted(m["stage"] for m in members.values()) == [0, 1, 2]
+    assert all(m["reachable"] and m["version"] == 3 and m["speed"] > 0 for m in members.values())
+    blocks = sorted(tuple(m["blocks"]) for m in members.values())
+    assert blocks[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
     # A node that stops says goodbye over mDNS: the others drop its record at once.
     _poll_sync(lambda: _status(ready["address"]).mdns_peers == 2, 20)
     started[0][0].send_signal(signal.SIGTERM)
@@ -405,7 +421,7 @@ def test_a_worker_finds_the_coordinator_through_a_bootstrap_peer(
     _, ready = procs.start_node(
         tmp_path / "n0", *swarm, "--swarm-size", "3", "--model", "tiny", "--steps", "2"
     )
-    _, first = procs.start_node(tmp_path / "n1", *swarm, "--join", ready["address"])
+    first_proc, first = procs.start_node(tmp_path / "n1", *swarm, "--join", ready["address"])
     _, second = procs.start_node(tmp_path / "n2", *swarm, "--peer", first["address"])
     _trained_together(ready["address"], {ready["node_id"], first["node_id"], second["node_id"]})
     status = _status(second["address"])
@@ -413,6 +429,18 @@ def test_a_worker_finds_the_coordinator_through_a_bootstrap_peer(
     assert status.coordinator_found_via == pb.FOUND_VIA_PEER
     assert status.coordinator_found_from == first["address"]
     assert _status(first["address"]).coordinator_found_via == pb.FOUND_VIA_CONFIG
+    # A swarm that mDNS does not reach is found through a peer; a stopped member shows as such.
+    first_proc.send_signal(signal.SIGTERM)
+    assert first_proc.wait(10) == 0
+    shown = subprocess.run(
+        ravnest("status", "--swarm", swarm[1], "--peer", second["address"],
+                "--mdns-interface", "127.0.0.1", "--timeout-s", "5"),
+        env=NODE_ENV, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        check=True,
+    ).stdout  # fmt: skip
+    assert f"found via peer ({second['address']})" in shown
+    assert f"{first['node_id']} {first['address']}: pipeline 0 stage 1" in shown
+    assert "no answer" in shown and shown.count("version 2") == 2
 
 
 def test_no_coordinator_is_a_clear_error(procs: Procs, tmp_path: Path) -> None:

@@ -18,12 +18,13 @@ from pathlib import Path
 
 from ravnest_node import __version__
 from ravnest_node.bench.codecs import run_codec_bench
+from ravnest_node.bench.planner import run_planner_bench
 from ravnest_node.bench.replicas import run_replicas_bench
 from ravnest_node.bench.runner import BenchConfig, run_bench
 from ravnest_node.cli import settings
 from ravnest_node.cli.demo import DemoConfig, run_demo
 from ravnest_node.cli.signals import ignore_stop_signals, install_stop_handlers
-from ravnest_node.cli.status import run_status
+from ravnest_node.cli.status import run_status, run_swarm_status
 from ravnest_node.daemon.node import NodeConfig, NodeDaemon, NodeInfo
 from ravnest_node.errors import ConfigError, RunFailed, StartupError
 from ravnest_node.models import model_names
@@ -73,11 +74,24 @@ def _parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser(
         "status",
-        help="show what a running node says about itself",
+        help="show what a running node, or a whole swarm, says about itself",
         description="Ask a node (Node.Status) for its role, swarm, the coordinator it follows "
-        "and how it found it (--join, mDNS or a bootstrap peer), its stage and counters.",
+        "and how it found it (--join, mDNS or a bootstrap peer), its stage and counters; or, "
+        "with --swarm NAME, find that swarm's coordinator (mDNS and --peer) and show every "
+        "member, the plan, who owns which blocks, who answers, and samples/s.",
     )
-    status.add_argument("address", metavar="HOST:PORT", help="the node's gRPC address")
+    status.add_argument("address", metavar="HOST:PORT", nargs="?", help="the node's gRPC address")
+    status.add_argument("--swarm", metavar="NAME", help="show this swarm instead of one node")
+    status.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="with --swarm: a node of the swarm to ask (repeatable; mDNS is used as well)",
+    )
+    status.add_argument(
+        "--mdns-interface", metavar="IP", help="with --swarm: the interface for mDNS"
+    )
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument(
         "--timeout-s", type=float, default=10.0, help="seconds to wait for an answer (default: 10)"
@@ -103,10 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "suite",
         nargs="?",
-        choices=["links", "codecs", "replicas"],
+        choices=["links", "codecs", "replicas", "planner"],
         default="links",
         help="links (default): the systems over emulated links; codecs: bits, speed and "
-        "convergence of every codec; replicas: two pipelines that average against one",
+        "convergence of every codec; replicas: two pipelines that average against one; "
+        "planner: solve times and placements against the static plan",
     )
     bench.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(bench, BenchConfig)
@@ -164,9 +179,21 @@ def _run(args: argparse.Namespace) -> int:
             node_cfg = settings.load(NodeConfig, args=args, env=os.environ, toml_path=args.config)
             return _start(node_cfg)
         if args.command == "status":
+            if (args.address is None) == (args.swarm is None):
+                return _fail("status: give a node's HOST:PORT or --swarm NAME (one of them)")
+            if args.swarm is not None:
+                return run_swarm_status(
+                    args.swarm,
+                    peers=args.peer,
+                    interface=args.mdns_interface,
+                    as_json=args.json,
+                    timeout_s=args.timeout_s,
+                )
             return run_status(args.address, as_json=args.json, timeout_s=args.timeout_s)
         if args.command == "bench":
             bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
+            if args.suite == "planner":
+                return run_planner_bench(bench_cfg.jsonl, quick=bench_cfg.quick)
             if args.suite in ("codecs", "replicas"):
                 prefix = f"ravnest-{args.suite}-"
                 work_dir = bench_cfg.work_dir or Path(tempfile.mkdtemp(prefix=prefix))

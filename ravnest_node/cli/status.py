@@ -1,22 +1,33 @@
-"""`ravnest-node status HOST:PORT`: what one running node says about itself (`Node.Status`).
+"""`ravnest-node status`: what a running node, or a whole swarm, says about itself.
 
-Shows its role and swarm, the coordinator it follows and how it found it (given by --join,
-over mDNS, or through a bootstrap peer), the mDNS records it sees, its stage and counters.
-`--json` prints the same as one JSON object for tools.
+`status HOST:PORT` asks one node (`Node.Status`): its role and swarm, the coordinator it follows
+and how it found it (given by --join, over mDNS, or through a bootstrap peer), the mDNS records
+it sees, its stage and counters.
+
+`status --swarm NAME` finds the swarm's coordinator as a worker would (mDNS on the LAN, and any
+`--peer HOST:PORT`), asks it for the swarm (`Coordinator.Swarm`: members, plan, progress) and
+every member for its status, and shows who owns which blocks, who answers, step counters and
+samples/s. `--json` prints the same as one JSON object for tools.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
-from ravnest_node.errors import ConfigError
+from ravnest_node.coordination.coordinator import PROTOCOL
+from ravnest_node.coordination.locate import Found, grpc_status_asker, locate_coordinator
+from ravnest_node.discovery.mdns import MdnsDiscovery
+from ravnest_node.errors import ConfigError, PeerError, StartupError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.transport.options import split_host_port
+from ravnest_node.transport.options import TransportConfig, channel_options, split_host_port
 
 _ENUMS = {"role": ("NODE_ROLE_", pb.NodeRole), "coordinator_found_via": ("FOUND_VIA_", pb.FoundVia)}
 
@@ -84,4 +95,139 @@ def run_status(address: str, *, as_json: bool, timeout_s: float) -> int:
         print(f"ravnest-node: status: no answer from {address} ({code})", file=sys.stderr)
         return 1
     print(json.dumps(status_dict(status)) if as_json else describe(status))
+    return 0
+
+
+# ----- the whole swarm --------------------------------------------------------------------------
+async def _swarm_view(address: str, timeout_s: float) -> pb.SwarmView:
+    async with grpc.aio.insecure_channel(address, options=channel_options(TransportConfig())) as ch:
+        view: pb.SwarmView = await pb_grpc.CoordinatorStub(ch).Swarm(
+            pb.SwarmRequest(), timeout=timeout_s
+        )
+        return view
+
+
+async def _member_status(address: str, timeout_s: float) -> pb.NodeStatus | str:
+    """The member's status, or why it did not answer."""
+    try:
+        return await grpc_status_asker(TransportConfig())(address, timeout_s)
+    except PeerError as exc:
+        return str(exc)
+
+
+def swarm_dict(
+    swarm: str, found: Found, view: pb.SwarmView, statuses: Sequence[pb.NodeStatus | str]
+) -> dict[str, Any]:
+    """The swarm as one JSON-able object: the coordinator, the plan and every member. Pure."""
+    stages = {s.node_id: s for s in view.plan.stages}
+    members = []
+    for member, status in zip(view.members, statuses, strict=True):
+        stage = stages.get(member.node_id)
+        entry: dict[str, Any] = {
+            "node_id": member.node_id,
+            "address": member.address,
+            "reachable": isinstance(status, pb.NodeStatus),
+            "error": status if isinstance(status, str) else "",
+            "pipeline": stage.pipeline if stage else None,
+            "stage": stage.index if stage else None,
+            "blocks": [stage.first_block, stage.stop_block] if stage else None,
+            "compute_s": member.compute_s,
+            "speed": member.speed,
+        }
+        if isinstance(status, pb.NodeStatus):
+            entry.update(
+                role=status_dict(status)["role"],
+                version=status.version,
+                bytes_sent=status.bytes_sent,
+                run_done=status.run_done,
+            )
+        members.append(entry)
+    return {
+        "swarm": swarm,
+        "swarm_id": view.swarm_id,
+        "coordinator": {
+            "address": found.address,
+            "found_via": found.via_name,
+            "found_from": found.source,
+        },
+        "swarm_size": view.swarm_size,
+        "plan_epoch": view.plan.epoch if view.HasField("plan") else 0,
+        "pipelines": max(1, view.plan.run.pipelines) if view.HasField("plan") else 0,
+        "step": view.step,
+        "samples": view.samples,
+        "samples_per_s": view.samples_per_s,
+        "done": view.done,
+        "members": members,
+    }
+
+
+def describe_swarm(s: dict[str, Any]) -> str:
+    """A few lines for a person."""
+    c = s["coordinator"]
+    lines = [
+        f"swarm {s['swarm']!r} ({s['swarm_id']}): coordinator {c['address']}, found via "
+        f"{c['found_via']} ({c['found_from']})",
+        (f"plan epoch {s['plan_epoch']}" if s["plan_epoch"] else "no plan yet")
+        + f", {len(s['members'])} of {s['swarm_size']} members; step {s['step']}, "
+        f"{s['samples']} samples, {s['samples_per_s']:.1f} samples/s"
+        + (", run done" if s["done"] else ""),
+    ]
+    for m in s["members"]:
+        where = (
+            f"pipeline {m['pipeline']} stage {m['stage']} blocks [{m['blocks'][0]}, "
+            f"{m['blocks'][1]})"
+            if m["blocks"]
+            else "no stage"
+        )
+        answer = f"version {m['version']}" if m["reachable"] else f"no answer ({m['error']})"
+        lines.append(f"  {m['node_id']} {m['address']}: {where}, speed {m['speed']:.2f}, {answer}")
+    return "\n".join(lines)
+
+
+async def _find_swarm(
+    swarm: str, peers: Sequence[str], interface: str | None, timeout_s: float
+) -> dict[str, Any]:
+    async with contextlib.AsyncExitStack() as stack:
+        mdns = await stack.enter_async_context(
+            MdnsDiscovery(swarm=swarm, protocol=PROTOCOL, interface=interface)
+        )
+        browsing = asyncio.create_task(mdns.run())
+        stack.callback(browsing.cancel)
+        found = await locate_coordinator(
+            swarm=swarm,
+            discovery=mdns,
+            peers=peers,
+            ask=grpc_status_asker(TransportConfig()),
+            timeout_s=timeout_s,
+        )
+    try:
+        view = await _swarm_view(found.address, timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise PeerError(
+            f"coordinator {found.address}: {exc.code().name}: {exc.details()}"
+        ) from None
+    statuses = await asyncio.gather(*(_member_status(m.address, timeout_s) for m in view.members))
+    return swarm_dict(swarm, found, view, statuses)
+
+
+def run_swarm_status(
+    swarm: str,
+    *,
+    peers: Sequence[str],
+    interface: str | None,
+    as_json: bool,
+    timeout_s: float,
+) -> int:
+    """Print the swarm's status; exit status 0, 1 if it cannot be found, 2 for bad settings."""
+    try:
+        for peer in peers:
+            split_host_port(peer)
+        shown = asyncio.run(_find_swarm(swarm, peers, interface, timeout_s))
+    except (ConfigError, StartupError) as exc:
+        print(f"ravnest-node: error: {exc}", file=sys.stderr)
+        return 2
+    except PeerError as exc:
+        print(f"ravnest-node: status: swarm {swarm!r} not found: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(shown) if as_json else describe_swarm(shown))
     return 0

@@ -19,7 +19,12 @@ from typing import Any
 
 import grpc
 
-from ravnest_node.coordination.static_plan import Member, static_plan
+from ravnest_node.coordination.negotiate import (
+    check_capabilities,
+    member_speeds,
+    negotiated_plan,
+)
+from ravnest_node.coordination.static_plan import Member
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
@@ -85,6 +90,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._summary_path = summary_path
         self._clock = clock
         self._members: list[Member] = []
+        self._capabilities: dict[str, pb.Capabilities] = {}
         self._plan: pb.Plan | None = None
         self._changed = asyncio.Condition()
         self._started_at = 0.0
@@ -122,6 +128,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"protocol {request.protocol!r} is not {PROTOCOL!r}",
             )
+        if request.HasField("capabilities"):
+            try:
+                check_capabilities(request.capabilities, self._model.num_blocks())
+            except ConfigError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         for index, member in enumerate(self._members):
             if member.node_id == request.node_id:
                 if member.address != request.address:
@@ -129,6 +140,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         grpc.StatusCode.ALREADY_EXISTS,
                         f"node {request.node_id} already joined from {member.address}",
                     )
+                if request.HasField("capabilities") and self._plan is None:
+                    self._capabilities[request.node_id] = request.capabilities
+                    self._publish_when_ready()
+                    await self._notify()
                 return self._join_reply(index)
         if len(self._members) >= self._swarm_size:
             await context.abort(
@@ -136,6 +151,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"the swarm is full ({self._swarm_size} nodes) and its plan is fixed",
             )
         self._members.append(Member(node_id=request.node_id, address=request.address))
+        if request.HasField("capabilities"):
+            self._capabilities[request.node_id] = request.capabilities
         log.info(
             "node %s joined from %s (%d/%d)",
             request.node_id,
@@ -143,23 +160,33 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             len(self._members),
             self._swarm_size,
         )
-        if len(self._members) == self._swarm_size:
-            self._publish_plan()
+        self._publish_when_ready()
         await self._notify()
         return self._join_reply(len(self._members) - 1)
 
     def _join_reply(self, index: int) -> pb.JoinReply:
         return pb.JoinReply(
-            swarm_id=self._swarm_id, member_index=index, swarm_size=self._swarm_size
+            swarm_id=self._swarm_id,
+            member_index=index,
+            swarm_size=self._swarm_size,
+            model=self._train.model,
+            microbatch=self._train.batch_size // self._train.microbatches,
         )
 
-    def _publish_plan(self) -> None:
-        self._plan = static_plan(
+    def _publish_when_ready(self) -> None:
+        """Plan once every expected member has joined and sent what it measured."""
+        if self._plan is not None or len(self._members) < self._swarm_size:
+            return
+        if not all(m.node_id in self._capabilities for m in self._members):
+            return
+        run = self._train.to_proto(self._fingerprint)
+        self._plan, placed = negotiated_plan(
             epoch=1,
             swarm_id=self._swarm_id,
             model=self._model,
             members=self._members,
-            run=self._train.to_proto(self._fingerprint),
+            capabilities=[self._capabilities[m.node_id] for m in self._members],
+            run=run,
         )
         self._started_at = self._clock()
         for s in self._plan.stages:
@@ -170,6 +197,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 s.stop_block,
                 s.address,
             )
+        log.info(
+            "plan epoch 1: %.1f ms a microbatch by the members' measurements, bound by %s",
+            placed.step_s * 1e3,
+            placed.bottleneck,
+        )
 
     async def WatchPlan(
         self, request: pb.WatchPlanRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -320,6 +352,35 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 for s in plan.stages
             ],
         }
+
+    async def Swarm(
+        self, request: pb.SwarmRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SwarmView:
+        caps = [self._capabilities.get(m.node_id) for m in self._members]
+        speeds = [0.0] * len(caps)
+        if self._plan is not None:
+            speeds = member_speeds(self._members, [c or pb.Capabilities() for c in caps])
+        last = self._events[-1] if self._events else None
+        view = pb.SwarmView(
+            swarm_id=self._swarm_id,
+            swarm_size=self._swarm_size,
+            members=[
+                pb.SwarmMember(
+                    node_id=m.node_id,
+                    address=m.address,
+                    compute_s=math.fsum(c.block_s) if c else 0.0,
+                    speed=speed,
+                )
+                for m, c, speed in zip(self._members, caps, speeds, strict=True)
+            ],
+            step=last.step if last else 0,
+            samples=last.samples if last else 0,
+            samples_per_s=last.samples / last.wall_s if last and last.wall_s > 0 else 0.0,
+            done=bool(last and last.done),
+        )
+        if self._plan is not None:
+            view.plan.CopyFrom(self._plan)
+        return view
 
     async def WatchProgress(
         self, request: pb.WatchProgressRequest, context: grpc.aio.ServicerContext[Any, Any]

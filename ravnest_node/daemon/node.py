@@ -13,6 +13,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable
@@ -87,6 +88,8 @@ class NodeConfig:
     """Threads torch may use for this node's compute (0 = torch's default)."""
     log_level: LogLevel = "info"
     """How much the node logs (to standard error)."""
+    fault_compute_scale: float = 1.0
+    """Test only: multiply the compute time this node measures and reports to the planner."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The training run (used by the coordinator, which hands it to every node)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -100,6 +103,8 @@ class NodeConfig:
                 raise ConfigError(f"advertise={self.advertise!r}: needs a real port, not 0")
         if self.join is not None and self.join != JOIN_AUTO:
             split_host_port(self.join)
+        if not (math.isfinite(self.fault_compute_scale) and self.fault_compute_scale > 0):
+            raise ConfigError(f"fault_compute_scale={self.fault_compute_scale}: must be > 0")
         if len(self.peers) > MAX_PEERS:
             raise ConfigError(f"peers: {len(self.peers)} given, at most {MAX_PEERS}")
         for peer in self.peers:
@@ -213,6 +218,7 @@ class NodeDaemon:
             compute=self._compute,
             counters=self._counters,
         )
+        worker.compute_scale = cfg.fault_compute_scale
         self._worker = worker
         server.add_generic_rpc_handlers([averaging.handler()])
         boundary = BoundaryServer(

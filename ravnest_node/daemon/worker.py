@@ -20,6 +20,7 @@ import torch
 from ravnest_node.averaging import AveragingConfig, AveragingService, Member, ReplicaAverager
 from ravnest_node.coordination.coordinator import PROTOCOL
 from ravnest_node.coordination.static_plan import check_plan, replica_group, stage_at
+from ravnest_node.daemon.capabilities import measure
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
@@ -105,6 +106,8 @@ class Worker:
         self.coordinator = coordinator
         """The coordinator's address; "" until the daemon has found it."""
         self._threads = compute_threads
+        self.compute_scale = 1.0
+        """Test only: multiplies the compute time this node measures (see NodeConfig)."""
         self._transport = transport
         self._compute = compute
         self.counters = counters
@@ -254,16 +257,33 @@ class Worker:
             raise RuntimeError("Worker.run() before the coordinator's address is known")
         async with open_channel(self.coordinator, self._transport) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
+            join = pb.JoinRequest(
+                node_id=self.node_id,
+                address=self._address,
+                compute_threads=self._threads,
+                protocol=PROTOCOL,
+            )
             with coordinator_errors(self.coordinator):
-                await stub.Join(
-                    pb.JoinRequest(
-                        node_id=self.node_id,
-                        address=self._address,
-                        compute_threads=self._threads,
-                        protocol=PROTOCOL,
-                    ),
-                    timeout=self._transport.connect_timeout_s,
-                )
+                reply = await stub.Join(join, timeout=self._transport.connect_timeout_s)
+            # Then measure this node for the swarm's model, and tell the coordinator.
+            try:
+                get_model(reply.model)
+            except ConfigError as exc:
+                raise PeerRefused(f"coordinator {self.coordinator}: {exc}") from None
+            loop = asyncio.get_running_loop()
+            caps = await loop.run_in_executor(
+                self._compute, measure, reply.model, max(1, reply.microbatch), self.compute_scale
+            )
+            log.info(
+                "measured %.1f ms a microbatch for %s over %d blocks; %.1f GiB available",
+                sum(caps.block_s) * 1e3,
+                reply.model,
+                len(caps.block_s),
+                caps.memory_bytes / 2**30,
+            )
+            join.capabilities.CopyFrom(caps)
+            with coordinator_errors(self.coordinator):
+                await stub.Join(join, timeout=self._transport.connect_timeout_s)
                 watch = stub.WatchPlan(pb.WatchPlanRequest(node_id=self.node_id))
                 plan = await watch.read()
                 watch.cancel()

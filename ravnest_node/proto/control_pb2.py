@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n ravnest_node/proto/control.proto\x12\nravnest.v1\"Z\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0f\x63ompute_threads\x18\x03 \x01(\r\x12\x10\n\x08protocol\x18\x04 \x01(\t\"G\n\tJoinReply\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\x14\n\x0cmember_index\x18\x02 \x01(\r\x12\x12\n\nswarm_size\x18\x03 \x01(\r\"#\n\x10WatchPlanRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\xb2\x05\n\x07RunSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0cmicrobatches\x18\x04 \x01(\r\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rmax_staleness\x18\t \x01(\r\x12\x18\n\x10\x64\x61ta_fingerprint\x18\n \x01(\t\x12\"\n\x15\x66\x61ult_skip_step_stage\x18\x0b \x01(\rH\x00\x88\x01\x01\x12&\n\x08schedule\x18\x0c \x01(\x0e\x32\x14.ravnest.v1.Schedule\x12\x18\n\x10\x61\x63tivation_codec\x18\r \x01(\t\x12\x16\n\x0egradient_codec\x18\x0e \x01(\t\x12\x0b\n\x03lz4\x18\x0f \x01(\x08\x12\x17\n\x0f\x64\x61taset_samples\x18\x10 \x01(\r\x12\x1d\n\x10\x66\x61ult_slow_stage\x18\x11 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rfault_slow_ms\x18\x12 \x01(\r\x12\x11\n\tpipelines\x18\x13 \x01(\r\x12\x15\n\raverage_every\x18\x14 \x01(\r\x12\x10\n\x08outer_lr\x18\x15 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x16 \x01(\x01\x12\x15\n\raverage_codec\x18\x17 \x01(\t\x12\x19\n\x11\x61verage_timeout_s\x18\x18 \x01(\x01\x12\x1e\n\x16staleness_warmup_steps\x18\x19 \x01(\r\x12\x1c\n\x0f\x66\x61ult_slow_link\x18\x1a \x01(\rH\x02\x88\x01\x01\x12\x17\n\x0f\x66\x61ult_link_kbps\x18\x1b \x01(\rB\x18\n\x16_fault_skip_step_stageB\x13\n\x11_fault_slow_stageB\x12\n\x10_fault_slow_linkJ\x04\x08\x08\x10\t\"}\n\x0fStageAssignment\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nstop_block\x18\x03 \x01(\r\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x10\n\x08pipeline\x18\x06 \x01(\r\"v\n\x04Plan\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\x12 \n\x03run\x18\x03 \x01(\x0b\x32\x13.ravnest.v1.RunSpec\x12+\n\x06stages\x18\x04 \x03(\x0b\x32\x1b.ravnest.v1.StageAssignment\"\xa1\x07\n\x0bStageReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nplan_epoch\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x04\x12\x0c\n\x04\x64one\x18\x07 \x01(\x08\x12\x15\n\rparams_sq_sum\x18\x08 \x01(\x01\x12\x12\n\nnum_params\x18\t \x01(\x04\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12\x1d\n\x15\x61\x63tivation_bytes_sent\x18\x0b \x01(\x04\x12\x1b\n\x13gradient_bytes_sent\x18\x0c \x01(\x04\x12\x0e\n\x06wall_s\x18\r \x01(\x01\x12\x17\n\x0fidle_upstream_s\x18\x0e \x01(\x01\x12\x19\n\x11idle_downstream_s\x18\x0f \x01(\x01\x12\x11\n\tstaleness\x18\x10 \x03(\x04\x12\x15\n\rmax_in_flight\x18\x11 \x01(\r\x12\x1b\n\x13max_weight_versions\x18\x12 \x01(\r\x12\x10\n\x08pipeline\x18\x13 \x01(\r\x12\x18\n\x10\x61veraging_rounds\x18\x14 \x01(\r\x12#\n\x1b\x61veraging_rounds_incomplete\x18\x15 \x01(\r\x12\x1c\n\x14\x61veraging_bytes_sent\x18\x16 \x01(\x04\x12\x18\n\x10\x61veraging_wait_s\x18\x17 \x01(\x01\x12\x18\n\x10\x61\x63tivation_codec\x18\x18 \x01(\t\x12\x16\n\x0egradient_codec\x18\x19 \x01(\t\x12S\n\x17\x61\x63tivation_codec_frames\x18\x1a \x03(\x0b\x32\x32.ravnest.v1.StageReport.ActivationCodecFramesEntry\x12O\n\x15gradient_codec_frames\x18\x1b \x03(\x0b\x32\x30.ravnest.v1.StageReport.GradientCodecFramesEntry\x12 \n\x18\x64ownstream_bandwidth_bps\x18\x1c \x01(\x01\x12\x1e\n\x16upstream_bandwidth_bps\x18\x1d \x01(\x01\x1a<\n\x1a\x41\x63tivationCodecFramesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a:\n\x18GradientCodecFramesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\r\n\x0bReportReply\"\x16\n\x14WatchProgressRequest\"\xa0\x01\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x0e\n\x06wall_s\x18\x05 \x01(\x01\x12\x15\n\rbytes_on_wire\x18\x06 \x01(\x04\x12\x0c\n\x04\x64one\x18\x07 \x01(\x08\x12\x14\n\x0csummary_json\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\"\x0f\n\rStatusRequest\"\xf1\x03\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nplan_epoch\x18\x03 \x01(\x04\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x12\n\nstop_block\x18\x06 \x01(\r\x12\x0f\n\x07version\x18\x07 \x01(\r\x12\x1e\n\x16microbatches_in_flight\x18\x08 \x01(\r\x12\x17\n\x0f\x66rames_accepted\x18\t \x01(\x04\x12\x16\n\x0e\x66rames_refused\x18\n \x01(\x04\x12\x12\n\nbytes_sent\x18\x0b \x01(\x04\x12\x15\n\rparams_sha256\x18\x0c \x01(\t\x12\x10\n\x08run_done\x18\r \x01(\x08\x12\x18\n\x10upstream_node_id\x18\x0e \x01(\t\x12\"\n\x04role\x18\x0f \x01(\x0e\x32\x14.ravnest.v1.NodeRole\x12\x12\n\nswarm_name\x18\x10 \x01(\t\x12\x1b\n\x13\x63oordinator_address\x18\x11 \x01(\t\x12\x33\n\x15\x63oordinator_found_via\x18\x12 \x01(\x0e\x32\x14.ravnest.v1.FoundVia\x12\x1e\n\x16\x63oordinator_found_from\x18\x13 \x01(\t\x12\x12\n\nmdns_peers\x18\x14 \x01(\r*Q\n\x08Schedule\x12\x18\n\x14SCHEDULE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSCHEDULE_GPIPE\x10\x01\x12\x17\n\x13SCHEDULE_SEQUENTIAL\x10\x02*V\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15NODE_ROLE_COORDINATOR\x10\x01\x12\x14\n\x10NODE_ROLE_WORKER\x10\x02*c\n\x08\x46oundVia\x12\x19\n\x15\x46OUND_VIA_UNSPECIFIED\x10\x00\x12\x14\n\x10\x46OUND_VIA_CONFIG\x10\x01\x12\x12\n\x0e\x46OUND_VIA_MDNS\x10\x02\x12\x12\n\x0e\x46OUND_VIA_PEER\x10\x03\x32\x8b\x02\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.ravnest.v1.JoinRequest\x1a\x15.ravnest.v1.JoinReply\x12=\n\tWatchPlan\x12\x1c.ravnest.v1.WatchPlanRequest\x1a\x10.ravnest.v1.Plan0\x01\x12:\n\x06Report\x12\x17.ravnest.v1.StageReport\x1a\x17.ravnest.v1.ReportReply\x12I\n\rWatchProgress\x12 .ravnest.v1.WatchProgressRequest\x1a\x14.ravnest.v1.Progress0\x01\x32\x43\n\x04Node\x12;\n\x06Status\x12\x19.ravnest.v1.StatusRequest\x1a\x16.ravnest.v1.NodeStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n ravnest_node/proto/control.proto\x12\nravnest.v1\"\x8a\x01\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0f\x63ompute_threads\x18\x03 \x01(\r\x12\x10\n\x08protocol\x18\x04 \x01(\t\x12.\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x18.ravnest.v1.Capabilities\"E\n\x0c\x43\x61pabilities\x12\x0f\n\x07\x62lock_s\x18\x01 \x03(\x01\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"j\n\tJoinReply\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\x14\n\x0cmember_index\x18\x02 \x01(\r\x12\x12\n\nswarm_size\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nmicrobatch\x18\x05 \x01(\r\"#\n\x10WatchPlanRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\xb2\x05\n\x07RunSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0cmicrobatches\x18\x04 \x01(\r\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rmax_staleness\x18\t \x01(\r\x12\x18\n\x10\x64\x61ta_fingerprint\x18\n \x01(\t\x12\"\n\x15\x66\x61ult_skip_step_stage\x18\x0b \x01(\rH\x00\x88\x01\x01\x12&\n\x08schedule\x18\x0c \x01(\x0e\x32\x14.ravnest.v1.Schedule\x12\x18\n\x10\x61\x63tivation_codec\x18\r \x01(\t\x12\x16\n\x0egradient_codec\x18\x0e \x01(\t\x12\x0b\n\x03lz4\x18\x0f \x01(\x08\x12\x17\n\x0f\x64\x61taset_samples\x18\x10 \x01(\r\x12\x1d\n\x10\x66\x61ult_slow_stage\x18\x11 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rfault_slow_ms\x18\x12 \x01(\r\x12\x11\n\tpipelines\x18\x13 \x01(\r\x12\x15\n\raverage_every\x18\x14 \x01(\r\x12\x10\n\x08outer_lr\x18\x15 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x16 \x01(\x01\x12\x15\n\raverage_codec\x18\x17 \x01(\t\x12\x19\n\x11\x61verage_timeout_s\x18\x18 \x01(\x01\x12\x1e\n\x16staleness_warmup_steps\x18\x19 \x01(\r\x12\x1c\n\x0f\x66\x61ult_slow_link\x18\x1a \x01(\rH\x02\x88\x01\x01\x12\x17\n\x0f\x66\x61ult_link_kbps\x18\x1b \x01(\rB\x18\n\x16_fault_skip_step_stageB\x13\n\x11_fault_slow_stageB\x12\n\x10_fault_slow_linkJ\x04\x08\x08\x10\t\"}\n\x0fStageAssignment\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nstop_block\x18\x03 \x01(\r\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x10\n\x08pipeline\x18\x06 \x01(\r\"v\n\x04Plan\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\x12 \n\x03run\x18\x03 \x01(\x0b\x32\x13.ravnest.v1.RunSpec\x12+\n\x06stages\x18\x04 \x03(\x0b\x32\x1b.ravnest.v1.StageAssignment\"\xa1\x07\n\x0bStageReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nplan_epoch\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x04\x12\x0c\n\x04\x64one\x18\x07 \x01(\x08\x12\x15\n\rparams_sq_sum\x18\x08 \x01(\x01\x12\x12\n\nnum_params\x18\t \x01(\x04\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12\x1d\n\x15\x61\x63tivation_bytes_sent\x18\x0b \x01(\x04\x12\x1b\n\x13gradient_bytes_sent\x18\x0c \x01(\x04\x12\x0e\n\x06wall_s\x18\r \x01(\x01\x12\x17\n\x0fidle_upstream_s\x18\x0e \x01(\x01\x12\x19\n\x11idle_downstream_s\x18\x0f \x01(\x01\x12\x11\n\tstaleness\x18\x10 \x03(\x04\x12\x15\n\rmax_in_flight\x18\x11 \x01(\r\x12\x1b\n\x13max_weight_versions\x18\x12 \x01(\r\x12\x10\n\x08pipeline\x18\x13 \x01(\r\x12\x18\n\x10\x61veraging_rounds\x18\x14 \x01(\r\x12#\n\x1b\x61veraging_rounds_incomplete\x18\x15 \x01(\r\x12\x1c\n\x14\x61veraging_bytes_sent\x18\x16 \x01(\x04\x12\x18\n\x10\x61veraging_wait_s\x18\x17 \x01(\x01\x12\x18\n\x10\x61\x63tivation_codec\x18\x18 \x01(\t\x12\x16\n\x0egradient_codec\x18\x19 \x01(\t\x12S\n\x17\x61\x63tivation_codec_frames\x18\x1a \x03(\x0b\x32\x32.ravnest.v1.StageReport.ActivationCodecFramesEntry\x12O\n\x15gradient_codec_frames\x18\x1b \x03(\x0b\x32\x30.ravnest.v1.StageReport.GradientCodecFramesEntry\x12 \n\x18\x64ownstream_bandwidth_bps\x18\x1c \x01(\x01\x12\x1e\n\x16upstream_bandwidth_bps\x18\x1d \x01(\x01\x1a<\n\x1a\x41\x63tivationCodecFramesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a:\n\x18GradientCodecFramesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\r\n\x0bReportReply\"\x16\n\x14WatchProgressRequest\"\xa0\x01\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x0e\n\x06wall_s\x18\x05 \x01(\x01\x12\x15\n\rbytes_on_wire\x18\x06 \x01(\x04\x12\x0c\n\x04\x64one\x18\x07 \x01(\x08\x12\x14\n\x0csummary_json\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\"\x0f\n\rStatusRequest\"\xf1\x03\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nplan_epoch\x18\x03 \x01(\x04\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x12\n\nstop_block\x18\x06 \x01(\r\x12\x0f\n\x07version\x18\x07 \x01(\r\x12\x1e\n\x16microbatches_in_flight\x18\x08 \x01(\r\x12\x17\n\x0f\x66rames_accepted\x18\t \x01(\x04\x12\x16\n\x0e\x66rames_refused\x18\n \x01(\x04\x12\x12\n\nbytes_sent\x18\x0b \x01(\x04\x12\x15\n\rparams_sha256\x18\x0c \x01(\t\x12\x10\n\x08run_done\x18\r \x01(\x08\x12\x18\n\x10upstream_node_id\x18\x0e \x01(\t\x12\"\n\x04role\x18\x0f \x01(\x0e\x32\x14.ravnest.v1.NodeRole\x12\x12\n\nswarm_name\x18\x10 \x01(\t\x12\x1b\n\x13\x63oordinator_address\x18\x11 \x01(\t\x12\x33\n\x15\x63oordinator_found_via\x18\x12 \x01(\x0e\x32\x14.ravnest.v1.FoundVia\x12\x1e\n\x16\x63oordinator_found_from\x18\x13 \x01(\t\x12\x12\n\nmdns_peers\x18\x14 \x01(\r\"\x0e\n\x0cSwarmRequest\"Q\n\x0bSwarmMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\r\n\x05speed\x18\x04 \x01(\x01\"\xbf\x01\n\tSwarmView\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\x12\n\nswarm_size\x18\x02 \x01(\r\x12(\n\x07members\x18\x03 \x03(\x0b\x32\x17.ravnest.v1.SwarmMember\x12\x1e\n\x04plan\x18\x04 \x01(\x0b\x32\x10.ravnest.v1.Plan\x12\x0c\n\x04step\x18\x05 \x01(\r\x12\x0f\n\x07samples\x18\x06 \x01(\x04\x12\x15\n\rsamples_per_s\x18\x07 \x01(\x01\x12\x0c\n\x04\x64one\x18\x08 \x01(\x08*Q\n\x08Schedule\x12\x18\n\x14SCHEDULE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSCHEDULE_GPIPE\x10\x01\x12\x17\n\x13SCHEDULE_SEQUENTIAL\x10\x02*V\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15NODE_ROLE_COORDINATOR\x10\x01\x12\x14\n\x10NODE_ROLE_WORKER\x10\x02*c\n\x08\x46oundVia\x12\x19\n\x15\x46OUND_VIA_UNSPECIFIED\x10\x00\x12\x14\n\x10\x46OUND_VIA_CONFIG\x10\x01\x12\x12\n\x0e\x46OUND_VIA_MDNS\x10\x02\x12\x12\n\x0e\x46OUND_VIA_PEER\x10\x03\x32\xc5\x02\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.ravnest.v1.JoinRequest\x1a\x15.ravnest.v1.JoinReply\x12=\n\tWatchPlan\x12\x1c.ravnest.v1.WatchPlanRequest\x1a\x10.ravnest.v1.Plan0\x01\x12:\n\x06Report\x12\x17.ravnest.v1.StageReport\x1a\x17.ravnest.v1.ReportReply\x12I\n\rWatchProgress\x12 .ravnest.v1.WatchProgressRequest\x1a\x14.ravnest.v1.Progress0\x01\x12\x38\n\x05Swarm\x12\x18.ravnest.v1.SwarmRequest\x1a\x15.ravnest.v1.SwarmView2C\n\x04Node\x12;\n\x06Status\x12\x19.ravnest.v1.StatusRequest\x1a\x16.ravnest.v1.NodeStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,42 +35,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGEREPORT_ACTIVATIONCODECFRAMESENTRY']._serialized_options = b'8\001'
   _globals['_STAGEREPORT_GRADIENTCODECFRAMESENTRY']._loaded_options = None
   _globals['_STAGEREPORT_GRADIENTCODECFRAMESENTRY']._serialized_options = b'8\001'
-  _globals['_SCHEDULE']._serialized_start=2841
-  _globals['_SCHEDULE']._serialized_end=2922
-  _globals['_NODEROLE']._serialized_start=2924
-  _globals['_NODEROLE']._serialized_end=3010
-  _globals['_FOUNDVIA']._serialized_start=3012
-  _globals['_FOUNDVIA']._serialized_end=3111
-  _globals['_JOINREQUEST']._serialized_start=48
-  _globals['_JOINREQUEST']._serialized_end=138
-  _globals['_JOINREPLY']._serialized_start=140
-  _globals['_JOINREPLY']._serialized_end=211
-  _globals['_WATCHPLANREQUEST']._serialized_start=213
-  _globals['_WATCHPLANREQUEST']._serialized_end=248
-  _globals['_RUNSPEC']._serialized_start=251
-  _globals['_RUNSPEC']._serialized_end=941
-  _globals['_STAGEASSIGNMENT']._serialized_start=943
-  _globals['_STAGEASSIGNMENT']._serialized_end=1068
-  _globals['_PLAN']._serialized_start=1070
-  _globals['_PLAN']._serialized_end=1188
-  _globals['_STAGEREPORT']._serialized_start=1191
-  _globals['_STAGEREPORT']._serialized_end=2120
-  _globals['_STAGEREPORT_ACTIVATIONCODECFRAMESENTRY']._serialized_start=2000
-  _globals['_STAGEREPORT_ACTIVATIONCODECFRAMESENTRY']._serialized_end=2060
-  _globals['_STAGEREPORT_GRADIENTCODECFRAMESENTRY']._serialized_start=2062
-  _globals['_STAGEREPORT_GRADIENTCODECFRAMESENTRY']._serialized_end=2120
-  _globals['_REPORTREPLY']._serialized_start=2122
-  _globals['_REPORTREPLY']._serialized_end=2135
-  _globals['_WATCHPROGRESSREQUEST']._serialized_start=2137
-  _globals['_WATCHPROGRESSREQUEST']._serialized_end=2159
-  _globals['_PROGRESS']._serialized_start=2162
-  _globals['_PROGRESS']._serialized_end=2322
-  _globals['_STATUSREQUEST']._serialized_start=2324
-  _globals['_STATUSREQUEST']._serialized_end=2339
-  _globals['_NODESTATUS']._serialized_start=2342
-  _globals['_NODESTATUS']._serialized_end=2839
-  _globals['_COORDINATOR']._serialized_start=3114
-  _globals['_COORDINATOR']._serialized_end=3381
-  _globals['_NODE']._serialized_start=3383
-  _globals['_NODE']._serialized_end=3450
+  _globals['_SCHEDULE']._serialized_start=3289
+  _globals['_SCHEDULE']._serialized_end=3370
+  _globals['_NODEROLE']._serialized_start=3372
+  _globals['_NODEROLE']._serialized_end=3458
+  _globals['_FOUNDVIA']._serialized_start=3460
+  _globals['_FOUNDVIA']._serialized_end=3559
+  _globals['_JOINREQUEST']._serialized_start=49
+  _globals['_JOINREQUEST']._serialized_end=187
+  _globals['_CAPABILITIES']._serialized_start=189
+  _globals['_CAPABILITIES']._serialized_end=258
+  _globals['_JOINREPLY']._serialized_start=260
+  _globals['_JOINREPLY']._serialized_end=366
+  _globals['_WATCHPLANREQUEST']._serialized_start=368
+  _globals['_WATCHPLANREQUEST']._serialized_end=403
+  _globals['_RUNSPEC']._serialized_start=406
+  _globals['_RUNSPEC']._serialized_end=1096
+  _globals['_STAGEASSIGNMENT']._serialized_start=1098
+  _globals['_STAGEASSIGNMENT']._serialized_end=1223
+  _globals['_PLAN']._serialized_start=1225
+  _globals['_PLAN']._serialized_end=1343
+  _globals['_STAGEREPORT']._serialized_start=1346
+  _globals['_STAGEREPORT']._serialized_end=2275
+  _globals['_STAGEREPORT_ACTIVATIONCODECFRAMESENTRY']._serialized_start=2155
+  _globals['_STAGEREPORT_ACTIVATIONCODECFRAMESENTRY']._serialized_end=2215
+  _globals['_STAGEREPORT_GRADIENTCODECFRAMESENTRY']._serialized_start=2217
+  _globals['_STAGEREPORT_GRADIENTCODECFRAMESENTRY']._serialized_end=2275
+  _globals['_REPORTREPLY']._serialized_start=2277
+  _globals['_REPORTREPLY']._serialized_end=2290
+  _globals['_WATCHPROGRESSREQUEST']._serialized_start=2292
+  _globals['_WATCHPROGRESSREQUEST']._serialized_end=2314
+  _globals['_PROGRESS']._serialized_start=2317
+  _globals['_PROGRESS']._serialized_end=2477
+  _globals['_STATUSREQUEST']._serialized_start=2479
+  _globals['_STATUSREQUEST']._serialized_end=2494
+  _globals['_NODESTATUS']._serialized_start=2497
+  _globals['_NODESTATUS']._serialized_end=2994
+  _globals['_SWARMREQUEST']._serialized_start=2996
+  _globals['_SWARMREQUEST']._serialized_end=3010
+  _globals['_SWARMMEMBER']._serialized_start=3012
+  _globals['_SWARMMEMBER']._serialized_end=3093
+  _globals['_SWARMVIEW']._serialized_start=3096
+  _globals['_SWARMVIEW']._serialized_end=3287
+  _globals['_COORDINATOR']._serialized_start=3562
+  _globals['_COORDINATOR']._serialized_end=3887
+  _globals['_NODE']._serialized_start=3889
+  _globals['_NODE']._serialized_end=3956
 # @@protoc_insertion_point(module_scope)

@@ -37,26 +37,42 @@ FOUND_VIA_MDNS: FoundVia
 FOUND_VIA_PEER: FoundVia
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "address", "compute_threads", "protocol")
+    __slots__ = ("node_id", "address", "compute_threads", "protocol", "capabilities")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_THREADS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     compute_threads: int
     protocol: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ...) -> None: ...
+    capabilities: Capabilities
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("block_s", "memory_bytes", "device")
+    BLOCK_S_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    block_s: _containers.RepeatedScalarFieldContainer[float]
+    memory_bytes: int
+    device: str
+    def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("swarm_id", "member_index", "swarm_size")
+    __slots__ = ("swarm_id", "member_index", "swarm_size", "model", "microbatch")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_INDEX_FIELD_NUMBER: _ClassVar[int]
     SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     member_index: int
     swarm_size: int
-    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ...) -> None: ...
+    model: str
+    microbatch: int
+    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class WatchPlanRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -301,3 +317,39 @@ class NodeStatus(_message.Message):
     coordinator_found_from: str
     mdns_peers: int
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ...) -> None: ...
+
+class SwarmRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SwarmMember(_message.Message):
+    __slots__ = ("node_id", "address", "compute_s", "speed")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    compute_s: float
+    speed: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ...) -> None: ...
+
+class SwarmView(_message.Message):
+    __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done")
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    swarm_id: str
+    swarm_size: int
+    members: _containers.RepeatedCompositeFieldContainer[SwarmMember]
+    plan: Plan
+    step: int
+    samples: int
+    samples_per_s: float
+    done: bool
+    def __init__(self, swarm_id: _Optional[str] = ..., swarm_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[SwarmMember, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., done: _Optional[bool] = ...) -> None: ...

@@ -56,6 +56,11 @@ class CoordinatorStub:
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.WatchProgressRequest.SerializeToString,
                 response_deserializer=ravnest__node_dot_proto_dot_control__pb2.Progress.FromString,
                 _registered_method=True)
+        self.Swarm = channel.unary_unary(
+                '/ravnest.v1.Coordinator/Swarm',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.SwarmRequest.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.SwarmView.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -64,7 +69,9 @@ class CoordinatorServicer:
     """
 
     def Join(self, request, context):
-        """A node announces itself. Idempotent for the same node id and address.
+        """A node announces itself. Idempotent for the same node id and address. A node joins twice:
+        first without capabilities (the reply names the model and microbatch), then with what it
+        measured for that model; the plan waits until every expected member has sent capabilities.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,6 +93,13 @@ class CoordinatorServicer:
 
     def WatchProgress(self, request, context):
         """Streams run progress (one event per completed step) and ends with the run summary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Swarm(self, request, context):
+        """The swarm as the coordinator sees it now: members, the plan, progress (`status --swarm`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +127,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.WatchProgress,
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.WatchProgressRequest.FromString,
                     response_serializer=ravnest__node_dot_proto_dot_control__pb2.Progress.SerializeToString,
+            ),
+            'Swarm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Swarm,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.SwarmRequest.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.SwarmView.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +244,33 @@ class Coordinator:
             '/ravnest.v1.Coordinator/WatchProgress',
             ravnest__node_dot_proto_dot_control__pb2.WatchProgressRequest.SerializeToString,
             ravnest__node_dot_proto_dot_control__pb2.Progress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Swarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravnest.v1.Coordinator/Swarm',
+            ravnest__node_dot_proto_dot_control__pb2.SwarmRequest.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.SwarmView.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,143 @@
+"""From members and what they measured to a plan: the planner's inputs, and its answer as a
+`pb.Plan`. Pure functions (the model is built once to count its parameters).
+
+* **Speeds.** Each node sends the seconds of forward + backward of every block for one
+  microbatch (`pb.Capabilities.block_s`). A node's speed is the fastest node's total over its
+  own. Nodes on one machine (same host and device) share its hardware, so they share its best
+  total: on one machine, nodes that start together slow each other's measurements down by up to
+  2x. Machines alike measure a little differently every time, so totals within `SPEED_GROUP` of
+  a faster machine count as that machine's speed: the same machines give the same plan, and
+  only a real difference moves blocks.
+* **Blocks.** The shape of the work over blocks is the model's own `block_costs()` (measured
+  per-block times are noisier than their sum), scaled so that the blocks add up to the fastest
+  node's measured total. A cut after block i carries its output for one microbatch.
+* **Memory** a block needs: 16 bytes a parameter (weights, gradients, two Adam moments), 4 more
+  per stashed weight version (`max_staleness`), and the block's output for every microbatch of
+  a step, kept for the backward pass. An estimate: the planner keeps a stage within the
+  smallest of its owners' memory by it.
+* **Links** are not measured yet when the plan is made: every pair gets `DEFAULT_LINK`, so links
+  decide nothing between nodes of one swarm today (see docs/discovery.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+
+from ravnest_node.coordination.placement import Block, Link, Links, NodeCaps, SwarmPlan, plan_swarm
+from ravnest_node.coordination.static_plan import Member
+from ravnest_node.errors import ConfigError
+from ravnest_node.models import BlockModel
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.transport.options import split_host_port
+
+__all__ = [
+    "check_capabilities",
+    "member_speeds",
+    "model_blocks",
+    "negotiated_plan",
+    "node_speeds",
+]
+
+SPEED_GROUP = 1.3
+DEFAULT_LINK = Link(bandwidth_bps=1e9, rtt_s=1e-3)
+ADAM_BYTES_PER_PARAM = 16
+STASH_BYTES_PER_PARAM = 4
+
+
+def check_capabilities(caps: pb.Capabilities, num_blocks: int) -> None:
+    """Raise ConfigError unless `caps` has one finite, positive time per block."""
+    if len(caps.block_s) != num_blocks:
+        raise ConfigError(f"capabilities give {len(caps.block_s)} block times for {num_blocks}")
+    if not all(math.isfinite(t) and t > 0 for t in caps.block_s):
+        raise ConfigError("capabilities: every block time must be finite and > 0")
+
+
+def node_speeds(totals: Sequence[float], machines: Sequence[Hashable] | None = None) -> list[float]:
+    """Relative speeds from measured totals (seconds): the fastest is 1.0. Nodes on one machine
+    (equal `machines` keys: host and device) share its best total, since they share its
+    hardware; a machine within `SPEED_GROUP` of the fastest machine of its group gets that
+    machine's speed."""
+    keys = list(machines) if machines is not None else list(range(len(totals)))
+    best: dict[Hashable, float] = {}
+    for key, total in zip(keys, totals, strict=True):
+        best[key] = min(total, best.get(key, math.inf))
+    ranked = sorted(best, key=lambda k: best[k])
+    speed: dict[Hashable, float] = {}
+    anchor = ranked[0]
+    for key in ranked:
+        if best[key] > best[anchor] * SPEED_GROUP:
+            anchor = key
+        speed[key] = best[ranked[0]] / best[anchor]
+    return [speed[key] for key in keys]
+
+
+def member_speeds(
+    members: Sequence[Member], capabilities: Sequence[pb.Capabilities]
+) -> list[float]:
+    """`node_speeds` of members, a machine being a host and a device."""
+    totals = [math.fsum(c.block_s) for c in capabilities]
+    machines = [
+        (split_host_port(m.address)[0], c.device)
+        for m, c in zip(members, capabilities, strict=True)
+    ]
+    return node_speeds(totals, machines)
+
+
+def model_blocks(model: BlockModel, run: pb.RunSpec, total_s: float) -> list[Block]:
+    """The planner's blocks for `model` under `run`, adding up to `total_s` a microbatch."""
+    microbatches = max(1, run.microbatches)
+    microbatch = max(1, run.batch_size // microbatches)
+    costs = model.block_costs()
+    scale = total_s / (math.fsum(costs) or 1.0)
+    per_param = ADAM_BYTES_PER_PARAM + STASH_BYTES_PER_PARAM * run.max_staleness
+    params = [sum(p.numel() for p in b.parameters()) for b in model.build_blocks(seed=0)]
+    blocks = []
+    for i, (cost, count) in enumerate(zip(costs, params, strict=True)):
+        out = model.output_spec(i, microbatch).size_bytes
+        blocks.append(Block(cost * scale, out, per_param * count + out * microbatches))
+    return blocks
+
+
+def negotiated_plan(
+    *,
+    epoch: int,
+    swarm_id: str,
+    model: BlockModel,
+    members: Sequence[Member],
+    capabilities: Sequence[pb.Capabilities],
+    run: pb.RunSpec,
+) -> tuple[pb.Plan, SwarmPlan]:
+    """`run.pipelines` pipelines over all `members` (every node owns a stage), placed by the
+    planner from their capabilities. Raises ConfigError if no placement fits in memory."""
+    pipelines = max(1, run.pipelines)
+    if len(members) % pipelines:
+        raise ConfigError(f"{len(members)} nodes cannot form {pipelines} equal pipelines")
+    totals = [math.fsum(c.block_s) for c in capabilities]
+    speeds = member_speeds(members, capabilities)
+    nodes = [
+        NodeCaps(m.node_id, speed, float(c.memory_bytes) if c.memory_bytes else math.inf)
+        for m, c, speed in zip(members, capabilities, speeds, strict=True)
+    ]
+    blocks = model_blocks(model, run, min(totals))
+    placed = plan_swarm(
+        blocks,
+        nodes,
+        Links(default=DEFAULT_LINK),
+        pipelines=pipelines,
+        stages=len(members) // pipelines,
+    )
+    address = {m.node_id: m.address for m in members}
+    stages = [
+        pb.StageAssignment(
+            pipeline=p,
+            index=s,
+            first_block=stage.first_block,
+            stop_block=stage.stop_block,
+            node_id=stage.owners[p],
+            address=address[stage.owners[p]],
+        )
+        for p in range(pipelines)
+        for s, stage in enumerate(placed.stages)
+    ]
+    return pb.Plan(epoch=epoch, swarm_id=swarm_id, run=run, stages=stages), placed
