@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +126,15 @@ def procs() -> Iterator[Procs]:
         yield p
     finally:
         p.cleanup()
+
+
+def poll_until(condition: Callable[[], bool], timeout_s: float) -> None:
+    """Poll `condition` (a question to live processes that cannot push the answer) until it
+    holds; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not true within {timeout_s} s"
+        time.sleep(0.1)
 
 
 def pid_alive(pid: int) -> bool:

@@ -45,7 +45,7 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.options import split_host_port
 
-from .conftest import NODE_ENV, Procs, progress_events, ravnest
+from .conftest import NODE_ENV, Procs, poll_until, progress_events, ravnest
 
 SWARM = "lab"
 LOOPBACK = ("--mdns", "--mdns-interface", "127.0.0.1")
@@ -164,6 +164,7 @@ def test_peers_come_from_repeated_flags_the_environment_and_toml(tmp_path: Path)
     ("changes", "needle"),
     [
         ({"join": "auto"}, "add --mdns (on a LAN) or --peer HOST:PORT"),
+        ({"join": "elect"}, "among the nodes found over mDNS: add --mdns"),
         ({"peers": ("nowhere",)}, "is not HOST:PORT"),
         ({"peers": ("10.0.0.1:0",)}, "needs a real port"),
         ({"mdns": True, "mdns_interface": "eth0"}, "must be an IP address"),
@@ -350,14 +351,6 @@ def _status(address: str) -> pb.NodeStatus:
         return status
 
 
-def _poll_sync(condition: Callable[[], bool], timeout_s: float) -> None:
-    """Poll `condition` until it holds; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not true within {timeout_s} s"
-        time.sleep(0.1)
-
-
 def _trained_together(coordinator: str, node_ids: set[str]) -> None:
     done = [e for e in progress_events(coordinator) if e.done]
     assert len(done) == 1 and not done[0].error
@@ -408,10 +401,10 @@ def test_workers_find_the_coordinator_over_mdns(procs: Procs, tmp_path: Path) ->
     blocks = sorted(tuple(m["blocks"]) for m in members.values())
     assert blocks[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
     # A node that stops says goodbye over mDNS: the others drop its record at once.
-    _poll_sync(lambda: _status(ready["address"]).mdns_peers == 2, 20)
+    poll_until(lambda: _status(ready["address"]).mdns_peers == 2, 20)
     started[0][0].send_signal(signal.SIGTERM)
     assert started[0][0].wait(10) == 0
-    _poll_sync(lambda: _status(ready["address"]).mdns_peers == 1, 10)
+    poll_until(lambda: _status(ready["address"]).mdns_peers == 1, 10)
 
 
 def test_a_worker_finds_the_coordinator_through_a_bootstrap_peer(

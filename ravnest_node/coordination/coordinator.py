@@ -81,8 +81,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         swarm_id: str,
         summary_path: Path | None,
         clock: Callable[[], float] = time.monotonic,
+        epoch: int = 1,
     ) -> None:
         self._train = train
+        self._epoch = epoch
+        """The epoch of this coordinator's plan: 1, or the election term it won."""
         self._model = get_model(train.model)
         self._swarm_size = swarm_size
         check_swarm_shape(swarm_size, train)
@@ -181,7 +184,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return
         run = self._train.to_proto(self._fingerprint)
         self._plan, placed = negotiated_plan(
-            epoch=1,
+            epoch=self._epoch,
             swarm_id=self._swarm_id,
             model=self._model,
             members=self._members,
@@ -191,14 +194,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._started_at = self._clock()
         for s in self._plan.stages:
             log.info(
-                "plan epoch 1: stage %d = blocks [%d, %d) on %s",
+                "plan epoch %d: stage %d = blocks [%d, %d) on %s",
+                self._epoch,
                 s.index,
                 s.first_block,
                 s.stop_block,
                 s.address,
             )
         log.info(
-            "plan epoch 1: %.1f ms a microbatch by the members' measurements, bound by %s",
+            "plan epoch %d: %.1f ms a microbatch by the members' measurements, bound by %s",
+            self._epoch,
             placed.step_s * 1e3,
             placed.bottleneck,
         )

@@ -78,6 +78,26 @@ def grpc_status_asker(transport: TransportConfig) -> AskStatus:
     return ask
 
 
+def grpc_vote_asker(
+    transport: TransportConfig,
+) -> Callable[[str, pb.VoteRequest], Awaitable[pb.VoteReply]]:
+    """Asks a node for its vote (`Election.Vote`) over a real gRPC channel."""
+
+    async def ask(address: str, request: pb.VoteRequest) -> pb.VoteReply:
+        channel = grpc.aio.insecure_channel(address, options=channel_options(transport))
+        try:
+            reply: pb.VoteReply = await pb_grpc.ElectionStub(channel).Vote(
+                request, timeout=ATTEMPT_TIMEOUT_S
+            )
+            return reply
+        except grpc.aio.AioRpcError as exc:
+            raise PeerRefused(f"{exc.code().name}: {exc.details()}") from None
+        finally:
+            await channel.close(grace=None)
+
+    return ask
+
+
 def check_coordinator(status: pb.NodeStatus, swarm: str, node_id: str = "") -> str | None:
     """Why `status` is not the coordinator of `swarm` (and, if given, node `node_id`); None if
     it is. Pure."""

@@ -15,8 +15,9 @@ import json
 import logging
 import math
 import os
+import random
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +28,13 @@ import torch
 
 from ravnest_node.averaging import AveragingService
 from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
-from ravnest_node.coordination.locate import Found, grpc_status_asker, locate_coordinator
+from ravnest_node.coordination.election import Ballot, ElectionService, VoteBook, stand
+from ravnest_node.coordination.locate import (
+    Found,
+    grpc_status_asker,
+    grpc_vote_asker,
+    locate_coordinator,
+)
 from ravnest_node.daemon.worker import Worker
 from ravnest_node.discovery import (
     Advertisement,
@@ -36,7 +43,13 @@ from ravnest_node.discovery import (
     advertised_ips,
     valid_swarm_name,
 )
-from ravnest_node.errors import ConfigError, RavnestError, RunFailed, StartupError
+from ravnest_node.errors import (
+    ConfigError,
+    PeerUnavailable,
+    RavnestError,
+    RunFailed,
+    StartupError,
+)
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
@@ -55,6 +68,7 @@ SUMMARY_FILE = "summary.json"
 # Seconds a stopping node's own tasks get to end before its server's calls are ended for them.
 STOP_TASKS_S = 1.0
 JOIN_AUTO = "auto"
+JOIN_ELECT = "elect"
 MAX_PEERS = 64
 
 
@@ -69,9 +83,10 @@ class NodeConfig:
     state_dir: Path | None = None
     """Directory for this node's id and state files (default: none kept, a new id each start)."""
     join: str | None = field(default=None, metadata={"flag": "--join"})
-    """Coordinator to join: HOST:PORT, or `auto` to find it over mDNS or through --peer.
+    """Coordinator to join: HOST:PORT, `auto` to find it over mDNS or through --peer, or `elect`.
 
-    Without --join and --peer this node is the coordinator."""
+    Without --join and --peer this node is the coordinator. With `elect` (and --mdns) the nodes
+    of a LAN swarm, all started alike with the same --swarm-size, choose one among themselves."""
     peers: tuple[str, ...] = field(default=(), metadata={"flag": "--peer"})
     """Bootstrap HOST:PORT of any node of the swarm (repeatable); a node given one is a worker.
 
@@ -101,8 +116,12 @@ class NodeConfig:
             _, port = split_host_port(self.advertise)
             if port == 0:
                 raise ConfigError(f"advertise={self.advertise!r}: needs a real port, not 0")
-        if self.join is not None and self.join != JOIN_AUTO:
+        if self.join is not None and self.join not in (JOIN_AUTO, JOIN_ELECT):
             split_host_port(self.join)
+        if self.join == JOIN_ELECT and not self.mdns:
+            raise ConfigError(
+                "join='elect' chooses a coordinator among the nodes found over mDNS: add --mdns"
+            )
         if not (math.isfinite(self.fault_compute_scale) and self.fault_compute_scale > 0):
             raise ConfigError(f"fault_compute_scale={self.fault_compute_scale}: must be > 0")
         if len(self.peers) > MAX_PEERS:
@@ -132,7 +151,7 @@ class NodeConfig:
             raise ConfigError(f"swarm_size={self.swarm_size}: must be between 1 and 1024")
         if self.compute_threads < 0:
             raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
-        if self.is_coordinator:
+        if self.is_coordinator or self.elects:
             check_frame_limit(self.train, self.transport.max_message_bytes)
             check_swarm_shape(self.swarm_size, self.train)
 
@@ -140,6 +159,11 @@ class NodeConfig:
     def is_coordinator(self) -> bool:
         """No --join and no --peer: this node is the coordinator."""
         return self.join is None and not self.peers
+
+    @property
+    def elects(self) -> bool:
+        """--join elect: this node may become the coordinator by election."""
+        return self.join == JOIN_ELECT
 
     @property
     def finds_coordinator(self) -> bool:
@@ -167,6 +191,38 @@ class NodeService(pb_grpc.NodeServicer):
         return await self._daemon.status()
 
 
+class CoordinatorGate(pb_grpc.CoordinatorServicer):
+    """`ravnest.v1.Coordinator` on a node that is, or may become, the coordinator: calls go to
+    its coordinator service once there is one, and are UNAVAILABLE before."""
+
+    def __init__(self, daemon: NodeDaemon) -> None:
+        self._daemon = daemon
+
+    async def _service(self, context: grpc.aio.ServicerContext[Any, Any]) -> CoordinatorService:
+        service = self._daemon.coordinator
+        if service is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is not the coordinator")
+        assert service is not None
+        return service
+
+    async def Join(self, request: Any, context: Any) -> pb.JoinReply:
+        return await (await self._service(context)).Join(request, context)
+
+    async def Report(self, request: Any, context: Any) -> pb.ReportReply:
+        return await (await self._service(context)).Report(request, context)
+
+    async def Swarm(self, request: Any, context: Any) -> pb.SwarmView:
+        return await (await self._service(context)).Swarm(request, context)
+
+    async def WatchPlan(self, request: Any, context: Any) -> AsyncIterator[pb.Plan]:
+        async for plan in (await self._service(context)).WatchPlan(request, context):
+            yield plan
+
+    async def WatchProgress(self, request: Any, context: Any) -> AsyncIterator[pb.Progress]:
+        async for event in (await self._service(context)).WatchProgress(request, context):
+            yield event
+
+
 class NodeDaemon:
     """A running node. Create it, then `await run(on_ready)`; `stop()` ends it gracefully."""
 
@@ -182,6 +238,9 @@ class NodeDaemon:
         """The coordinator this node follows and how it learned of it (None while looking)."""
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ravnest-compute")
         self.run_error: BaseException | None = None
+        self.coordinator: CoordinatorService | None = None
+        """This node's coordinator service: from the start, after an election, or never."""
+        self._votes = VoteBook(config.state_dir) if config.elects else None
 
     def stop(self) -> None:
         """Ask the node to stop (safe to call from a signal handler on the loop)."""
@@ -205,7 +264,7 @@ class NodeDaemon:
         self.address = cfg.advertise or f"{host}:{port}"
         if cfg.is_coordinator:
             self.found = Found(self.address, pb.FOUND_VIA_CONFIG)
-        elif cfg.join is not None and not cfg.finds_coordinator:
+        elif cfg.join is not None and not cfg.finds_coordinator and not cfg.elects:
             self.found = Found(cfg.join, pb.FOUND_VIA_CONFIG)
         averaging = AveragingService()
         worker = Worker(
@@ -228,15 +287,12 @@ class NodeDaemon:
         server.add_generic_rpc_handlers([ProbeServer(worker.check_probe).handler()])
         pb_grpc.add_NodeServicer_to_server(NodeService(self), server)
         if cfg.is_coordinator:
-            swarm_id = f"{cfg.swarm_name}/{cfg.train.model}"
-            summary_path = cfg.state_dir / SUMMARY_FILE if cfg.state_dir else None
-            coordinator = CoordinatorService(
-                train=cfg.train,
-                swarm_size=cfg.swarm_size,
-                swarm_id=swarm_id,
-                summary_path=summary_path,
-            )
-            pb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+            self.coordinator = self._coordinator_service(epoch=1)
+        if cfg.is_coordinator or cfg.elects:
+            pb_grpc.add_CoordinatorServicer_to_server(CoordinatorGate(self), server)
+        if self._votes is not None:
+            election = ElectionService(cfg.swarm_name, self._votes, self._ballot)
+            pb_grpc.add_ElectionServicer_to_server(election, server)
         await server.start()
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -257,6 +313,67 @@ class NodeDaemon:
         if self.run_error is not None:
             raise RunFailed(str(self.run_error)) from self.run_error
 
+    def _coordinator_service(self, epoch: int) -> CoordinatorService:
+        cfg = self.config
+        return CoordinatorService(
+            train=cfg.train,
+            swarm_size=cfg.swarm_size,
+            swarm_id=f"{cfg.swarm_name}/{cfg.train.model}",
+            summary_path=cfg.state_dir / SUMMARY_FILE if cfg.state_dir else None,
+            epoch=epoch,
+        )
+
+    def _ballot(self) -> Ballot:
+        records = self._mdns.records() if self._mdns is not None else []
+        return Ballot(
+            own_id=self.node_id,
+            seen=frozenset(r.txt.node_id for r in records),
+            following=self.found.address if self.found is not None else "",
+        )
+
+    async def _elect(self, worker: Worker) -> None:
+        """--join elect: follow the coordinator the swarm elected, or stand and become it."""
+        cfg, mdns, votes = self.config, self._mdns, self._votes
+        assert mdns is not None and votes is not None  # settings require --mdns
+        loop = asyncio.get_running_loop()
+        timeout_s = cfg.transport.connect_timeout_s
+        deadline = loop.time() + timeout_s
+        ask = grpc_vote_asker(cfg.transport)
+        log.info("electing a coordinator for swarm %r of %d nodes", cfg.swarm_name, cfg.swarm_size)
+        while True:
+            generation = mdns.generation
+            records = mdns.records()
+            if any(r.txt.role == "coordinator" for r in records):
+                await self._find_coordinator(worker, deadline - loop.time())
+                return
+            if len(records) >= cfg.swarm_size - 1 and all(
+                self.node_id < r.txt.node_id for r in records
+            ):
+                voters = [(r.txt.node_id, r.addresses[0]) for r in records if r.addresses]
+                term = await stand(
+                    book=votes,
+                    own_id=self.node_id,
+                    swarm=cfg.swarm_name,
+                    swarm_size=cfg.swarm_size,
+                    voters=voters,
+                    ask=ask,
+                )
+                if term is not None:
+                    self.coordinator = self._coordinator_service(epoch=term)
+                    self.found = Found(self.address, pb.FOUND_VIA_ELECTION, f"term {term}")
+                    worker.coordinator = self.address
+                    await mdns.set_role("coordinator")
+                    return
+            left = deadline - loop.time()
+            if left <= 0:
+                raise PeerUnavailable(
+                    f"no coordinator of swarm {cfg.swarm_name!r} elected within {timeout_s:g} s; "
+                    f"sees {len(records)} of the {cfg.swarm_size - 1} other nodes "
+                    f"(term {votes.state.term}); {mdns.describe()}"
+                )
+            # A new record ends the wait at once; otherwise retry after a jittered back-off.
+            await mdns.wait_newer(generation, min(left, random.uniform(0.3, 0.9)))
+
     async def _mdns_discovery(self) -> MdnsDiscovery:
         """This node's mDNS advertisement and browser (entered by the caller)."""
         cfg = self.config
@@ -275,7 +392,7 @@ class NodeDaemon:
             advertisement=Advertisement(txt=record, port=port, ips=ips),
         )
 
-    async def _find_coordinator(self, worker: Worker) -> None:
+    async def _find_coordinator(self, worker: Worker, timeout_s: float | None = None) -> None:
         """Locate and check the coordinator (mDNS, --peer), within the connect timeout;
         PeerUnavailable naming what was tried if there is none."""
         cfg = self.config
@@ -290,7 +407,7 @@ class NodeDaemon:
             discovery=self._mdns,
             peers=cfg.peers,
             ask=grpc_status_asker(cfg.transport),
-            timeout_s=cfg.transport.connect_timeout_s,
+            timeout_s=cfg.transport.connect_timeout_s if timeout_s is None else timeout_s,
         )
         log.info("coordinator %s found via %s (%s)", found.address, found.via_name, found.source)
         self.found = found
@@ -299,7 +416,9 @@ class NodeDaemon:
     async def _serve(self, worker: Worker, server: grpc.aio.Server) -> None:
         async def train() -> None:
             try:
-                if not worker.coordinator:
+                if self.config.elects:
+                    await self._elect(worker)
+                elif not worker.coordinator:
                     await self._find_coordinator(worker)
                 await worker.run()
             except Exception as exc:
@@ -341,8 +460,9 @@ class NodeDaemon:
             address=self.address,
             stage=-1,
             bytes_sent=self._counters.total_bytes,
-            role=pb.NODE_ROLE_COORDINATOR if self.config.is_coordinator else pb.NODE_ROLE_WORKER,
+            role=pb.NODE_ROLE_COORDINATOR if self.coordinator else pb.NODE_ROLE_WORKER,
             swarm_name=self.config.swarm_name,
+            term=self._votes.state.term if self._votes is not None else 0,
         )
         if self.found is not None:
             status.coordinator_address = self.found.address

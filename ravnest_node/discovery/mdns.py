@@ -18,7 +18,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 
 import ifaddr
@@ -31,6 +31,7 @@ from ravnest_node.discovery.records import (
     SERVICE_TYPE,
     Ignored,
     PeerRecord,
+    Role,
     TxtRecord,
     encode_txt,
     parse_txt,
@@ -41,6 +42,7 @@ from ravnest_node.errors import StartupError
 log = logging.getLogger(__name__)
 
 RESOLVE_TIMEOUT_MS = 3000
+REGISTER_WAIT_S = 10.0
 # Bounds against a noisy or hostile LAN: records kept, names waiting, resolutions at once.
 MAX_RECORDS = 256
 MAX_PENDING = 256
@@ -121,6 +123,7 @@ class MdnsDiscovery:
         self._browser: AsyncServiceBrowser | None = None
         self.registered = asyncio.Event()
         """Set once this node's advertisement has been announced."""
+        self._registered_info: AsyncServiceInfo | None = None
         self.ignored = 0
         """Records refused so far (another swarm, malformed, unreachable...)."""
 
@@ -187,14 +190,39 @@ class MdnsDiscovery:
                 await slots.acquire()
                 tg.create_task(self._resolve(aiozc, name, slots))
 
-    async def _register(self, aiozc: AsyncZeroconf, ad: Advertisement) -> None:
-        info = AsyncServiceInfo(
+    def _service_info(self, ad: Advertisement) -> AsyncServiceInfo:
+        """The service for `ad`; after registration, under the name and host it was given."""
+        done = self._registered_info
+        return AsyncServiceInfo(
             SERVICE_TYPE,
-            f"{ad.txt.node_id[:MAX_LABEL]}.{SERVICE_TYPE}",
+            done.name if done else f"{ad.txt.node_id[:MAX_LABEL]}.{SERVICE_TYPE}",
             port=ad.port,
             properties=encode_txt(ad.txt),
+            server=done.server if done else None,
             parsed_addresses=list(ad.ips),
         )
+
+    async def set_role(self, role: Role, timeout_s: float = REGISTER_WAIT_S) -> None:
+        """Advertise this node with another role (an elected coordinator), once its first
+        announcement is out (waited for up to `timeout_s`)."""
+        ad, aiozc = self._advertisement, self._aiozc
+        if ad is None or aiozc is None:
+            raise RuntimeError("set_role() needs an advertisement and `async with`")
+        self._advertisement = ad = replace(ad, txt=replace(ad.txt, role=role))
+        try:
+            await asyncio.wait_for(self.registered.wait(), timeout_s)
+        except TimeoutError:
+            log.error("mDNS: this node was not announced within %g s; role not updated", timeout_s)
+            return
+        try:
+            await aiozc.async_update_service(self._service_info(ad))
+        except zeroconf.Error as exc:
+            log.error("cannot update this node's mDNS record on %s: %r", self.where, exc)
+            return
+        log.info("advertising %s %s over mDNS from now on", role, ad.txt.node_id)
+
+    async def _register(self, aiozc: AsyncZeroconf, ad: Advertisement) -> None:
+        info = self._service_info(ad)
         try:
             # Probing for a unique name takes about 1.2 s; then the announcement goes out.
             announced = await aiozc.async_register_service(info, allow_name_change=True)
@@ -206,6 +234,7 @@ class MdnsDiscovery:
             "advertising %s %s of swarm %r over mDNS on %s (%s, port %d)",
             ad.txt.role, ad.txt.node_id, ad.txt.swarm, self.where, ", ".join(ad.ips), ad.port,
         )  # fmt: skip
+        self._registered_info = info
         self.registered.set()
 
     # ----- browsing -------------------------------------------------------------------------

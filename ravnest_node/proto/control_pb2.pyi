@@ -25,6 +25,7 @@ class FoundVia(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FOUND_VIA_CONFIG: _ClassVar[FoundVia]
     FOUND_VIA_MDNS: _ClassVar[FoundVia]
     FOUND_VIA_PEER: _ClassVar[FoundVia]
+    FOUND_VIA_ELECTION: _ClassVar[FoundVia]
 SCHEDULE_UNSPECIFIED: Schedule
 SCHEDULE_GPIPE: Schedule
 SCHEDULE_SEQUENTIAL: Schedule
@@ -35,6 +36,27 @@ FOUND_VIA_UNSPECIFIED: FoundVia
 FOUND_VIA_CONFIG: FoundVia
 FOUND_VIA_MDNS: FoundVia
 FOUND_VIA_PEER: FoundVia
+FOUND_VIA_ELECTION: FoundVia
+
+class VoteRequest(_message.Message):
+    __slots__ = ("swarm_name", "term", "candidate_id")
+    SWARM_NAME_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    swarm_name: str
+    term: int
+    candidate_id: str
+    def __init__(self, swarm_name: _Optional[str] = ..., term: _Optional[int] = ..., candidate_id: _Optional[str] = ...) -> None: ...
+
+class VoteReply(_message.Message):
+    __slots__ = ("term", "granted", "reason")
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    granted: bool
+    reason: str
+    def __init__(self, term: _Optional[int] = ..., granted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("node_id", "address", "compute_threads", "protocol", "capabilities")
@@ -275,7 +297,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers")
+    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +318,7 @@ class NodeStatus(_message.Message):
     COORDINATOR_FOUND_VIA_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FOUND_FROM_FIELD_NUMBER: _ClassVar[int]
     MDNS_PEERS_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     plan_epoch: int
@@ -316,7 +339,8 @@ class NodeStatus(_message.Message):
     coordinator_found_via: FoundVia
     coordinator_found_from: str
     mdns_peers: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ...) -> None: ...
+    term: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ...) -> None: ...
 
 class SwarmRequest(_message.Message):
     __slots__ = ()

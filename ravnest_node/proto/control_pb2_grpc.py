@@ -282,6 +282,83 @@ class Coordinator:
             _registered_method=True)
 
 
+class ElectionStub:
+    """Nodes started with --join elect: choosing a coordinator among themselves (docs/discovery.md).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Vote = channel.unary_unary(
+                '/ravnest.v1.Election/Vote',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.VoteRequest.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.VoteReply.FromString,
+                _registered_method=True)
+
+
+class ElectionServicer:
+    """Nodes started with --join elect: choosing a coordinator among themselves (docs/discovery.md).
+    """
+
+    def Vote(self, request, context):
+        """A candidate asks for this node's vote in `term`. A node grants at most one vote per term,
+        and only while it follows no coordinator, to the smallest node id of the swarm it sees.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ElectionServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Vote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Vote,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.VoteRequest.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.VoteReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ravnest.v1.Election', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ravnest.v1.Election', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Election:
+    """Nodes started with --join elect: choosing a coordinator among themselves (docs/discovery.md).
+    """
+
+    @staticmethod
+    def Vote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravnest.v1.Election/Vote',
+            ravnest__node_dot_proto_dot_control__pb2.VoteRequest.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.VoteReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class NodeStub:
     """Every node: introspection for people, tests and tools.
     """
