@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ravnest_node.bench.links import LinkSpec, NetnsSwarm, netns_available
 from ravnest_node.coordination.election import (
     Ballot,
     VoteBook,
@@ -26,7 +27,7 @@ from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 
-from .conftest import NODE_ENV, Procs, poll_until, progress_events, ravnest
+from .conftest import NODE_ENV, Procs, poll_until, progress_events, ravnest, read_line
 
 
 def ballot(own: str = "b", seen: str = "ac", following: str = "") -> Ballot:
@@ -168,3 +169,45 @@ def test_three_nodes_started_alike_elect_one_coordinator_and_train(
     for proc, _ in nodes:
         proc.send_signal(signal.SIGTERM)
     assert [proc.wait(10) for proc, _ in nodes] == [0, 0, 0]
+
+
+def test_three_hosts_on_a_bridge_elect_over_multicast(procs: Procs, tmp_path: Path) -> None:
+    """The same across network namespaces: each node in its own namespace, mDNS on its own
+    interface, multicast crossing a real Linux bridge."""
+    ok, reason = netns_available()
+    if not ok:
+        pytest.skip(reason)
+    swarm = f"bridge-{os.getpid()}"
+    with NetnsSwarm(3, LinkSpec(rate_mbit=1000, delay_ms=0), name="rve") as net:
+        nodes = []
+        for i, host in enumerate(net.hosts):
+            state = tmp_path / f"n{i}"
+            state.mkdir()
+            log = open(state / "node.log", "ab")  # noqa: SIM115 - closed by the child's exit
+            proc = procs.popen(
+                net.exec_prefix(i) + ravnest(
+                    "start", "--listen", f"{host.address}:7070", "--state-dir", str(state),
+                    "--threads", "1", "--mdns", "--mdns-interface", host.address, "--swarm-name",
+                    swarm, "--swarm-size", "3", "--join", "elect", "--model", "tiny",
+                    "--steps", "2",
+                ),
+                stderr=log,
+            )  # fmt: skip
+            log.close()
+            line = read_line(proc, 60)
+            assert line, (state / "node.log").read_text()
+            nodes.append((proc, json.loads(line)))
+
+        def statuses() -> list[pb.NodeStatus]:
+            return [_status(ready["address"]) for _, ready in nodes]
+
+        poll_until(lambda: all(s.plan_epoch for s in statuses()), 60)
+        now = statuses()
+        assert [s.role for s in now].count(pb.NODE_ROLE_COORDINATOR) == 1
+        leader = next(s for s in now if s.role == pb.NODE_ROLE_COORDINATOR)
+        assert all(s.mdns_peers == 2 for s in now)  # every node saw the other two over the bridge
+        done = [e for e in progress_events(leader.address) if e.done]
+        assert len(done) == 1 and not done[0].error
+        for proc, _ in nodes:
+            proc.send_signal(signal.SIGTERM)
+        assert [proc.wait(10) for proc, _ in nodes] == [0, 0, 0]

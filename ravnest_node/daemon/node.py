@@ -346,8 +346,11 @@ class NodeDaemon:
             if any(r.txt.role == "coordinator" for r in records):
                 await self._find_coordinator(worker, deadline - loop.time())
                 return
-            if len(records) >= cfg.swarm_size - 1 and all(
-                self.node_id < r.txt.node_id for r in records
+            # Stand once this node is announced (voters must see it) and sees the whole swarm.
+            if (
+                mdns.registered.is_set()
+                and len(records) >= cfg.swarm_size - 1
+                and all(self.node_id < r.txt.node_id for r in records)
             ):
                 voters = [(r.txt.node_id, r.addresses[0]) for r in records if r.addresses]
                 term = await stand(
