@@ -133,6 +133,9 @@ def swarm_dict(
             "blocks": [stage.first_block, stage.stop_block] if stage else None,
             "compute_s": member.compute_s,
             "speed": member.speed,
+            "silent_s": member.silent_s,
+            "lease_expired": member.lease_expired,
+            "left": member.left,
         }
         if isinstance(status, pb.NodeStatus):
             entry.update(
@@ -180,6 +183,10 @@ def describe_swarm(s: dict[str, Any]) -> str:
             else "no stage"
         )
         answer = f"version {m['version']}" if m["reachable"] else f"no answer ({m['error']})"
+        if m["left"]:
+            answer += ", left the swarm"
+        elif m["lease_expired"]:
+            answer += f", lease expired (silent {m['silent_s']:.0f} s)"
         lines.append(f"  {m['node_id']} {m['address']}: {where}, speed {m['speed']:.2f}, {answer}")
     return "\n".join(lines)
 

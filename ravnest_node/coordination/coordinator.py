@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from ravnest_node.coordination.membership import DEFAULT_LEASE_S, Leases
 from ravnest_node.coordination.negotiate import (
     check_capabilities,
     member_speeds,
@@ -82,6 +83,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         summary_path: Path | None,
         clock: Callable[[], float] = time.monotonic,
         epoch: int = 1,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self._train = train
         self._epoch = epoch
@@ -94,6 +96,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._clock = clock
         self._members: list[Member] = []
         self._capabilities: dict[str, pb.Capabilities] = {}
+        self._leases = Leases(lease_s)
         self._plan: pb.Plan | None = None
         self._changed = asyncio.Condition()
         self._started_at = 0.0
@@ -136,6 +139,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 check_capabilities(request.capabilities, self._model.num_blocks())
             except ConfigError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        now = self._clock()
+        if self._plan is None:
+            self._evict_gone(now)
         for index, member in enumerate(self._members):
             if member.node_id == request.node_id:
                 if member.address != request.address:
@@ -143,6 +149,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         grpc.StatusCode.ALREADY_EXISTS,
                         f"node {request.node_id} already joined from {member.address}",
                     )
+                self._leases = self._leases.renew(request.node_id, now)
                 if request.HasField("capabilities") and self._plan is None:
                     self._capabilities[request.node_id] = request.capabilities
                     self._publish_when_ready()
@@ -154,6 +161,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"the swarm is full ({self._swarm_size} nodes) and its plan is fixed",
             )
         self._members.append(Member(node_id=request.node_id, address=request.address))
+        self._leases = self._leases.renew(request.node_id, now)
         if request.HasField("capabilities"):
             self._capabilities[request.node_id] = request.capabilities
         log.info(
@@ -174,7 +182,43 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             swarm_size=self._swarm_size,
             model=self._train.model,
             microbatch=self._train.batch_size // self._train.microbatches,
+            lease_s=self._leases.lease_s,
         )
+
+    def _evict_gone(self, now: float) -> None:
+        """Before the plan: free the places of members that left or whose lease ran out."""
+        gone = self._leases.gone([m.node_id for m in self._members], now)
+        if not gone:
+            return
+        for node_id in gone:
+            why = "left" if node_id in self._leases.left else "its lease ran out"
+            log.info("node %s is no longer a member: %s", node_id, why)
+            self._capabilities.pop(node_id, None)
+        self._members = [m for m in self._members if m.node_id not in gone]
+        self._leases = self._leases.forget(gone)
+
+    def _is_member(self, node_id: str) -> bool:
+        return any(m.node_id == node_id for m in self._members)
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.HeartbeatReply:
+        if not self._is_member(request.node_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, "not a member of this swarm: join first")
+        self._leases = self._leases.renew(request.node_id, self._clock())
+        return pb.HeartbeatReply(lease_s=self._leases.lease_s)
+
+    async def Leave(
+        self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.LeaveReply:
+        if not self._is_member(request.node_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, "not a member of this swarm")
+        self._leases = self._leases.leave(request.node_id)
+        log.info("node %s leaves the swarm", request.node_id)
+        if self._plan is None:
+            self._evict_gone(self._clock())
+            await self._notify()
+        return pb.LeaveReply()
 
     def _publish_when_ready(self) -> None:
         """Plan once every expected member has joined and sent what it measured."""
@@ -361,6 +405,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Swarm(
         self, request: pb.SwarmRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SwarmView:
+        now = self._clock()
         caps = [self._capabilities.get(m.node_id) for m in self._members]
         speeds = [0.0] * len(caps)
         if self._plan is not None:
@@ -375,6 +420,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     address=m.address,
                     compute_s=math.fsum(c.block_s) if c else 0.0,
                     speed=speed,
+                    silent_s=self._leases.silent_s(m.node_id, now),
+                    lease_expired=self._leases.expired(m.node_id, now),
+                    left=m.node_id in self._leases.left,
                 )
                 for m, c, speed in zip(self._members, caps, speeds, strict=True)
             ],

@@ -35,6 +35,7 @@ from ravnest_node.coordination.locate import (
     grpc_vote_asker,
     locate_coordinator,
 )
+from ravnest_node.coordination.membership import DEFAULT_LEASE_S
 from ravnest_node.daemon.worker import Worker
 from ravnest_node.discovery import (
     Advertisement,
@@ -103,6 +104,9 @@ class NodeConfig:
     """Threads torch may use for this node's compute (0 = torch's default)."""
     log_level: LogLevel = "info"
     """How much the node logs (to standard error)."""
+    lease_s: float = DEFAULT_LEASE_S
+    """On the coordinator: seconds a member stays a member without a heartbeat (members send
+    one every third of it); before the plan, a member silent longer loses its place."""
     fault_compute_scale: float = 1.0
     """Test only: multiply the compute time this node measures and reports to the planner."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -122,6 +126,8 @@ class NodeConfig:
             raise ConfigError(
                 "join='elect' chooses a coordinator among the nodes found over mDNS: add --mdns"
             )
+        if not (math.isfinite(self.lease_s) and 0.3 <= self.lease_s <= 3600):
+            raise ConfigError(f"lease_s={self.lease_s}: must be between 0.3 and 3600 seconds")
         if not (math.isfinite(self.fault_compute_scale) and self.fault_compute_scale > 0):
             raise ConfigError(f"fault_compute_scale={self.fault_compute_scale}: must be > 0")
         if len(self.peers) > MAX_PEERS:
@@ -213,6 +219,12 @@ class CoordinatorGate(pb_grpc.CoordinatorServicer):
 
     async def Swarm(self, request: Any, context: Any) -> pb.SwarmView:
         return await (await self._service(context)).Swarm(request, context)
+
+    async def Heartbeat(self, request: Any, context: Any) -> pb.HeartbeatReply:
+        return await (await self._service(context)).Heartbeat(request, context)
+
+    async def Leave(self, request: Any, context: Any) -> pb.LeaveReply:
+        return await (await self._service(context)).Leave(request, context)
 
     async def WatchPlan(self, request: Any, context: Any) -> AsyncIterator[pb.Plan]:
         async for plan in (await self._service(context)).WatchPlan(request, context):
@@ -321,6 +333,7 @@ class NodeDaemon:
             swarm_id=f"{cfg.swarm_name}/{cfg.train.model}",
             summary_path=cfg.state_dir / SUMMARY_FILE if cfg.state_dir else None,
             epoch=epoch,
+            lease_s=cfg.lease_s,
         )
 
     def _ballot(self) -> Ballot:
@@ -439,7 +452,7 @@ class NodeDaemon:
                 self._stop.set()
 
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(train())]
+            tasks = [tg.create_task(train()), tg.create_task(worker.keep_membership())]
             if self._mdns is not None:
                 tasks.append(tg.create_task(self._mdns.run()))
             await self._stop.wait()

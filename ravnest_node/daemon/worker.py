@@ -8,6 +8,7 @@ the previous stage) through `open_session`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
@@ -19,6 +20,7 @@ import torch
 
 from ravnest_node.averaging import AveragingConfig, AveragingService, Member, ReplicaAverager
 from ravnest_node.coordination.coordinator import PROTOCOL
+from ravnest_node.coordination.membership import DEFAULT_LEASE_S, heartbeat_interval
 from ravnest_node.coordination.static_plan import check_plan, replica_group, stage_at
 from ravnest_node.daemon.capabilities import measure
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
@@ -45,6 +47,9 @@ from ravnest_node.transport.probe import (
 )
 
 log = logging.getLogger(__name__)
+
+# A stopping node says it leaves, but does not hold up its stop for long.
+LEAVE_TIMEOUT_S = 1.0
 
 
 @asynccontextmanager
@@ -106,6 +111,8 @@ class Worker:
         self.coordinator = coordinator
         """The coordinator's address; "" until the daemon has found it."""
         self._threads = compute_threads
+        self._joined = asyncio.Event()
+        self._lease_s = DEFAULT_LEASE_S
         self.compute_scale = 1.0
         """Test only: multiplies the compute time this node measures (see NodeConfig)."""
         self._transport = transport
@@ -265,6 +272,8 @@ class Worker:
             )
             with coordinator_errors(self.coordinator):
                 reply = await stub.Join(join, timeout=self._transport.connect_timeout_s)
+            self._lease_s = reply.lease_s or DEFAULT_LEASE_S
+            self._joined.set()  # keep_membership() sends heartbeats from now on
             # Then measure this node for the swarm's model, and tell the coordinator.
             try:
                 get_model(reply.model)
@@ -290,6 +299,31 @@ class Worker:
             if plan is grpc.aio.EOF:
                 raise PeerUnavailable(f"coordinator {self.coordinator} closed the plan stream")
             await self._train(plan, stub)
+
+    async def keep_membership(self) -> None:
+        """Heartbeats to the coordinator once this node has joined, for as long as the node
+        runs; when cancelled (the node stops), a last `Leave`. A missed heartbeat is logged
+        and the next one tried: the coordinator forgives two."""
+        await self._joined.wait()
+        coordinator = self.coordinator
+        async with open_channel(coordinator, self._transport) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            interval = heartbeat_interval(self._lease_s)
+            try:
+                while True:
+                    await asyncio.sleep(interval)  # the heartbeat's period, not a wait for an event
+                    try:
+                        await stub.Heartbeat(
+                            pb.HeartbeatRequest(node_id=self.node_id), timeout=interval
+                        )
+                    except grpc.aio.AioRpcError as exc:
+                        log.warning(
+                            "heartbeat to coordinator %s failed: %s", coordinator, exc.code().name
+                        )
+            except asyncio.CancelledError:
+                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                    await stub.Leave(pb.LeaveRequest(node_id=self.node_id), timeout=LEAVE_TIMEOUT_S)
+                raise
 
     def _averaging(
         self,

@@ -83,18 +83,42 @@ class Capabilities(_message.Message):
     def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("swarm_id", "member_index", "swarm_size", "model", "microbatch")
+    __slots__ = ("swarm_id", "member_index", "swarm_size", "model", "microbatch", "lease_s")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_INDEX_FIELD_NUMBER: _ClassVar[int]
     SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     member_index: int
     swarm_size: int
     model: str
     microbatch: int
-    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("lease_s",)
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    lease_s: float
+    def __init__(self, lease_s: _Optional[float] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class WatchPlanRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -347,16 +371,22 @@ class SwarmRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SwarmMember(_message.Message):
-    __slots__ = ("node_id", "address", "compute_s", "speed")
+    __slots__ = ("node_id", "address", "compute_s", "speed", "silent_s", "lease_expired", "left")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     SPEED_FIELD_NUMBER: _ClassVar[int]
+    SILENT_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     compute_s: float
     speed: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ...) -> None: ...
+    silent_s: float
+    lease_expired: bool
+    left: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ..., silent_s: _Optional[float] = ..., lease_expired: _Optional[bool] = ..., left: _Optional[bool] = ...) -> None: ...
 
 class SwarmView(_message.Message):
     __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done")

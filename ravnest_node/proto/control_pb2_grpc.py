@@ -61,6 +61,16 @@ class CoordinatorStub:
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.SwarmRequest.SerializeToString,
                 response_deserializer=ravnest__node_dot_proto_dot_control__pb2.SwarmView.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/ravnest.v1.Coordinator/Heartbeat',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/ravnest.v1.Coordinator/Leave',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.LeaveReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -105,6 +115,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """A member says it is alive; its lease runs `lease_s` from now. NOT_FOUND for a non-member.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """A member leaves. Before the plan its place is freed for another node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +156,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Swarm,
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.SwarmRequest.FromString,
                     response_serializer=ravnest__node_dot_proto_dot_control__pb2.SwarmView.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.HeartbeatRequest.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.LeaveRequest.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.LeaveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +305,60 @@ class Coordinator:
             '/ravnest.v1.Coordinator/Swarm',
             ravnest__node_dot_proto_dot_control__pb2.SwarmRequest.SerializeToString,
             ravnest__node_dot_proto_dot_control__pb2.SwarmView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravnest.v1.Coordinator/Heartbeat',
+            ravnest__node_dot_proto_dot_control__pb2.HeartbeatRequest.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravnest.v1.Coordinator/Leave',
+            ravnest__node_dot_proto_dot_control__pb2.LeaveRequest.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,
