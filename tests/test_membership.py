@@ -128,22 +128,24 @@ def test_a_worker_that_dies_or_stops_before_the_plan_frees_its_place(
         tmp_path / "n0", "--swarm-size", "3", "--model", "tiny", "--steps", "2", "--lease-s", "1.5"
     )
     join = ("--join", ready["address"])
+
+    def members() -> list[pb.SwarmMember]:
+        return list(_view(ready["address"]).members)
+
+    # One worker at a time, so the swarm of 3 never fills (and plans) before the last two.
     stopped, first = procs.start_node(tmp_path / "n1", *join)
-    killed, second = procs.start_node(tmp_path / "n2", *join)
-    poll_until(lambda: len(_view(ready["address"]).members) == 3, 30)  # both joined
-    # A graceful stop leaves at once; a killed node is dropped when its lease runs out.
-    stopped.send_signal(signal.SIGTERM)
+    # It has joined and sent what it measured: it is past its first join for sure.
+    poll_until(lambda: any(m.node_id == first["node_id"] and m.compute_s for m in members()), 30)
+    stopped.send_signal(signal.SIGTERM)  # a graceful stop leaves at once
     assert stopped.wait(10) == 0
-    assert [m.node_id for m in _view(ready["address"]).members].count(first["node_id"]) == 0
-    killed.send_signal(signal.SIGKILL)
+    assert [m.node_id for m in members()] == [ready["node_id"]]
+    killed, second = procs.start_node(tmp_path / "n2", *join)
+    poll_until(lambda: second["node_id"] in [m.node_id for m in members()], 30)
+    killed.send_signal(signal.SIGKILL)  # a crash: dropped once its lease runs out
     killed.wait(10)
     poll_until(
-        lambda: any(
-            m.node_id == second["node_id"] and m.lease_expired
-            for m in _view(ready["address"]).members
-        ),
-        30,
-    )  # its heartbeats stopped
+        lambda: any(m.node_id == second["node_id"] and m.lease_expired for m in members()), 30
+    )
     _, third = procs.start_node(tmp_path / "n3", *join)
     _, fourth = procs.start_node(tmp_path / "n4", *join)
     done = [e for e in progress_events(ready["address"]) if e.done]

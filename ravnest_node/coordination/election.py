@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from ravnest_node.errors import ConfigError
+from ravnest_node.errors import ConfigError, PeerError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import valid_node_id, write_atomic
@@ -165,7 +165,7 @@ async def stand(
     async def one(node_id: str, address: str) -> bool:
         try:
             reply = await ask(address, request)
-        except Exception as exc:  # a voter that is down or refuses is one vote fewer
+        except (PeerError, TimeoutError) as exc:  # a voter that is down is one vote fewer
             log.info("election term %d: no vote from %s (%s)", term, node_id, exc)
             return False
         if reply.term > book.state.term:

@@ -306,24 +306,27 @@ class Worker:
         and the next one tried: the coordinator forgives two."""
         await self._joined.wait()
         coordinator = self.coordinator
-        async with open_channel(coordinator, self._transport) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
-            interval = heartbeat_interval(self._lease_s)
-            try:
-                while True:
-                    await asyncio.sleep(interval)  # the heartbeat's period, not a wait for an event
-                    try:
-                        await stub.Heartbeat(
-                            pb.HeartbeatRequest(node_id=self.node_id), timeout=interval
-                        )
-                    except grpc.aio.AioRpcError as exc:
-                        log.warning(
-                            "heartbeat to coordinator %s failed: %s", coordinator, exc.code().name
-                        )
-            except asyncio.CancelledError:
-                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                    await stub.Leave(pb.LeaveRequest(node_id=self.node_id), timeout=LEAVE_TIMEOUT_S)
-                raise
+        # No wait for the channel to be ready: a stop at any moment from here must still leave.
+        channel = grpc.aio.insecure_channel(coordinator, options=channel_options(self._transport))
+        stub = pb_grpc.CoordinatorStub(channel)
+        interval = heartbeat_interval(self._lease_s)
+        try:
+            while True:
+                await asyncio.sleep(interval)  # the heartbeat's period, not a wait for an event
+                try:
+                    await stub.Heartbeat(
+                        pb.HeartbeatRequest(node_id=self.node_id), timeout=interval
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    log.warning(
+                        "heartbeat to coordinator %s failed: %s", coordinator, exc.code().name
+                    )
+        except asyncio.CancelledError:
+            with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                await stub.Leave(pb.LeaveRequest(node_id=self.node_id), timeout=LEAVE_TIMEOUT_S)
+            raise
+        finally:
+            await channel.close(grace=None)
 
     def _averaging(
         self,
