@@ -128,6 +128,13 @@ def procs() -> Iterator[Procs]:
         p.cleanup()
 
 
+def node_status(address: str) -> pb.NodeStatus:
+    """A running node's `Node.Status`."""
+    with grpc.insecure_channel(address) as channel:
+        status: pb.NodeStatus = pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=30)
+        return status
+
+
 def poll_until(condition: Callable[[], bool], timeout_s: float) -> None:
     """Poll `condition` (a question to live processes that cannot push the answer) until it
     holds; fail after `timeout_s`."""

@@ -11,12 +11,10 @@ import pytest
 import torch
 
 from ravnest_node.compression import get_codec
-from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport import boundary
 from ravnest_node.transport.frames import MAGIC, FrameKind, encode_frame
 
-from .conftest import Procs, progress_events
+from .conftest import Procs, node_status, progress_events
 
 MB = 4  # tiny with batch 16 in 4 microbatches
 HIDDEN = (MB, 32, 64)
@@ -35,12 +33,6 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
         yield ready["address"], worker["address"]
     finally:
         procs.cleanup()
-
-
-def _status(address: str) -> pb.NodeStatus:
-    with grpc.insecure_channel(address) as channel:
-        status: pb.NodeStatus = pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=30)
-        return status
 
 
 def _send(address: str, message: bytes, node_id: str, epoch: int = 1) -> grpc.RpcError:
@@ -95,12 +87,12 @@ def test_bad_frame_is_refused_and_changes_nothing(
     swarm: tuple[str, str], message: bytes, reason: str
 ) -> None:
     _, node = swarm
-    before = _status(node)
+    before = node_status(node)
     assert before.stage == 1 and before.run_done and before.version == 3
     error = _send(node, message, before.upstream_node_id)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert reason in (error.details() or "")
-    after = _status(node)
+    after = node_status(node)
     assert after.frames_refused == before.frames_refused + 1
     assert (after.version, after.params_sha256, after.frames_accepted) == (
         before.version, before.params_sha256, before.frames_accepted
@@ -110,19 +102,19 @@ def test_bad_frame_is_refused_and_changes_nothing(
 
 def test_unknown_peer_and_stale_epoch_are_refused(swarm: tuple[str, str]) -> None:
     _, node = swarm
-    before = _status(node)
+    before = node_status(node)
     error = _send(node, _frame(HIDDEN), "intruder")
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "unknown peer 'intruder'" in (error.details() or "")
     error = _send(node, _frame(HIDDEN), before.upstream_node_id, epoch=0)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    after = _status(node)
+    after = node_status(node)
     assert (after.version, after.params_sha256) == (before.version, before.params_sha256)
 
 
 def test_oversized_message_is_refused_by_the_transport(swarm: tuple[str, str]) -> None:
     _, node = swarm
-    before = _status(node)
+    before = node_status(node)
     error = _send(node, b"\0" * (64 * 2**20 + 1), before.upstream_node_id)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert _status(node).params_sha256 == before.params_sha256
+    assert node_status(node).params_sha256 == before.params_sha256

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -42,10 +41,9 @@ from ravnest_node.discovery import (
 from ravnest_node.discovery.records import MAX_ADDRESSES
 from ravnest_node.errors import ConfigError, PeerUnavailable
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.options import split_host_port
 
-from .conftest import NODE_ENV, Procs, poll_until, progress_events, ravnest
+from .conftest import NODE_ENV, Procs, node_status, poll_until, progress_events, ravnest
 
 SWARM = "lab"
 LOOPBACK = ("--mdns", "--mdns-interface", "127.0.0.1")
@@ -345,12 +343,6 @@ async def test_mdns_on_loopback_finds_its_swarm_and_ignores_the_rest() -> None:
 
 
 # ----- real node processes ------------------------------------------------------------------------
-def _status(address: str) -> pb.NodeStatus:
-    with grpc.insecure_channel(address) as channel:
-        status: pb.NodeStatus = pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=30)
-        return status
-
-
 def _trained_together(coordinator: str, node_ids: set[str]) -> None:
     done = [e for e in progress_events(coordinator) if e.done]
     assert len(done) == 1 and not done[0].error
@@ -370,7 +362,7 @@ def test_workers_find_the_coordinator_over_mdns(procs: Procs, tmp_path: Path) ->
     workers = [ready_event for _, ready_event in started]
     _trained_together(ready["address"], {ready["node_id"]} | {w["node_id"] for w in workers})
     for worker in workers:
-        status = _status(worker["address"])
+        status = node_status(worker["address"])
         assert status.role == pb.NODE_ROLE_WORKER
         assert status.coordinator_address == ready["address"]
         assert status.coordinator_found_via == pb.FOUND_VIA_MDNS
@@ -401,10 +393,10 @@ def test_workers_find_the_coordinator_over_mdns(procs: Procs, tmp_path: Path) ->
     blocks = sorted(tuple(m["blocks"]) for m in members.values())
     assert blocks[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
     # A node that stops says goodbye over mDNS: the others drop its record at once.
-    poll_until(lambda: _status(ready["address"]).mdns_peers == 2, 20)
+    poll_until(lambda: node_status(ready["address"]).mdns_peers == 2, 20)
     started[0][0].send_signal(signal.SIGTERM)
     assert started[0][0].wait(10) == 0
-    poll_until(lambda: _status(ready["address"]).mdns_peers == 1, 10)
+    poll_until(lambda: node_status(ready["address"]).mdns_peers == 1, 10)
 
 
 def test_a_worker_finds_the_coordinator_through_a_bootstrap_peer(
@@ -417,11 +409,11 @@ def test_a_worker_finds_the_coordinator_through_a_bootstrap_peer(
     first_proc, first = procs.start_node(tmp_path / "n1", *swarm, "--join", ready["address"])
     _, second = procs.start_node(tmp_path / "n2", *swarm, "--peer", first["address"])
     _trained_together(ready["address"], {ready["node_id"], first["node_id"], second["node_id"]})
-    status = _status(second["address"])
+    status = node_status(second["address"])
     assert status.coordinator_address == ready["address"]
     assert status.coordinator_found_via == pb.FOUND_VIA_PEER
     assert status.coordinator_found_from == first["address"]
-    assert _status(first["address"]).coordinator_found_via == pb.FOUND_VIA_CONFIG
+    assert node_status(first["address"]).coordinator_found_via == pb.FOUND_VIA_CONFIG
     # A swarm that mDNS does not reach is found through a peer; a stopped member shows as such.
     first_proc.send_signal(signal.SIGTERM)
     assert first_proc.wait(10) == 0

@@ -9,7 +9,6 @@ import signal
 import subprocess
 from pathlib import Path
 
-import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,9 +24,8 @@ from ravnest_node.coordination.election import (
 )
 from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.proto import control_pb2_grpc as pb_grpc
 
-from .conftest import NODE_ENV, Procs, poll_until, progress_events, ravnest, read_line
+from .conftest import NODE_ENV, Procs, node_status, poll_until, progress_events, ravnest, read_line
 
 
 def ballot(own: str = "b", seen: str = "ac", following: str = "") -> Ballot:
@@ -127,12 +125,6 @@ async def test_a_candidate_wins_only_with_a_majority_and_records_its_own_vote_fi
 
 
 # ----- real node processes ------------------------------------------------------------------------
-def _status(address: str) -> pb.NodeStatus:
-    with grpc.insecure_channel(address) as channel:
-        status: pb.NodeStatus = pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=30)
-        return status
-
-
 def test_three_nodes_started_alike_elect_one_coordinator_and_train(
     procs: Procs, tmp_path: Path
 ) -> None:
@@ -143,7 +135,7 @@ def test_three_nodes_started_alike_elect_one_coordinator_and_train(
     assert not any(ready["coordinator"] for _, ready in nodes)  # nobody was told
 
     def statuses() -> list[pb.NodeStatus]:
-        return [_status(ready["address"]) for _, ready in nodes]
+        return [node_status(ready["address"]) for _, ready in nodes]
 
     poll_until(lambda: all(s.plan_epoch for s in statuses()), 60)
     statuses_now = statuses()
@@ -199,7 +191,7 @@ def test_three_hosts_on_a_bridge_elect_over_multicast(procs: Procs, tmp_path: Pa
             nodes.append((proc, json.loads(line)))
 
         def statuses() -> list[pb.NodeStatus]:
-            return [_status(ready["address"]) for _, ready in nodes]
+            return [node_status(ready["address"]) for _, ready in nodes]
 
         poll_until(lambda: all(s.plan_epoch for s in statuses()), 60)
         now = statuses()

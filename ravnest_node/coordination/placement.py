@@ -313,13 +313,11 @@ def plan_swarm(
             found = [(inst.value(order, s, pipelines), order) for order in tries]
             value, order = min(found, key=lambda f: f[0])
             order += [v for v in range(len(nodes)) if v not in order]
+            if best is None or value < best[0] * (1 - TIE):  # ties: fewer stages
+                best = (value, s, order)
         else:
             order = _start_order(nodes, s, pipelines)
-            value = inst.value(order, s, pipelines)
-            starts.append((value, s, order))
-        if best is None or value < best[0] * (1 - TIE):
-            best = (value, s, order)
-    assert best is not None
+            starts.append((inst.value(order, s, pipelines), s, order))
     if not exact:  # local search: the three most promising stage counts, then restarts
         ranked = sorted(starts, key=lambda r: (r[0], r[1]))[:3]
         refined = []
@@ -333,6 +331,7 @@ def plan_swarm(
             refined.append((_local_search(inst, order, s, pipelines), s, order))
         value = min(r[0] for r in refined)
         best = min((r for r in refined if r[0] <= value * (1 + TIE)), key=lambda r: r[1])
+    assert best is not None
     value, s, order = best
     if math.isinf(value):
         biggest = max(b.memory_bytes for b in blocks)
