@@ -88,13 +88,14 @@ class Procs:
         return proc
 
     def start_node(
-        self, state_dir: Path, *args: str, **kwargs: Any
+        self, state_dir: Path, *args: str, command: str = "start", **kwargs: Any
     ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-        """`ravnest-node start` with its log in state_dir/node.log; returns (proc, ready event)."""
+        """`ravnest-node start` (or `command`) with its log in state_dir/node.log; returns
+        (proc, ready event). A later --listen in `args` wins over the default."""
         state_dir.mkdir(parents=True, exist_ok=True)
         log = open(state_dir / "node.log", "ab")  # noqa: SIM115 - closed by the child's exit
         proc = self.popen(
-            ravnest("start", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+            ravnest(command, "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
                     "--threads", "1", *args),
             stderr=log, **kwargs,
         )  # fmt: skip

@@ -41,6 +41,7 @@ Start here:
   ravnest-node start --swarm-size 3       a coordinator node that waits for 2 more nodes
   ravnest-node start --join HOST:PORT     a node that joins that coordinator
   ravnest-node start --peer HOST:PORT     a node that finds the coordinator through any node
+  ravnest-node coordinator --state-dir D  a lab coordinator (no stage); survives restarts
   ravnest-node status HOST:PORT           what a running node says about itself
 
 On a LAN nobody types addresses: start the coordinator with `--mdns --swarm-size 3` and the
@@ -71,6 +72,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     start.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(start, NodeConfig)
+
+    coordinator = commands.add_parser(
+        "coordinator",
+        help="run a lab coordinator that holds no stage and keeps its state in SQLite",
+        description="Run a coordinator only: it holds no stage, waits for --swarm-size worker "
+        "nodes (`ravnest-node start --join HOST:PORT`), hands out the plan and collects "
+        "progress. Membership, the plan and progress live in --state-dir/coordinator.sqlite3: "
+        "restarted with the same settings, it carries on where it was and the nodes, which "
+        "train on meanwhile, reattach. It prints one JSON line when ready.",
+    )
+    coordinator.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
+    settings.add_arguments(coordinator, NodeConfig)
 
     status = commands.add_parser(
         "status",
@@ -175,8 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        if args.command == "start":
-            node_cfg = settings.load(NodeConfig, args=args, env=os.environ, toml_path=args.config)
+        if args.command in ("start", "coordinator"):
+            node_cfg = settings.load(
+                NodeConfig,
+                args=args,
+                env=os.environ,
+                toml_path=args.config,
+                overrides={"coordinator_only": True} if args.command == "coordinator" else None,
+            )
             return _start(node_cfg)
         if args.command == "status":
             if (args.address is None) == (args.swarm is None):

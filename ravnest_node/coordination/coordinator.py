@@ -1,9 +1,11 @@
 """The coordinator service: membership, the plan, and the run's progress.
 
-In the foundation one node acts as coordinator (the node started without `--join`). It waits
-until `swarm_size` nodes have joined, publishes a static plan (epoch 1), collects each stage's
-reports and turns them into progress events and, at the end, the run summary. State lives in
-memory; the discovery/coordination issue adds elections and a SQLite store.
+One node acts as coordinator: the node started without `--join`, the node a LAN swarm elected,
+or a lab's `ravnest-node coordinator`, which holds no stage. It waits until `swarm_size` nodes
+have joined and said what they measured, publishes the negotiated plan, collects each stage's
+reports and turns them into progress events and, at the end, the run summary. A lab
+coordinator keeps all of it in a SQLite store (store.py) and, restarted, carries on from there;
+the others keep it in memory.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ravnest_node.coordination.negotiate import (
     negotiated_plan,
 )
 from ravnest_node.coordination.static_plan import Member
+from ravnest_node.coordination.store import CoordinatorStore
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
@@ -84,6 +87,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         clock: Callable[[], float] = time.monotonic,
         epoch: int = 1,
         lease_s: float = DEFAULT_LEASE_S,
+        store: CoordinatorStore | None = None,
     ) -> None:
         self._train = train
         self._epoch = epoch
@@ -107,6 +111,57 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._events: list[pb.Progress] = []
         data = StdlibBytes(seq_len=self._model.input_spec(1).shape[1], seed=train.seed)
         self._fingerprint = data.fingerprint
+        self._store = store
+        if store is not None:
+            self._restore(store)
+
+    def _restore(self, store: CoordinatorStore) -> None:
+        """Carry on from what the store holds, or make it this run's store if it is new.
+        ConfigError if it holds another run (a lab coordinator restarted with other settings
+        would hand its nodes a plan they did not sign up for)."""
+        run = self._train.to_proto(self._fingerprint)
+        saved = store.load()
+        if saved.run is None:
+            store.create(run=run, swarm_id=self._swarm_id, swarm_size=self._swarm_size)
+            return
+        differ = [
+            f.name for f in pb.RunSpec.DESCRIPTOR.fields
+            if getattr(saved.run, f.name) != getattr(run, f.name)
+        ]  # fmt: skip
+        if saved.swarm_size != self._swarm_size:
+            differ.append("swarm_size")
+        if saved.swarm_id != self._swarm_id:
+            differ.append(f"swarm ({saved.swarm_id})")
+        if differ:
+            raise ConfigError(
+                f"{store.path} holds another run (it differs in {', '.join(differ)}): start "
+                "with the settings it was created with, or give another --state-dir"
+            )
+        now = self._clock()
+        self._members = saved.members
+        self._capabilities = saved.capabilities
+        for m in self._members:  # every member gets a full lease to reattach
+            self._leases = self._leases.renew(m.node_id, now)
+        self._plan = saved.plan
+        if saved.plan is not None:
+            self._epoch = saved.plan.epoch
+            self._started_at = now - max(0.0, time.time() - saved.started_unix)
+        self._pipeline_losses = saved.pipeline_losses
+        self._bytes_sent = saved.bytes_sent
+        self._final = saved.finals
+        self._events = saved.events
+        self._losses = {e.step: e.loss for e in saved.events if not e.done}
+        log.info(
+            "resumed from %s: %d members, plan epoch %s, %d steps reported",
+            store.path,
+            len(self._members),
+            saved.plan.epoch if saved.plan else "none yet",
+            len(self._losses),
+        )
+
+    def _save_members(self) -> None:
+        if self._store is not None:
+            self._store.save_members(self._members, self._capabilities)
 
     @property
     def plan(self) -> pb.Plan | None:
@@ -152,6 +207,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._leases = self._leases.renew(request.node_id, now)
                 if request.HasField("capabilities") and self._plan is None:
                     self._capabilities[request.node_id] = request.capabilities
+                    self._save_members()
                     self._publish_when_ready()
                     await self._notify()
                 return self._join_reply(index)
@@ -164,6 +220,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._leases = self._leases.renew(request.node_id, now)
         if request.HasField("capabilities"):
             self._capabilities[request.node_id] = request.capabilities
+        self._save_members()
         log.info(
             "node %s joined from %s (%d/%d)",
             request.node_id,
@@ -196,6 +253,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._capabilities.pop(node_id, None)
         self._members = [m for m in self._members if m.node_id not in gone]
         self._leases = self._leases.forget(gone)
+        self._save_members()
 
     def _is_member(self, node_id: str) -> bool:
         return any(m.node_id == node_id for m in self._members)
@@ -236,6 +294,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             run=run,
         )
         self._started_at = self._clock()
+        if self._store is not None:
+            self._store.save_plan(self._plan, time.time())
         for s in self._plan.stages:
             log.info(
                 "plan epoch %d: stage %d = blocks [%d, %d) on %s",
@@ -284,10 +344,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
         assert owner is not None
         key = (owner.pipeline, owner.index)
+        last = len(plan.stages) // self._train.pipelines - 1
+        if self._is_repeat(request, key, last):
+            # A retry of a report this coordinator already has (its reply was lost, or this
+            # coordinator restarted from its store after answering): nothing changes.
+            return pb.ReportReply()
+        events_before = len(self._events)
         # Counters only grow; max() keeps a late-arriving older report from undoing a newer one.
         previous = self._bytes_sent.get(request.node_id, 0)
         self._bytes_sent[request.node_id] = max(previous, request.bytes_sent)
-        last = len(plan.stages) // self._train.pipelines - 1
         if request.done:
             if key in self._final or request.step != self._train.steps:
                 await context.abort(
@@ -319,8 +384,29 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._losses[step] = mean / self._train.pipelines
                 self._events.append(self._progress(step, self._losses[step]))
                 step += 1
+        if self._store is not None:
+            self._store.save_report(
+                node_id=request.node_id,
+                bytes_sent=self._bytes_sent[request.node_id],
+                loss=None if request.done or owner.index != last
+                else (owner.pipeline, request.step, request.loss),
+                final=(*key, request) if request.done else None,
+                events=[(i, self._events[i]) for i in range(events_before, len(self._events))],
+            )  # fmt: skip
         await self._notify()
         return pb.ReportReply()
+
+    def _is_repeat(self, request: pb.StageReport, key: tuple[int, int], last: int) -> bool:
+        if request.done:
+            return self._final.get(key) == request
+        if key[1] != last:  # other stages' step reports only carry counters: harmless again
+            return False
+        losses = self._pipeline_losses.get(key[0], {})
+        # NaN is never equal to itself: compare the bits' meaning, not the float.
+        return request.step in losses and (
+            losses[request.step] == request.loss
+            or (math.isnan(losses[request.step]) and math.isnan(request.loss))
+        )
 
     def _progress(self, step: int, loss: float) -> pb.Progress:
         return pb.Progress(

@@ -36,6 +36,7 @@ from ravnest_node.coordination.locate import (
     locate_coordinator,
 )
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S
+from ravnest_node.coordination.store import CoordinatorStore
 from ravnest_node.daemon.worker import Worker
 from ravnest_node.discovery import (
     Advertisement,
@@ -97,7 +98,14 @@ class NodeConfig:
     mdns_interface: str | None = None
     """Interface IP for mDNS, e.g. 127.0.0.1 for a one-machine swarm (default: all interfaces)."""
     swarm_size: int = 1
-    """Coordinator only: nodes to wait for before handing out the plan (itself included)."""
+    """Coordinator only: nodes to wait for before handing out the plan (itself included,
+    unless it is a --coordinator-only lab coordinator)."""
+    coordinator_only: bool = False
+    """Only coordinate, hold no stage: what `ravnest-node coordinator` runs for a lab. It keeps
+    membership, the plan and progress in --state-dir (SQLite) and, restarted, carries on."""
+    coordinator_grace_s: float = 600.0
+    """Worker: seconds to keep training and retrying reports while the coordinator does not
+    answer (a lab coordinator being restarted); after that the run fails."""
     swarm_name: str = "default"
     """Name of the swarm: part of its id; over mDNS a node sees only nodes of the same name."""
     compute_threads: int = field(default=0, metadata={"flag": "--threads"})
@@ -126,6 +134,16 @@ class NodeConfig:
             raise ConfigError(
                 "join='elect' chooses a coordinator among the nodes found over mDNS: add --mdns"
             )
+        if self.coordinator_only and (self.join is not None or self.peers):
+            raise ConfigError(
+                "coordinator_only: a lab coordinator joins nobody: drop --join/--peer"
+            )
+        if self.coordinator_only and self.state_dir is None:
+            raise ConfigError(
+                "coordinator_only: a lab coordinator keeps its state in --state-dir: give one"
+            )
+        if not (math.isfinite(self.coordinator_grace_s) and self.coordinator_grace_s >= 0):
+            raise ConfigError(f"coordinator_grace_s={self.coordinator_grace_s}: must be >= 0")
         if not (math.isfinite(self.lease_s) and 0.3 <= self.lease_s <= 3600):
             raise ConfigError(f"lease_s={self.lease_s}: must be between 0.3 and 3600 seconds")
         if not (math.isfinite(self.fault_compute_scale) and self.fault_compute_scale > 0):
@@ -288,6 +306,7 @@ class NodeDaemon:
             transport=cfg.transport,
             compute=self._compute,
             counters=self._counters,
+            coordinator_grace_s=cfg.coordinator_grace_s,
         )
         worker.compute_scale = cfg.fault_compute_scale
         self._worker = worker
@@ -327,6 +346,10 @@ class NodeDaemon:
 
     def _coordinator_service(self, epoch: int) -> CoordinatorService:
         cfg = self.config
+        store = None
+        if cfg.coordinator_only:
+            assert cfg.state_dir is not None  # NodeConfig requires it
+            store = CoordinatorStore(cfg.state_dir)
         return CoordinatorService(
             train=cfg.train,
             swarm_size=cfg.swarm_size,
@@ -334,6 +357,7 @@ class NodeDaemon:
             summary_path=cfg.state_dir / SUMMARY_FILE if cfg.state_dir else None,
             epoch=epoch,
             lease_s=cfg.lease_s,
+            store=store,
         )
 
     def _ballot(self) -> Ballot:
@@ -452,7 +476,9 @@ class NodeDaemon:
                 self._stop.set()
 
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(train()), tg.create_task(worker.keep_membership())]
+            tasks = []
+            if not self.config.coordinator_only:  # a lab coordinator holds no stage
+                tasks += [tg.create_task(train()), tg.create_task(worker.keep_membership())]
             if self._mdns is not None:
                 tasks.append(tg.create_task(self._mdns.run()))
             await self._stop.wait()

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # A stopping node says it leaves, but does not hold up its stop for long.
 LEAVE_TIMEOUT_S = 1.0
+# A report the coordinator refused at once as unavailable is tried again after this pause.
+REPORT_RETRY_S = 0.5
 
 
 @asynccontextmanager
@@ -104,8 +106,10 @@ class Worker:
         compute: Executor,
         counters: LinkCounters,
         averaging: AveragingService | None = None,
+        coordinator_grace_s: float = 600.0,
     ) -> None:
         self.node_id = node_id
+        self._coordinator_grace_s = coordinator_grace_s
         self._averaging_service = averaging
         self._address = address
         self.coordinator = coordinator
@@ -300,6 +304,41 @@ class Worker:
                 raise PeerUnavailable(f"coordinator {self.coordinator} closed the plan stream")
             await self._train(plan, stub)
 
+    async def _report(self, stub: pb_grpc.CoordinatorStub, report: pb.StageReport) -> None:
+        """Send one report. While the coordinator does not answer (a lab coordinator being
+        restarted), the stage trains on and its reports wait: each attempt waits for the
+        channel to be ready, for up to `coordinator_grace_s` in all; then PeerUnavailable.
+        A coordinator that answers but refuses raises PeerRefused at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._coordinator_grace_s
+        lost_at: float | None = None
+        while True:
+            attempt = loop.time()
+            try:
+                with coordinator_errors(self.coordinator):
+                    await stub.Report(
+                        report,
+                        timeout=max(
+                            0.1, min(self._transport.connect_timeout_s, deadline - attempt)
+                        ),
+                        wait_for_ready=True,
+                    )
+            except PeerUnavailable as exc:
+                if loop.time() >= deadline:
+                    raise PeerUnavailable(
+                        f"{exc} (no answer for {self._coordinator_grace_s:g} s)"
+                    ) from None
+                if lost_at is None:
+                    lost_at = attempt
+                    log.warning("%s; training on, reports wait for it", exc)
+                if loop.time() - attempt < REPORT_RETRY_S:  # refused at once: not a busy loop
+                    await asyncio.sleep(REPORT_RETRY_S)  # a retry's pause, not a wait for an event
+                continue
+            if lost_at is not None:
+                log.info("coordinator %s answers again after %.1f s", self.coordinator,
+                         loop.time() - lost_at)  # fmt: skip
+            return
+
     async def keep_membership(self) -> None:
         """Heartbeats to the coordinator once this node has joined, for as long as the node
         runs; when cancelled (the node stops), a last `Leave`. A missed heartbeat is logged
@@ -438,41 +477,40 @@ class Worker:
         async def send_reports() -> None:
             while True:
                 r = await reports.get()
-                with coordinator_errors(self.coordinator):
-                    await stub.Report(
-                        pb.StageReport(
-                            node_id=self.node_id,
-                            stage=spec.index,
-                            pipeline=spec.pipeline,
-                            plan_epoch=plan.epoch,
-                            step=r.step,
-                            loss=r.loss,
-                            bytes_sent=self.counters.total_bytes,
-                            done=r.done,
-                            params_sq_sum=r.params_sq_sum,
-                            num_params=r.num_params,
-                            compute_s=r.metrics.compute_s,
-                            activation_bytes_sent=r.metrics.activation_bytes_sent,
-                            gradient_bytes_sent=r.metrics.gradient_bytes_sent,
-                            wall_s=r.metrics.wall_s,
-                            idle_upstream_s=r.metrics.idle_upstream_s,
-                            idle_downstream_s=r.metrics.idle_downstream_s,
-                            staleness=r.metrics.staleness,
-                            max_in_flight=r.metrics.max_in_flight,
-                            max_weight_versions=r.metrics.max_weight_versions,
-                            averaging_rounds=r.metrics.averaging_rounds,
-                            averaging_rounds_incomplete=r.metrics.averaging_rounds_incomplete,
-                            averaging_bytes_sent=r.metrics.averaging_bytes_sent,
-                            averaging_wait_s=r.metrics.averaging_wait_s,
-                            activation_codec=r.metrics.activation_codec,
-                            gradient_codec=r.metrics.gradient_codec,
-                            activation_codec_frames=r.metrics.activation_codec_frames,
-                            gradient_codec_frames=r.metrics.gradient_codec_frames,
-                            downstream_bandwidth_bps=r.metrics.downstream_bandwidth_bps,
-                            upstream_bandwidth_bps=r.metrics.upstream_bandwidth_bps,
-                        ),
-                        timeout=self._transport.connect_timeout_s,
-                    )
+                await self._report(
+                    stub,
+                    pb.StageReport(
+                        node_id=self.node_id,
+                        stage=spec.index,
+                        pipeline=spec.pipeline,
+                        plan_epoch=plan.epoch,
+                        step=r.step,
+                        loss=r.loss,
+                        bytes_sent=self.counters.total_bytes,
+                        done=r.done,
+                        params_sq_sum=r.params_sq_sum,
+                        num_params=r.num_params,
+                        compute_s=r.metrics.compute_s,
+                        activation_bytes_sent=r.metrics.activation_bytes_sent,
+                        gradient_bytes_sent=r.metrics.gradient_bytes_sent,
+                        wall_s=r.metrics.wall_s,
+                        idle_upstream_s=r.metrics.idle_upstream_s,
+                        idle_downstream_s=r.metrics.idle_downstream_s,
+                        staleness=r.metrics.staleness,
+                        max_in_flight=r.metrics.max_in_flight,
+                        max_weight_versions=r.metrics.max_weight_versions,
+                        averaging_rounds=r.metrics.averaging_rounds,
+                        averaging_rounds_incomplete=r.metrics.averaging_rounds_incomplete,
+                        averaging_bytes_sent=r.metrics.averaging_bytes_sent,
+                        averaging_wait_s=r.metrics.averaging_wait_s,
+                        activation_codec=r.metrics.activation_codec,
+                        gradient_codec=r.metrics.gradient_codec,
+                        activation_codec_frames=r.metrics.activation_codec_frames,
+                        gradient_codec_frames=r.metrics.gradient_codec_frames,
+                        downstream_bandwidth_bps=r.metrics.downstream_bandwidth_bps,
+                        upstream_bandwidth_bps=r.metrics.upstream_bandwidth_bps,
+                    ),
+                )
                 if r.done:
                     return
 

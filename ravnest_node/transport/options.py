@@ -85,4 +85,7 @@ def channel_options(cfg: TransportConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         # Keep pinging while a stream waits for data (the default stops after two pings).
         ("grpc.http2.max_pings_without_data", 0),
+        # A peer that went away (a coordinator restarting) is tried again at least every 2 s,
+        # not after gRPC's default back-off of up to 120 s.
+        ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
