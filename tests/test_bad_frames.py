@@ -79,7 +79,7 @@ OVERSIZED_HEADER = _header_frame(
         (UNKNOWN_DTYPE, "unknown dtype 'float128'"),
         (OVERSIZED_HEADER, "exceeds the limit of 4096"),
         (b"\x80\x04pickle", "bad magic"),
-        (_frame(HIDDEN, seq=12), "past the run's last microbatch"),
+        (_frame(HIDDEN, seq=12), "past the plan's last microbatch"),
     ],
     ids=["wrong-shape", "unknown-dtype", "oversized-header", "not-a-frame", "past-the-run"],
 )

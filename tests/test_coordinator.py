@@ -44,9 +44,9 @@ class Clock:
         return self.now
 
 
-def _service(tmp_path: Path, clock: Clock, size: int = 3) -> CoordinatorService:
+def _service(tmp_path: Path, clock: Clock, size: int = 3, steps: int = 2) -> CoordinatorService:
     return CoordinatorService(
-        train=TrainConfig(model="bench-small", steps=2, batch_size=16),
+        train=TrainConfig(model="bench-small", steps=steps, batch_size=16),
         swarm_size=size,
         swarm_id="test/bench-small",
         summary_path=tmp_path / "summary.json",
@@ -152,10 +152,13 @@ async def test_bad_joins_are_refused(tmp_path: Path, request_: pb.JoinRequest, c
 
 async def test_full_swarm_and_address_theft_are_refused(tmp_path: Path) -> None:
     svc = _service(tmp_path, Clock(), size=1)
-    await _join(svc, "a")
+    ctx: Any = FakeContext()
+    # Before its first plan a swarm takes exactly --swarm-size members.
+    await svc.Join(pb.JoinRequest(node_id="a", address="a:1", protocol=PROTOCOL), ctx)
     with pytest.raises(Aborted) as info:
         await _join(svc, "b")
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await _join(svc, "a")
     with pytest.raises(Aborted) as info:
         await _join(svc, "a", address="elsewhere:2")
     assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
@@ -260,3 +263,41 @@ def test_plans_with_replicas_are_checked() -> None:
         )
     with pytest.raises(ConfigError, match="multiple"):
         check_swarm_shape(3, TrainConfig(pipelines=2))
+
+
+async def test_a_node_joining_after_the_plan_gets_a_stage_once_the_plan_drains(
+    tmp_path: Path,
+) -> None:
+    svc = _service(tmp_path, Clock(), size=2, steps=20)
+    ctx: Any = FakeContext()
+    await _join(svc, "a")
+    await _join(svc, "b")
+    first = svc.plan
+    assert first is not None and first.epoch == 1 and first.start_step == 0
+    plans = svc.WatchPlan(pb.WatchPlanRequest(node_id="a"), ctx)
+    assert (await anext(plans)).epoch == 1
+    await _join(svc, "c")  # after the plan: it waits for the next one
+    announced = await anext(plans)
+    assert (announced.epoch, announced.pending) == (2, True)
+    assert [s.node_id for s in announced.previous] == ["a", "b"]
+    assert svc.plan == first  # the current plan runs on until it has drained
+    with pytest.raises(Aborted) as info:  # only a pipeline's first stage drains it
+        await svc.Drain(pb.DrainRequest(node_id="b", plan_epoch=1, stop_step=5), ctx)
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    await svc.Report(pb.StageReport(node_id="b", stage=1, plan_epoch=1, step=1, loss=5.0), ctx)
+    reply = await svc.Drain(pb.DrainRequest(node_id="a", plan_epoch=1, stop_step=5), ctx)
+    assert reply.stop_step == 5
+    started = await anext(plans)
+    assert (started.epoch, started.pending, started.start_step) == (2, False, 5)
+    assert svc.plan == started and {s.node_id for s in started.stages} == {"a", "b", "c"}
+    # The old plan's last stage reports its remaining steps, up to where it ended, no further.
+    for step in range(2, 6):
+        await svc.Report(
+            pb.StageReport(node_id="b", stage=1, plan_epoch=1, step=step, loss=4.0), ctx
+        )
+    with pytest.raises(Aborted) as info:
+        await svc.Report(pb.StageReport(node_id="b", stage=1, plan_epoch=1, step=6, loss=4.0), ctx)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    # A retried drain gets the same answer.
+    again = await svc.Drain(pb.DrainRequest(node_id="a", plan_epoch=1, stop_step=5), ctx)
+    assert again.stop_step == 5

@@ -160,3 +160,24 @@ def test_a_killed_lab_coordinator_restarts_and_its_nodes_reattach(
     # Some reports waited for the restarted coordinator.
     worker_logs = [(tmp_path / f"w{i}" / "node.log").read_text() for i in range(2)]
     assert any("answers again" in text for text in worker_logs), worker_logs
+
+
+async def test_a_switch_interrupted_by_a_restart_finishes(tmp_path: Path) -> None:
+    clock = Clock()
+    svc = _service(tmp_path, clock, TrainConfig(model="bench-small", steps=20, batch_size=16))
+    ctx: Any = FakeContext()
+    await _join(svc, "a")
+    await _join(svc, "b")
+    request = pb.JoinRequest(node_id="c", address="c:1", protocol=PROTOCOL)
+    request.capabilities.CopyFrom(_caps())
+    await svc.Join(request, ctx)  # after the plan: a newer plan is announced, pending
+    # Restarted before the switch: the pending plan was not stored; the first stage's drain
+    # (retried) makes it again from the stored members.
+    again = _service(tmp_path, clock, TrainConfig(model="bench-small", steps=20, batch_size=16))
+    plans = again.WatchPlan(pb.WatchPlanRequest(node_id="a"), ctx)
+    assert (await anext(plans)).epoch == 1
+    reply = await again.Drain(pb.DrainRequest(node_id="a", plan_epoch=1, stop_step=3), ctx)
+    assert reply.stop_step == 3
+    pending, started = await anext(plans), await anext(plans)
+    assert (pending.epoch, pending.pending, started.epoch, started.pending) == (2, True, 2, False)
+    assert started.start_step == 3 and {s.node_id for s in started.stages} == {"a", "b", "c"}

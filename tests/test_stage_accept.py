@@ -96,7 +96,7 @@ async def test_frames_past_the_run_are_refused() -> None:
         for seq in range(4):  # 1 step x 4 microbatches
             await stage.accept_from_upstream(_forward(seq))
         assert stage.received_all_forwards
-        await _refused(stage, _forward(4), "past the run's last microbatch 3")
+        await _refused(stage, _forward(4), "past the plan's last microbatch 3")
 
 
 async def test_a_flood_beyond_the_schedule_is_refused() -> None:

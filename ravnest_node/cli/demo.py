@@ -103,8 +103,19 @@ class Demo:
         *,
         slots: Sequence[NodeSlot] | None = None,
         every: int | None = None,
+        node_args: Sequence[str] = (),
+        late_nodes: int = 0,
+        late_at_step: int = 0,
     ) -> None:
         self.cfg = cfg
+        self.node_args = list(node_args)
+        """Extra `ravnest-node start` arguments for every node."""
+        self.late_nodes, self.late_at_step = late_nodes, late_at_step
+        """Nodes that join the running swarm once it reports step `late_at_step`."""
+        self.late_started_at: float | None = None
+        """time.monotonic() when the first late node was started."""
+        self.event_times: list[float] = []
+        """time.monotonic() when each of `events` arrived."""
         self.out = out
         self.slots = list(slots) if slots is not None else [NodeSlot()] * cfg.nodes
         if len(self.slots) != cfg.nodes:
@@ -152,7 +163,7 @@ class Demo:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAVNEST_")}
         env |= to_env(cfg.train, ("train",)) | to_env(cfg.transport, ("transport",))
         env["PYTHONUNBUFFERED"] = "1"
-        slot = self.slots[index]
+        slot = self.slots[index] if index < len(self.slots) else NodeSlot()
         args = [
             "start",
             "--listen", slot.listen,
@@ -162,6 +173,7 @@ class Demo:
         ]  # fmt: skip
         args += ["--advertise", slot.advertise] if slot.advertise else []
         args += ["--join", join] if join else ["--swarm-size", str(cfg.nodes)]
+        args += self.node_args
         log_file = await asyncio.to_thread(open, log_path, "ab")
         with log_file:
             proc = await asyncio.create_subprocess_exec(
@@ -236,6 +248,17 @@ class Demo:
                         raise RunFailed("the coordinator ended the progress stream early")
                     assert isinstance(event, pb.Progress)
                     self.events.append(event)
+                    self.event_times.append(time.monotonic())
+                    if (
+                        self.late_nodes
+                        and self.late_started_at is None
+                        and (event.step >= self.late_at_step)
+                    ):
+                        self.late_started_at = time.monotonic()
+                        for i in range(self.late_nodes):
+                            self._print(f"step {event.step}: a node joins the running swarm")
+                            if await self._spawn(self.cfg.nodes + i, join=coordinator) is None:
+                                return None
                     if event.done:
                         summary: dict[str, Any] = json.loads(event.summary_json)
                         return summary

@@ -19,11 +19,12 @@ from pathlib import Path
 from ravnest_node import __version__
 from ravnest_node.bench.codecs import run_codec_bench
 from ravnest_node.bench.planner import run_planner_bench
+from ravnest_node.bench.replan import run_replan_bench
 from ravnest_node.bench.replicas import run_replicas_bench
 from ravnest_node.bench.runner import BenchConfig, run_bench
 from ravnest_node.cli import settings
 from ravnest_node.cli.demo import DemoConfig, run_demo
-from ravnest_node.cli.signals import ignore_stop_signals, install_stop_handlers
+from ravnest_node.cli.signals import STOP_DEADLINE_S, ignore_stop_signals, install_stop_handlers
 from ravnest_node.cli.status import run_status, run_swarm_status
 from ravnest_node.daemon.node import NodeConfig, NodeDaemon, NodeInfo
 from ravnest_node.errors import ConfigError, RunFailed, StartupError
@@ -130,11 +131,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "suite",
         nargs="?",
-        choices=["links", "codecs", "replicas", "planner"],
+        choices=["links", "codecs", "replicas", "planner", "replan"],
         default="links",
         help="links (default): the systems over emulated links; codecs: bits, speed and "
         "convergence of every codec; replicas: two pipelines that average against one; "
-        "planner: solve times and placements against the static plan",
+        "planner: solve times and placements against the static plan; replan: a fourth node "
+        "joins a running swarm",
     )
     bench.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(bench, BenchConfig)
@@ -164,7 +166,9 @@ def _start(cfg: NodeConfig) -> int:
 
     async def main() -> None:
         daemon = NodeDaemon(cfg)
-        install_stop_handlers(asyncio.get_running_loop(), daemon.stop)
+        # A worker's stop may first hand its blocks over: allow for it before the watchdog.
+        deadline_s = STOP_DEADLINE_S + (0 if cfg.is_coordinator else cfg.leave_timeout_s)
+        install_stop_handlers(asyncio.get_running_loop(), daemon.stop, deadline_s=deadline_s)
         await daemon.run(announce)
 
     try:
@@ -213,10 +217,14 @@ def _run(args: argparse.Namespace) -> int:
             bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
             if args.suite == "planner":
                 return run_planner_bench(bench_cfg.jsonl, quick=bench_cfg.quick)
-            if args.suite in ("codecs", "replicas"):
+            if args.suite in ("codecs", "replicas", "replan"):
                 prefix = f"ravnest-{args.suite}-"
                 work_dir = bench_cfg.work_dir or Path(tempfile.mkdtemp(prefix=prefix))
-                run_suite = run_codec_bench if args.suite == "codecs" else run_replicas_bench
+                run_suite = {
+                    "codecs": run_codec_bench,
+                    "replicas": run_replicas_bench,
+                    "replan": run_replan_bench,
+                }[args.suite]
                 return run_suite(bench_cfg.train, bench_cfg.jsonl, work_dir, quick=bench_cfg.quick)
             return run_bench(bench_cfg)
         demo_cfg = settings.load(DemoConfig, args=args, env=os.environ, toml_path=args.config)

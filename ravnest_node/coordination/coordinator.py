@@ -27,7 +27,8 @@ from ravnest_node.coordination.negotiate import (
     member_speeds,
     negotiated_plan,
 )
-from ravnest_node.coordination.static_plan import Member
+from ravnest_node.coordination.placement import SwarmPlan
+from ravnest_node.coordination.static_plan import Member, stage_at
 from ravnest_node.coordination.store import CoordinatorStore
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
@@ -41,6 +42,8 @@ from ravnest_node.transport.options import split_host_port
 log = logging.getLogger(__name__)
 
 PROTOCOL = "ravnest.v1"
+# Members a swarm may grow to after its first plan (before it, exactly --swarm-size).
+MAX_MEMBERS = 1024
 
 
 def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
@@ -102,8 +105,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._capabilities: dict[str, pb.Capabilities] = {}
         self._leases = Leases(lease_s)
         self._plan: pb.Plan | None = None
+        self._next: pb.Plan | None = None
+        """A newer plan, announced (pending) while the current one's pipelines drain."""
+        self._next_placed: SwarmPlan | None = None
+        self._previous: pb.Plan | None = None
+        self._drains: dict[int, int] = {}  # pipeline -> the step its first stage stops feeding at
+        self._ends: dict[int, int] = {}  # epoch -> the step that plan ended at
+        self._announcements: list[pb.Plan] = []
+        """Every plan WatchPlan announced, in order (a copy as it was then: a pending plan,
+        and later the same epoch started)."""
+        self._replans_closed = False  # the run ends before a newer plan could start
+        self._history: list[dict[str, Any]] = []
         self._changed = asyncio.Condition()
         self._started_at = 0.0
+        self._started_unix = 0.0
         self._pipeline_losses: dict[int, dict[int, float]] = {}  # pipeline -> step -> loss
         self._losses: dict[int, float] = {}  # step -> mean loss over the pipelines
         self._bytes_sent: dict[str, int] = {}
@@ -145,6 +160,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._plan = saved.plan
         if saved.plan is not None:
             self._epoch = saved.plan.epoch
+            self._announce(saved.plan)
+            self._history = [self._plan_entry(saved.plan)]
+            self._started_unix = saved.started_unix
             self._started_at = now - max(0.0, time.time() - saved.started_unix)
         self._pipeline_losses = saved.pipeline_losses
         self._bytes_sent = saved.bytes_sent
@@ -205,16 +223,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         f"node {request.node_id} already joined from {member.address}",
                     )
                 self._leases = self._leases.renew(request.node_id, now)
-                if request.HasField("capabilities") and self._plan is None:
+                in_plan = self._plan is not None and any(
+                    s.node_id == request.node_id for s in self._plan.stages
+                )
+                if request.HasField("capabilities") and not in_plan:
                     self._capabilities[request.node_id] = request.capabilities
                     self._save_members()
                     self._publish_when_ready()
+                    self._maybe_replan()
                     await self._notify()
                 return self._join_reply(index)
-        if len(self._members) >= self._swarm_size:
+        if self._plan is None and len(self._members) >= self._swarm_size:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the swarm is full ({self._swarm_size} nodes) and its plan is fixed",
+                f"the swarm is full ({self._swarm_size} nodes) until its first plan",
+            )
+        if len(self._members) >= MAX_MEMBERS:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"the swarm has {MAX_MEMBERS} members"
             )
         self._members.append(Member(node_id=request.node_id, address=request.address))
         self._leases = self._leases.renew(request.node_id, now)
@@ -229,6 +255,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._swarm_size,
         )
         self._publish_when_ready()
+        self._maybe_replan()
         await self._notify()
         return self._join_reply(len(self._members) - 1)
 
@@ -263,7 +290,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> pb.HeartbeatReply:
         if not self._is_member(request.node_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, "not a member of this swarm: join first")
-        self._leases = self._leases.renew(request.node_id, self._clock())
+        if request.node_id not in self._leases.left:  # a leaving node stays left
+            self._leases = self._leases.renew(request.node_id, self._clock())
         return pb.HeartbeatReply(lease_s=self._leases.lease_s)
 
     async def Leave(
@@ -276,7 +304,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self._plan is None:
             self._evict_gone(self._clock())
             await self._notify()
-        return pb.LeaveReply()
+            return pb.LeaveReply()
+        # After the plan: a member with a stage stays until a plan without it has taken its
+        # blocks over, if there is anyone to take them.
+        holds = any(s.node_id == request.node_id for s in self._plan.stages)
+        pending = self._next
+        if pending is not None and any(s.node_id == request.node_id for s in pending.stages):
+            # The pending plan counted on it: make it again without it (same epoch; drains
+            # already said stay valid, they are about the current plan).
+            self._next = None
+            self._maybe_replan(force=True, keep_drains=True)
+        else:
+            self._maybe_replan()
+        await self._notify()
+        return pb.LeaveReply(hand_off=holds and self._next is not None)
 
     def _publish_when_ready(self) -> None:
         """Plan once every expected member has joined and sent what it measured."""
@@ -294,44 +335,199 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             run=run,
         )
         self._started_at = self._clock()
+        self._started_unix = time.time()
+        self._adopt(self._plan, placed)
+
+    def _adopt(self, plan: pb.Plan, placed: SwarmPlan) -> None:
+        """`plan` is the current plan now: keep it, announce it, log it."""
+        self._plan = plan
+        self._epoch = plan.epoch
+        self._announce(plan)
+        self._history.append(self._plan_entry(plan))
         if self._store is not None:
-            self._store.save_plan(self._plan, time.time())
-        for s in self._plan.stages:
+            self._store.save_plan(plan, self._started_unix)
+        for s in plan.stages:
             log.info(
-                "plan epoch %d: stage %d = blocks [%d, %d) on %s",
-                self._epoch,
+                "plan epoch %d: pipeline %d stage %d = blocks [%d, %d) on %s, from step %d",
+                plan.epoch,
+                s.pipeline,
                 s.index,
                 s.first_block,
                 s.stop_block,
                 s.address,
+                plan.start_step,
             )
         log.info(
             "plan epoch %d: %.1f ms a microbatch by the members' measurements, bound by %s",
-            self._epoch,
+            plan.epoch,
             placed.step_s * 1e3,
             placed.bottleneck,
         )
 
+    @staticmethod
+    def _plan_entry(plan: pb.Plan) -> dict[str, Any]:
+        return {
+            "epoch": plan.epoch,
+            "start_step": plan.start_step,
+            "nodes": len({s.node_id for s in plan.stages}),
+            "stages": [
+                [s.pipeline, s.index, s.first_block, s.stop_block, s.node_id] for s in plan.stages
+            ],
+        }
+
+    # ----- re-planning ------------------------------------------------------------------------
+    def _announce(self, plan: pb.Plan) -> None:
+        copy = pb.Plan()
+        copy.CopyFrom(plan)
+        self._announcements.append(copy)
+
+    def _maybe_replan(self, *, force: bool = False, keep_drains: bool = False) -> None:
+        """After the first plan: when members that are in no stage have said what they
+        measured, or members with a stage leave, announce a plan of the members that stay and
+        as many newcomers as the swarm's shape allows (a multiple of the pipelines, at most one
+        stage per block). It starts once the current plan's pipelines have drained (Drain).
+        Newcomers left out wait for a later plan."""
+        plan = self._plan
+        if plan is None or self._next is not None or self._replans_closed:
+            return
+        if len(self._losses) >= self._train.steps and not force:
+            return  # the run is over
+        now = self._clock()
+        in_plan = {s.node_id for s in plan.stages}
+        staying = [
+            m for m in self._members
+            if m.node_id in self._capabilities
+            and not self._leases.expired(m.node_id, now) and m.node_id not in self._leases.left
+        ]  # fmt: skip
+        # Members of the current plan first, in join order; then newcomers, in join order.
+        staying.sort(key=lambda m: m.node_id not in in_plan)
+        pipelines = self._train.pipelines
+        count = min(len(staying) - len(staying) % pipelines, self._model.num_blocks() * pipelines)
+        members = staying[:count]
+        if not members or ({m.node_id for m in members} == in_plan and not force):
+            return
+        current = [m for m in members if m.node_id in in_plan]
+        try:
+            new, placed = negotiated_plan(
+                epoch=plan.epoch + 1,
+                swarm_id=self._swarm_id,
+                model=self._model,
+                members=members,
+                capabilities=[self._capabilities[m.node_id] for m in members],
+                run=plan.run,
+            )
+        except ConfigError as exc:
+            log.warning("no plan with the new members: %s", exc)
+            return
+        new.pending = True
+        new.previous.extend(plan.stages)
+        self._next, self._next_placed = new, placed
+        if not keep_drains:
+            self._drains = {}
+        self._announce(new)
+        log.info(
+            "plan epoch %d announced with %d nodes (%d new, %d gone); waiting for plan epoch %d "
+            "to drain",
+            new.epoch,
+            len(members),
+            len(members) - len(current),
+            len(in_plan) - len(current),
+            plan.epoch,
+        )
+
+    async def Drain(
+        self, request: pb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DrainReply:
+        if request.plan_epoch in self._ends:  # a retry after the end was fixed
+            return pb.DrainReply(stop_step=self._ends[request.plan_epoch])
+        plan = self._plan
+        if plan is None or request.plan_epoch != plan.epoch:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"drain of plan epoch {request.plan_epoch}, the current one is "
+                f"{plan.epoch if plan else 'none'}",
+            )
+        assert plan is not None
+        first = stage_at(plan, request.pipeline, 0)
+        if first is None or first.node_id != request.node_id:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"node {request.node_id[:80]!r} does not feed pipeline {request.pipeline}",
+            )
+        if self._next is None:
+            # The node saw a newer plan that this coordinator does not have: it was announced
+            # before a restart (pending plans are not stored). Make it again from the members.
+            self._maybe_replan(force=True)
+        if self._next is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no newer plan is coming")
+        if not plan.start_step <= request.stop_step <= self._train.steps:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"stop step {request.stop_step} outside {plan.start_step}..{self._train.steps}",
+            )
+        self._drains[request.pipeline] = request.stop_step
+        if len(self._drains) == self._train.pipelines:
+            self._switch(plan)
+        await self._notify()
+        async with self._changed:
+            await self._changed.wait_for(lambda: plan.epoch in self._ends)
+        return pb.DrainReply(stop_step=self._ends[plan.epoch])
+
+    def _switch(self, plan: pb.Plan) -> None:
+        """Every pipeline of `plan` has drained: it ends at the furthest of their steps, and
+        the announced plan starts there (unless the run ends first)."""
+        new = self._next
+        assert new is not None
+        stop = max(self._drains.values())
+        self._ends[plan.epoch] = stop
+        self._next, self._drains = None, {}
+        if stop >= self._train.steps:
+            log.info("the run ends (step %d) before plan epoch %d could start", stop, new.epoch)
+            self._replans_closed = True
+            return
+        new.pending = False
+        new.start_step = stop
+        self._previous = plan
+        assert self._next_placed is not None
+        self._adopt(new, self._next_placed)
+        self._maybe_replan()  # more members may be waiting
+
     async def WatchPlan(
         self, request: pb.WatchPlanRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.Plan]:
-        sent_epoch = 0
+        # From the current plan on (a newer one may be pending), then each change in order:
+        # a node never misses the start of a plan it must train before the next is announced.
+        started = [i for i, p in enumerate(self._announcements) if not p.pending]
+        sent = started[-1] if started else 0
 
-        def newer_plan() -> bool:
-            return self._plan is not None and self._plan.epoch > sent_epoch
+        def more() -> bool:
+            return len(self._announcements) > sent
 
         while True:
             async with self._changed:
-                await self._changed.wait_for(newer_plan)
-            assert self._plan is not None
-            sent_epoch = self._plan.epoch
-            yield self._plan
+                await self._changed.wait_for(more)
+            while sent < len(self._announcements):  # more may come while we yield
+                sent += 1
+                yield self._announcements[sent - 1]
 
     # ----- progress ---------------------------------------------------------------------------
     async def Report(
         self, request: pb.StageReport, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ReportReply:
         plan = self._plan
+        if (
+            plan is not None
+            and self._previous is not None
+            and request.plan_epoch == (self._previous.epoch)
+        ):
+            # The previous plan's stages report their last steps after the switch.
+            if request.done or request.step > self._ends.get(self._previous.epoch, 0):
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"plan epoch {request.plan_epoch} ended at step "
+                    f"{self._ends.get(self._previous.epoch, 0)}",
+                )
+            plan = self._previous
         if plan is None or request.plan_epoch != plan.epoch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "report for an unknown plan")
         assert plan is not None
@@ -474,6 +670,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "lr": t.lr,
             "data_fingerprint": self._fingerprint,
             "schedule": t.schedule,
+            # Every plan of the run, in order: epoch, start step, nodes and stages
+            # ([pipeline, stage, first block, stop block, node id]); the last is `stages`.
+            "plans": self._history,
             "stages": [
                 {
                     "pipeline": s.pipeline,

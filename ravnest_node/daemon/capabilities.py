@@ -54,8 +54,10 @@ def time_blocks(model_name: str, microbatch: int, repeats: int = REPEATS) -> lis
     return best
 
 
-def measure(model_name: str, microbatch: int, scale: float = 1.0) -> pb.Capabilities:
-    """This node's capabilities for `model_name` (`scale` multiplies the measured times: a
-    test's way to make one node look faster or slower)."""
-    block_s = [t * scale for t in time_blocks(model_name, microbatch)]
+def measure(
+    model_name: str, microbatch: int, scale: float = 1.0, block_delay_s: float = 0.0
+) -> pb.Capabilities:
+    """This node's capabilities for `model_name` (`scale` multiplies the measured times and
+    `block_delay_s` adds to each block's: a test's way to make one node look, or be, slower)."""
+    block_s = [t * scale + block_delay_s for t in time_blocks(model_name, microbatch)]
     return pb.Capabilities(block_s=block_s, memory_bytes=available_memory_bytes(), device="cpu")

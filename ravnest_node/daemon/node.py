@@ -47,6 +47,7 @@ from ravnest_node.discovery import (
 )
 from ravnest_node.errors import (
     ConfigError,
+    PeerRefused,
     PeerUnavailable,
     RavnestError,
     RunFailed,
@@ -56,7 +57,7 @@ from ravnest_node.pipeline.run import TrainConfig, check_frame_limit, check_swar
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import load_or_create_node_id, write_atomic
-from ravnest_node.transport.boundary import BoundaryServer, LinkCounters
+from ravnest_node.transport.boundary import BoundaryServer, LinkCounters, Refusal
 from ravnest_node.transport.options import TransportConfig, server_options, split_host_port
 from ravnest_node.transport.probe import ProbeServer
 
@@ -112,11 +113,17 @@ class NodeConfig:
     """Threads torch may use for this node's compute (0 = torch's default)."""
     log_level: LogLevel = "info"
     """How much the node logs (to standard error)."""
+    leave_timeout_s: float = 120.0
+    """Worker with a stage: on SIGINT/SIGTERM it first leaves the swarm and stays (at most this
+    long) until a plan without it has taken its blocks over; a second signal stops it at once."""
     lease_s: float = DEFAULT_LEASE_S
     """On the coordinator: seconds a member stays a member without a heartbeat (members send
     one every third of it); before the plan, a member silent longer loses its place."""
     fault_compute_scale: float = 1.0
     """Test only: multiply the compute time this node measures and reports to the planner."""
+    fault_block_ms: float = 0.0
+    """Test only: this node works this many ms longer per block of its stage and microbatch,
+    as a slower machine would (a sleep: it costs no CPU), and its measurement includes it."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The training run (used by the coordinator, which hands it to every node)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -144,8 +151,12 @@ class NodeConfig:
             )
         if not (math.isfinite(self.coordinator_grace_s) and self.coordinator_grace_s >= 0):
             raise ConfigError(f"coordinator_grace_s={self.coordinator_grace_s}: must be >= 0")
+        if not (math.isfinite(self.leave_timeout_s) and 0 <= self.leave_timeout_s <= 3600):
+            raise ConfigError(f"leave_timeout_s={self.leave_timeout_s}: must be 0 to 3600")
         if not (math.isfinite(self.lease_s) and 0.3 <= self.lease_s <= 3600):
             raise ConfigError(f"lease_s={self.lease_s}: must be between 0.3 and 3600 seconds")
+        if not (math.isfinite(self.fault_block_ms) and 0 <= self.fault_block_ms <= 60_000):
+            raise ConfigError(f"fault_block_ms={self.fault_block_ms}: must be 0 to 60000")
         if not (math.isfinite(self.fault_compute_scale) and self.fault_compute_scale > 0):
             raise ConfigError(f"fault_compute_scale={self.fault_compute_scale}: must be > 0")
         if len(self.peers) > MAX_PEERS:
@@ -214,6 +225,19 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> pb.NodeStatus:
         return await self._daemon.status()
 
+    async def FetchBlock(
+        self, request: pb.BlockRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.BlockState:
+        worker = self._daemon.worker
+        if worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is starting")
+        assert worker is not None
+        try:
+            return await worker.fetch_block(request)
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.reason)
+            raise  # not reached: abort raises
+
 
 class CoordinatorGate(pb_grpc.CoordinatorServicer):
     """`ravnest.v1.Coordinator` on a node that is, or may become, the coordinator: calls go to
@@ -244,6 +268,9 @@ class CoordinatorGate(pb_grpc.CoordinatorServicer):
     async def Leave(self, request: Any, context: Any) -> pb.LeaveReply:
         return await (await self._service(context)).Leave(request, context)
 
+    async def Drain(self, request: Any, context: Any) -> pb.DrainReply:
+        return await (await self._service(context)).Drain(request, context)
+
     async def WatchPlan(self, request: Any, context: Any) -> AsyncIterator[pb.Plan]:
         async for plan in (await self._service(context)).WatchPlan(request, context):
             yield plan
@@ -271,10 +298,46 @@ class NodeDaemon:
         self.coordinator: CoordinatorService | None = None
         """This node's coordinator service: from the start, after an election, or never."""
         self._votes = VoteBook(config.state_dir) if config.elects else None
+        self._leaving: asyncio.Task[None] | None = None
+
+    @property
+    def worker(self) -> Worker | None:
+        return self._worker
 
     def stop(self) -> None:
-        """Ask the node to stop (safe to call from a signal handler on the loop)."""
+        """Ask the node to stop (on the loop; a signal handler calls it). A worker with a stage
+        first leaves and hands its blocks over (within leave_timeout_s); a second call, or any
+        other node, stops at once."""
+        worker = self._worker
+        if (
+            self._leaving is None
+            and not self._stop.is_set()
+            and self.coordinator is None
+            and worker is not None
+            and worker.holds_stage
+            and self.config.leave_timeout_s > 0
+        ):
+            self._leaving = asyncio.get_running_loop().create_task(self._leave(worker))
+            return
         self._stop.set()
+
+    async def _leave(self, worker: Worker) -> None:
+        """Leave the swarm gracefully: say so, stay until the blocks are handed over, stop."""
+        timeout_s = self.config.leave_timeout_s
+        log.info("leaving the swarm: handing this node's blocks over (at most %g s)", timeout_s)
+        try:
+            async with asyncio.timeout(timeout_s):
+                if await worker.leave():
+                    await worker.handed_over()
+                    log.info("blocks handed over; stopping")
+                else:
+                    log.info("nobody takes over this node's blocks; stopping")
+        except TimeoutError:
+            log.warning("blocks not handed over within %g s; stopping anyway", timeout_s)
+        except (PeerUnavailable, PeerRefused) as exc:
+            log.warning("cannot leave gracefully (%s); stopping", exc)
+        finally:
+            self._stop.set()
 
     async def run(self, on_ready: Callable[[NodeInfo], None]) -> None:
         """Serve until stopped. Raises StartupError if the server cannot listen and RunFailed
@@ -309,6 +372,7 @@ class NodeDaemon:
             coordinator_grace_s=cfg.coordinator_grace_s,
         )
         worker.compute_scale = cfg.fault_compute_scale
+        worker.block_delay_s = cfg.fault_block_ms / 1000
         self._worker = worker
         server.add_generic_rpc_handlers([averaging.handler()])
         boundary = BoundaryServer(
@@ -482,6 +546,7 @@ class NodeDaemon:
             if self._mdns is not None:
                 tasks.append(tg.create_task(self._mdns.run()))
             await self._stop.wait()
+            await worker.stop()
             for task in tasks:
                 task.cancel()
             # A task cancelled while it waits for a reply from this node's own server (the

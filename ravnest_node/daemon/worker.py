@@ -3,6 +3,13 @@
 The worker owns the stage runtime of the current plan and the client half of the boundary
 stream to the next stage; the daemon's gRPC server hands it the server half (the stream from
 the previous stage) through `open_session`.
+
+Plans follow one another without a restart (docs/discovery.md, "Re-planning"): when the
+coordinator announces a newer plan, the first stage of each pipeline stops feeding at a step
+boundary and tells the coordinator (`Drain`), the stages behind it learn where the old plan
+ends from their upstream stream's clean end, every node keeps the blocks it trained as they
+were at that step and serves them (`Node.FetchBlock`), and each member of the new plan builds
+its stage from blocks it kept or fetched, and trains on from there.
 """
 
 from __future__ import annotations
@@ -10,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -26,6 +35,7 @@ from ravnest_node.daemon.capabilities import measure
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
+from ravnest_node.pipeline.handoff import BlockWeights, from_proto, to_proto
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
 from ravnest_node.pipeline.stage import Averaging, StageRuntime, StageSpec, StepReport
 from ravnest_node.proto import control_pb2 as pb
@@ -50,7 +60,8 @@ log = logging.getLogger(__name__)
 
 # A stopping node says it leaves, but does not hold up its stop for long.
 LEAVE_TIMEOUT_S = 1.0
-# A report the coordinator refused at once as unavailable is tried again after this pause.
+# A report the coordinator refused at once as unavailable is tried again after this pause,
+# and a plan stream that ended is opened again after it.
 REPORT_RETRY_S = 0.5
 
 
@@ -68,6 +79,17 @@ async def open_channel(address: str, transport: TransportConfig) -> AsyncIterato
         yield channel
     finally:
         await channel.close(grace=None)
+
+
+T = TypeVar("T")
+
+
+async def call_with_timeout(
+    method: Callable[..., Awaitable[T]], request: Any, deadline_s: float
+) -> T:
+    """`await method(request, timeout=deadline_s)`: a unary gRPC call (gRPC's own deadline) in
+    the shape `Worker._call_coordinator` retries."""
+    return await method(request, timeout=deadline_s)
 
 
 @contextmanager
@@ -119,6 +141,8 @@ class Worker:
         self._lease_s = DEFAULT_LEASE_S
         self.compute_scale = 1.0
         """Test only: multiplies the compute time this node measures (see NodeConfig)."""
+        self.block_delay_s = 0.0
+        """Test only: seconds this node sleeps per block and microbatch (see NodeConfig)."""
         self._transport = transport
         self._compute = compute
         self.counters = counters
@@ -127,9 +151,21 @@ class Worker:
             max_header_bytes=transport.max_header_bytes,
         )
         self.plan: pb.Plan | None = None
+        """The plan this node trains (or last trained) a stage of."""
+        self.latest_plan: pb.Plan | None = None
+        """The newest plan the coordinator announced (maybe still pending)."""
+        self.started_plan: pb.Plan | None = None
+        """The newest plan whose start is fixed (not pending)."""
         self._session: _Session | None = None
-        self._has_stage = asyncio.Event()
+        self._held: dict[int, BlockWeights] = {}
+        """Blocks this node trained under its last plan, as they were when it ended."""
+        self._held_step = -1
+        self._handed: set[int] = set()
+        """Held blocks a member of the next plan has fetched."""
+        self._changed = asyncio.Condition()  # a plan announced, a session started, blocks kept
         self.frames_refused = 0
+        self.stopping = False
+        """Set by the daemon when it stops: retry loops end instead of trying again."""
 
     @property
     def runtime(self) -> StageRuntime | None:
@@ -139,16 +175,51 @@ class Worker:
     def upstream_node_id(self) -> str:
         return self._session.upstream_node_id if self._session else ""
 
+    def _reraise_cancel(self, exc: BaseException) -> None:
+        """Raise CancelledError if the node is stopping or this task is being cancelled. A
+        call to this node's own server that is cancelled while the server stops can end with
+        UNAVAILABLE instead of the cancel (see NodeDaemon._serve): a retry loop must not
+        swallow the stop with it."""
+        task = asyncio.current_task()
+        cancelled = (
+            isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.CANCELLED
+        )
+        if self.stopping or cancelled or (task is not None and task.cancelling()):
+            raise asyncio.CancelledError from None
+
+    async def stop(self) -> None:
+        """The node stops: end the waits and retry loops of the run (the run's task is
+        cancelled too, but a cancel that arrives during a call to this node's own server can be
+        lost inside grpc.aio, so the run must not rely on it alone)."""
+        self.stopping = True
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _wait(
+        self, condition: Callable[[], bool], what: str, timeout_s: float | None = None
+    ) -> None:
+        """Wait for `condition`, within `timeout_s` (default: the connect timeout);
+        Refusal(UNAVAILABLE) after it."""
+        limit = self._transport.connect_timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(limit), self._changed:
+                await self._changed.wait_for(condition)
+        except TimeoutError:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, what) from None
+
     # ----- the server half of the upstream boundary -------------------------------------------
     async def _session_at(self, epoch: int, what: str) -> _Session:
-        """This node's session once it has a stage (a neighbour may get the plan a moment
-        earlier: wait for it, within the connect timeout), if the peer's `what` is for its plan
-        epoch; Refusal otherwise."""
-        if self._session is None:
-            try:
-                await asyncio.wait_for(self._has_stage.wait(), self._transport.connect_timeout_s)
-            except TimeoutError:
-                raise Refusal(grpc.StatusCode.UNAVAILABLE, "this node has no stage yet") from None
+        """This node's session once it has a stage of plan `epoch` (a neighbour may get the
+        plan a moment earlier: wait for it, within the connect timeout), if the peer's `what`
+        is for that epoch; Refusal otherwise."""
+        await self._wait(
+            lambda: self._session is not None and self.plan is not None
+            and self.plan.epoch >= epoch,
+            f"this node has no stage of plan epoch {epoch} yet",
+        )  # fmt: skip
         session, plan = self._session, self.plan
         assert session is not None and plan is not None
         if epoch != plan.epoch:
@@ -186,8 +257,12 @@ class Worker:
         if session is None or session.runtime.upstream is not link:
             return
         session.runtime.upstream = None
-        # A clean end is the upstream's way of saying it is done; anything else mid-run is a fault.
-        finished = error is None and session.runtime.received_all_forwards
+        # A clean end is the upstream's way of saying it is done (with the run, or with its
+        # plan: then at a step boundary, where this stage's plan ends too); anything else
+        # mid-run is a fault.
+        finished = error is None and (
+            session.runtime.received_all_forwards or session.runtime.upstream_ended()
+        )
         if not finished and not session.runtime.done and not session.upstream_failed.done():
             reason = f"upstream stream from {link.peer} ended before the run did"
             if error is not None:
@@ -285,7 +360,12 @@ class Worker:
                 raise PeerRefused(f"coordinator {self.coordinator}: {exc}") from None
             loop = asyncio.get_running_loop()
             caps = await loop.run_in_executor(
-                self._compute, measure, reply.model, max(1, reply.microbatch), self.compute_scale
+                self._compute,
+                measure,
+                reply.model,
+                max(1, reply.microbatch),
+                self.compute_scale,
+                self.block_delay_s,
             )
             log.info(
                 "measured %.1f ms a microbatch for %s over %d blocks; %.1f GiB available",
@@ -297,47 +377,241 @@ class Worker:
             join.capabilities.CopyFrom(caps)
             with coordinator_errors(self.coordinator):
                 await stub.Join(join, timeout=self._transport.connect_timeout_s)
-                watch = stub.WatchPlan(pb.WatchPlanRequest(node_id=self.node_id))
-                plan = await watch.read()
-                watch.cancel()
-            if plan is grpc.aio.EOF:
-                raise PeerUnavailable(f"coordinator {self.coordinator} closed the plan stream")
-            await self._train(plan, stub)
+            async with asyncio.TaskGroup() as tg:
+                watcher = tg.create_task(self._watch_plans(stub))
+                await self._follow_plans(stub)
+                watcher.cancel()
 
-    async def _report(self, stub: pb_grpc.CoordinatorStub, report: pb.StageReport) -> None:
-        """Send one report. While the coordinator does not answer (a lab coordinator being
-        restarted), the stage trains on and its reports wait: each attempt waits for the
-        channel to be ready, for up to `coordinator_grace_s` in all; then PeerUnavailable.
-        A coordinator that answers but refuses raises PeerRefused at once."""
+    async def _follow_plans(self, stub: pb_grpc.CoordinatorStub) -> None:
+        """Train a stage of each plan this node is in, one after another, to the run's end."""
+        epoch = 0
+        while True:
+            plan = await self._next_plan(epoch)
+            epoch = plan.epoch
+            if not any(s.node_id == self.node_id for s in plan.stages):
+                log.info("plan epoch %d has no stage for this node; it waits for a later one",
+                         plan.epoch)  # fmt: skip
+                continue
+            was_in = any(s.node_id == self.node_id for s in plan.previous)
+            if was_in and plan.start_step != self._held_step:
+                raise RunFailed(
+                    f"plan epoch {plan.epoch} starts at step {plan.start_step}, but this node's "
+                    f"last plan ended at step {self._held_step}"
+                )
+            runtime = await self._train(plan, stub)
+            if runtime.run_done:
+                await self._notify()  # a leaving node need not wait for a hand-over now
+                return
+            # Keep this stage's blocks as they are now: the next plan's members fetch them.
+            self._held, self._held_step = await runtime.export(), runtime.version
+            self._handed = set()
+            await self._notify()
+            log.info("plan epoch %d ended at step %d; waiting for the next plan", plan.epoch,
+                     runtime.version)  # fmt: skip
+
+    async def _next_plan(self, after_epoch: int) -> pb.Plan:
+        """The newest started plan above `after_epoch`. Waits as long as it takes (a spare
+        waits for a plan with room for it); the coordinator's absence is noticed by reports."""
+
+        def arrived() -> bool:
+            p = self.started_plan
+            return p is not None and p.epoch > after_epoch
+
+        async with self._changed:
+            await self._changed.wait_for(lambda: arrived() or self.stopping)
+        if self.stopping:
+            raise asyncio.CancelledError
+        assert self.started_plan is not None
+        return self.started_plan
+
+    async def _watch_plans(self, stub: pb_grpc.CoordinatorStub) -> None:
+        """Keep `latest_plan` up to date from the coordinator's plan stream, opening it again
+        whenever it ends (a coordinator restarting). Only a newer plan replaces the one this
+        node has (a higher epoch, or the same epoch no longer pending): an old coordinator
+        that comes back cannot impose an older plan."""
+        while True:
+            try:
+                # Not wait_for_ready: a call waiting for a channel that never comes back cannot
+                # always be cancelled (grpc.aio); an unreachable coordinator fails fast here and
+                # is tried again after a pause.
+                watch = stub.WatchPlan(pb.WatchPlanRequest(node_id=self.node_id))
+                async for plan in watch:
+                    latest = self.latest_plan
+                    if latest is not None and (plan.epoch, not plan.pending) <= (
+                        latest.epoch,
+                        not latest.pending,
+                    ):
+                        if plan.epoch < latest.epoch:
+                            log.warning("ignoring plan epoch %d: this node has epoch %d",
+                                        plan.epoch, latest.epoch)  # fmt: skip
+                        continue
+                    self.latest_plan = plan
+                    if not plan.pending:
+                        self.started_plan = plan
+                    await self._notify()
+            except grpc.aio.AioRpcError as exc:
+                self._reraise_cancel(exc)
+                log.info("plan stream from %s ended: %s", self.coordinator, exc.code().name)
+            await asyncio.sleep(REPORT_RETRY_S)  # a retry's pause before opening it again
+
+    async def fetch_block(self, request: pb.BlockRequest) -> pb.BlockState:
+        """Node.FetchBlock: a member of plan `request.plan_epoch` asks for a block this node
+        kept when its last plan ended. Waits (within the connect timeout) for that plan and
+        for this node's previous plan to end; Refusal otherwise."""
+        await self._wait(
+            lambda: self.started_plan is not None
+            and self.started_plan.epoch >= request.plan_epoch,
+            f"this node has not seen plan epoch {request.plan_epoch}",
+        )  # fmt: skip
+        plan = self.started_plan
+        assert plan is not None
+        if plan.epoch != request.plan_epoch:
+            raise Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"plan epoch {request.plan_epoch} is not the current one ({plan.epoch})",
+            )
+        if not any(s.node_id == request.node_id for s in plan.stages):
+            raise Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"unknown peer {request.node_id[:80]!r}: not a member of plan epoch {plan.epoch}",
+            )
+        if not any(s.node_id == self.node_id and s.first_block <= request.block < s.stop_block
+                   for s in plan.previous):  # fmt: skip
+            raise Refusal(
+                grpc.StatusCode.NOT_FOUND, f"this node did not hold block {request.block}"
+            )
+        await self._wait(
+            lambda: self._held_step == plan.start_step and request.block in self._held,
+            f"block {request.block} is not ready yet (its plan has not ended here)",
+            timeout_s=2 * self._transport.connect_timeout_s,  # a pipeline may be catching up
+        )
+        message = await asyncio.to_thread(to_proto, self._held[request.block])
+        if self._held_step == plan.start_step:
+            self._handed.add(request.block)
+            await self._notify()
+        return message
+
+    @property
+    def holds_stage(self) -> bool:
+        """This node trains a stage whose run is not over."""
+        session = self._session
+        return session is not None and not session.runtime.run_done
+
+    async def leave(self) -> bool:
+        """Tell the coordinator this node is leaving; True if it should stay until a plan
+        without it has taken its blocks over (`handed_over`)."""
+        async with open_channel(self.coordinator, self._transport) as channel:
+            with coordinator_errors(self.coordinator):
+                reply = await pb_grpc.CoordinatorStub(channel).Leave(
+                    pb.LeaveRequest(node_id=self.node_id),
+                    timeout=self._transport.connect_timeout_s,
+                )
+        return bool(reply.hand_off)
+
+    async def handed_over(self) -> None:
+        """Wait until a plan without this node has started and its members have fetched every
+        block this node held when its last plan ended."""
+
+        def done() -> bool:
+            if self._session is not None and self._session.runtime.run_done:
+                return True  # the run ended before a plan without this node started
+            plan = self.started_plan
+            return (
+                plan is not None
+                and not any(s.node_id == self.node_id for s in plan.stages)
+                and self._held_step == plan.start_step
+                and set(self._held) <= self._handed
+            )
+
+        async with self._changed:
+            await self._changed.wait_for(done)
+
+    async def _gather_blocks(
+        self, plan: pb.Plan, me: pb.StageAssignment, blocks: list[torch.nn.Module]
+    ) -> dict[int, BlockWeights]:
+        """The state of each block of this node's new stage at the plan's start: kept here, or
+        fetched (in parallel) from the node that held it under the previous plan."""
+        if plan.start_step == 0:
+            return {}
+        # Blocks kept here count only if this node trained them up to this plan's start.
+        current = self._held_step == plan.start_step and any(
+            s.node_id == self.node_id for s in plan.previous
+        )
+        kept = {
+            b: w for b, w in self._held.items()
+            if current and me.first_block <= b < me.stop_block
+        }  # fmt: skip
+        wanted = [b for b in range(me.first_block, me.stop_block) if b not in kept]
+
+        def source(block: int) -> pb.StageAssignment:
+            holders = [s for s in plan.previous if s.first_block <= block < s.stop_block]
+            if not holders:
+                raise RunFailed(f"plan epoch {plan.epoch}: nobody held block {block} before")
+            same = [s for s in holders if s.pipeline == me.pipeline]
+            return (same or holders)[0]
+
+        async def fetch(block: int) -> BlockWeights:
+            holder = source(block)
+            async with open_channel(holder.address, self._transport) as channel:
+                stub = pb_grpc.NodeStub(channel)
+                request = pb.BlockRequest(node_id=self.node_id, plan_epoch=plan.epoch, block=block)
+                try:
+                    message = await stub.FetchBlock(
+                        request, timeout=3 * self._transport.connect_timeout_s
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    raise PeerUnavailable(
+                        f"block {block} from {holder.node_id} ({holder.address}): "
+                        f"{exc.code().name}: {exc.details()}"
+                    ) from None
+            return from_proto(
+                message,
+                block=blocks[block - me.first_block],
+                index=block,
+                version=plan.start_step,
+                source=f"{holder.node_id} ({holder.address})",
+            )
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = {b: tg.create_task(fetch(b)) for b in wanted}
+        log.info("plan epoch %d: blocks %s kept, %s fetched", plan.epoch, sorted(kept),
+                 sorted(wanted))  # fmt: skip
+        return kept | {b: t.result() for b, t in tasks.items()}
+
+    async def _call_coordinator(
+        self, call: Callable[[float], Awaitable[T]], what: str = "reports wait"
+    ) -> T:
+        """Make one call to the coordinator (`call(timeout_s)`). While the coordinator does
+        not answer (a lab coordinator being restarted) the stage trains on and the call is
+        tried again every REPORT_RETRY_S, for up to `coordinator_grace_s` in all; then
+        PeerUnavailable. A coordinator that answers but refuses raises PeerRefused at once.
+        No wait_for_ready: a call queued for a channel that never comes back cannot always be
+        cancelled (grpc.aio), and the node's stop must not wait for it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._coordinator_grace_s
         lost_at: float | None = None
         while True:
             attempt = loop.time()
+            timeout_s = max(0.1, min(self._transport.connect_timeout_s, deadline - attempt))
             try:
                 with coordinator_errors(self.coordinator):
-                    await stub.Report(
-                        report,
-                        timeout=max(
-                            0.1, min(self._transport.connect_timeout_s, deadline - attempt)
-                        ),
-                        wait_for_ready=True,
-                    )
+                    result = await call(timeout_s)
             except PeerUnavailable as exc:
+                self._reraise_cancel(exc)
                 if loop.time() >= deadline:
                     raise PeerUnavailable(
                         f"{exc} (no answer for {self._coordinator_grace_s:g} s)"
                     ) from None
                 if lost_at is None:
                     lost_at = attempt
-                    log.warning("%s; training on, reports wait for it", exc)
+                    log.warning("%s; training on, %s for it", exc, what)
                 if loop.time() - attempt < REPORT_RETRY_S:  # refused at once: not a busy loop
                     await asyncio.sleep(REPORT_RETRY_S)  # a retry's pause, not a wait for an event
                 continue
             if lost_at is not None:
                 log.info("coordinator %s answers again after %.1f s", self.coordinator,
                          loop.time() - lost_at)  # fmt: skip
-            return
+            return result
 
     async def keep_membership(self) -> None:
         """Heartbeats to the coordinator once this node has joined, for as long as the node
@@ -413,7 +687,8 @@ class Worker:
         )
         return Averaging(config=config, averager=averager)
 
-    async def _train(self, plan: pb.Plan, stub: pb_grpc.CoordinatorStub) -> None:
+    async def _train(self, plan: pb.Plan, stub: pb_grpc.CoordinatorStub) -> StageRuntime:
+        """Train this node's stage of `plan` until the plan or the run ends."""
         try:
             run = TrainConfig.from_proto(plan.run)
             model = get_model(run.model)
@@ -429,7 +704,7 @@ class Worker:
             pipeline=me.pipeline,
             num_pipelines=run.pipelines,
         )
-        reports: asyncio.Queue[StepReport] = asyncio.Queue()
+        reports: asyncio.Queue[StepReport | None] = asyncio.Queue()  # None: the plan ended
 
         async def report(r: StepReport) -> None:
             reports.put_nowait(r)
@@ -437,8 +712,15 @@ class Worker:
         blocks = await asyncio.get_running_loop().run_in_executor(
             self._compute, model.build_stage, run.seed, spec.first_block, spec.stop_block
         )
+        try:
+            restore = await self._gather_blocks(plan, me, blocks)
+        except* (PeerUnavailable, PeerRefused) as group:
+            raise RunFailed(
+                f"plan epoch {plan.epoch}: cannot gather its blocks: {group.exceptions[0]}"
+            ) from None
         averaging = self._averaging(plan, me, run, blocks)
-        runtime = StageRuntime(
+        build = partial(
+            StageRuntime,
             spec=spec,
             model=model,
             blocks=blocks,
@@ -446,7 +728,14 @@ class Worker:
             compute=self._compute,
             report=report,
             averaging=averaging,
+            start_step=plan.start_step,
+            restore=restore,
+            block_delay_s=self.block_delay_s,
         )
+        try:
+            runtime = await asyncio.get_running_loop().run_in_executor(self._compute, build)
+        except ValueError as exc:  # a start step outside the run
+            raise RunFailed(f"cannot follow plan epoch {plan.epoch}: {exc}") from None
         if spec.is_first and runtime.data_fingerprint != plan.run.data_fingerprint:
             raise RunFailed(
                 "this node's training data differs from the coordinator's "
@@ -464,53 +753,55 @@ class Worker:
             loop.create_future(),
             downstream_node_id="" if downstream is None else downstream.node_id,
         )
-        self._has_stage.set()
+        await self._notify()
         log.info(
-            "stage %d of %d: blocks [%d, %d) of %s",
+            "plan epoch %d: stage %d of %d, blocks [%d, %d) of %s, from step %d",
+            plan.epoch,
             spec.index,
             spec.num_stages,
             spec.first_block,
             spec.stop_block,
             run.model,
+            plan.start_step,
         )
 
         async def send_reports() -> None:
             while True:
                 r = await reports.get()
-                await self._report(
-                    stub,
-                    pb.StageReport(
-                        node_id=self.node_id,
-                        stage=spec.index,
-                        pipeline=spec.pipeline,
-                        plan_epoch=plan.epoch,
-                        step=r.step,
-                        loss=r.loss,
-                        bytes_sent=self.counters.total_bytes,
-                        done=r.done,
-                        params_sq_sum=r.params_sq_sum,
-                        num_params=r.num_params,
-                        compute_s=r.metrics.compute_s,
-                        activation_bytes_sent=r.metrics.activation_bytes_sent,
-                        gradient_bytes_sent=r.metrics.gradient_bytes_sent,
-                        wall_s=r.metrics.wall_s,
-                        idle_upstream_s=r.metrics.idle_upstream_s,
-                        idle_downstream_s=r.metrics.idle_downstream_s,
-                        staleness=r.metrics.staleness,
-                        max_in_flight=r.metrics.max_in_flight,
-                        max_weight_versions=r.metrics.max_weight_versions,
-                        averaging_rounds=r.metrics.averaging_rounds,
-                        averaging_rounds_incomplete=r.metrics.averaging_rounds_incomplete,
-                        averaging_bytes_sent=r.metrics.averaging_bytes_sent,
-                        averaging_wait_s=r.metrics.averaging_wait_s,
-                        activation_codec=r.metrics.activation_codec,
-                        gradient_codec=r.metrics.gradient_codec,
-                        activation_codec_frames=r.metrics.activation_codec_frames,
-                        gradient_codec_frames=r.metrics.gradient_codec_frames,
-                        downstream_bandwidth_bps=r.metrics.downstream_bandwidth_bps,
-                        upstream_bandwidth_bps=r.metrics.upstream_bandwidth_bps,
-                    ),
+                if r is None:
+                    return
+                report = pb.StageReport(
+                    node_id=self.node_id,
+                    stage=spec.index,
+                    pipeline=spec.pipeline,
+                    plan_epoch=plan.epoch,
+                    step=r.step,
+                    loss=r.loss,
+                    bytes_sent=self.counters.total_bytes,
+                    done=r.done,
+                    params_sq_sum=r.params_sq_sum,
+                    num_params=r.num_params,
+                    compute_s=r.metrics.compute_s,
+                    activation_bytes_sent=r.metrics.activation_bytes_sent,
+                    gradient_bytes_sent=r.metrics.gradient_bytes_sent,
+                    wall_s=r.metrics.wall_s,
+                    idle_upstream_s=r.metrics.idle_upstream_s,
+                    idle_downstream_s=r.metrics.idle_downstream_s,
+                    staleness=r.metrics.staleness,
+                    max_in_flight=r.metrics.max_in_flight,
+                    max_weight_versions=r.metrics.max_weight_versions,
+                    averaging_rounds=r.metrics.averaging_rounds,
+                    averaging_rounds_incomplete=r.metrics.averaging_rounds_incomplete,
+                    averaging_bytes_sent=r.metrics.averaging_bytes_sent,
+                    averaging_wait_s=r.metrics.averaging_wait_s,
+                    activation_codec=r.metrics.activation_codec,
+                    gradient_codec=r.metrics.gradient_codec,
+                    activation_codec_frames=r.metrics.activation_codec_frames,
+                    gradient_codec_frames=r.metrics.gradient_codec_frames,
+                    downstream_bandwidth_bps=r.metrics.downstream_bandwidth_bps,
+                    upstream_bandwidth_bps=r.metrics.upstream_bandwidth_bps,
                 )
+                await self._call_coordinator(partial(call_with_timeout, stub.Report, report))
                 if r.done:
                     return
 
@@ -518,6 +809,31 @@ class Worker:
             session = self._session
             assert session is not None
             await session.upstream_failed  # raises PeerUnavailable if the stream breaks
+
+        async def drain_when_replanned() -> None:
+            """First stage: when a newer plan is announced, stop feeding and agree with the
+            coordinator on the step this plan ends at."""
+            async with self._changed:
+                await self._changed.wait_for(
+                    lambda: self.latest_plan is not None and self.latest_plan.epoch > plan.epoch
+                )
+            stop = runtime.drain_step()
+            log.info("a newer plan is coming: stage feeds no step from %d on", stop)
+            request = pb.DrainRequest(
+                node_id=self.node_id, plan_epoch=plan.epoch, pipeline=me.pipeline, stop_step=stop
+            )
+            reply = await self._call_coordinator(
+                partial(call_with_timeout, stub.Drain, request), "the drain waits"
+            )
+            try:
+                runtime.stop_at(reply.stop_step)
+            except ValueError as exc:
+                raise RunFailed(f"plan epoch {plan.epoch}: {exc}") from None
+            log.info("plan epoch %d ends at step %d", plan.epoch, reply.stop_step)
+
+        async def run_stage() -> None:
+            await runtime.run()
+            reports.put_nowait(None)
 
         # `auto` codecs: measure the links this stage sends on before its first frame.
         neighbours = [
@@ -531,6 +847,7 @@ class Worker:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(send_reports())
             upstream_watch = tg.create_task(watch_upstream())
+            drain = tg.create_task(drain_when_replanned()) if spec.is_first else None
             if downstream is not None:
                 async with open_channel(downstream.address, self._transport) as channel:
                     link = BoundaryLink(
@@ -540,7 +857,7 @@ class Worker:
                         pace_bps=run.link_pace_bps(spec.index),
                     )
                     runtime.downstream = link
-                    tg.create_task(runtime.run())
+                    tg.create_task(run_stage())
                     await run_client_stream(
                         channel,
                         link,
@@ -551,10 +868,13 @@ class Worker:
                         on_refused=self.on_refused,
                     )
             else:
-                await runtime.run()
+                await run_stage()
             upstream_watch.cancel()
-        log.info("stage %d finished %d steps", spec.index, runtime.version)
+            if drain is not None:  # the run ended before a newer plan came
+                drain.cancel()
+        log.info("stage %d is at step %d", spec.index, runtime.version)
         if averaging is not None:
             assert self._averaging_service is not None
             self._averaging_service.attach(None)
             await averaging.averager.close()
+        return runtime

@@ -44,7 +44,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
@@ -58,6 +58,7 @@ from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import FrameError
 from ravnest_node.models import BlockModel
 from ravnest_node.pipeline.codec_choice import CodecChoice
+from ravnest_node.pipeline.handoff import BlockWeights, export_blocks, restore_blocks
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.boundary import BoundaryLink
 from ravnest_node.transport.frames import (
@@ -193,7 +194,8 @@ class Averaging:
 
 
 class StageRuntime:
-    """Trains one stage. `run()` returns once the run's last step is applied."""
+    """Trains one stage under one plan: from `start_step` until the run's last step is
+    applied, or until the step the plan ends at (`drain_step`, `stop_at`, `upstream_ended`)."""
 
     def __init__(
         self,
@@ -207,8 +209,12 @@ class StageRuntime:
         upstream: BoundaryLink | None = None,
         downstream: BoundaryLink | None = None,
         averaging: Averaging | None = None,
+        start_step: int = 0,
+        restore: Mapping[int, BlockWeights] | None = None,
+        block_delay_s: float = 0.0,
     ) -> None:
         self.spec = spec
+        self.block_delay_s = block_delay_s
         self.run_config = run
         self._model = model
         self._compute = compute
@@ -233,6 +239,8 @@ class StageRuntime:
         self._optimizer = torch.optim.AdamW(
             self._params.values(), lr=run.lr, weight_decay=run.weight_decay
         )
+        if restore:
+            restore_blocks(self._blocks, spec.first_block, self._optimizer, restore)
         self._data = (
             StdlibBytes(
                 seq_len=model.input_spec(1).shape[1],
@@ -257,15 +265,19 @@ class StageRuntime:
             self._expected_forward.insert(0, Expected(HIDDEN, hidden.shape, hidden.dtype))
         out = model.output_spec(spec.stop_block - 1, mb)
         self._expected_backward = [Expected(GRAD, out.shape, out.dtype)]
-        self._total_microbatches = run.steps * run.microbatches
+        if not 0 <= start_step < run.steps:
+            raise ValueError(f"start_step {start_step} outside 0..{run.steps - 1}")
+        self.start_step = start_step
+        self._stop_step = run.steps  # the plan's last step, once known; the run's until then
+        self._feed_limit = run.steps  # first stage: feeds no step from this one on
         # Admitted frames waiting for the compute loop. The schedule bounds each queue by the
         # window: a peer that sends more is refused.
         self.window = run.window
         self._forwards: deque[Received] = deque()
         self._backwards: deque[Received] = deque()
         self._wake = asyncio.Event()  # set whenever there may be new work or room
-        self._next_forward_seq = 0  # next forward frame we accept from upstream
-        self._produced = 0  # first stage: microbatches fed into the pipeline
+        self._next_forward_seq = start_step * run.microbatches  # next forward we accept
+        self._produced = start_step * run.microbatches  # first stage: microbatches fed
         self._awaiting_grad: set[int] = set()  # sent downstream, gradient not yet received
         self._in_flight: dict[int, _InFlight] = {}  # seq -> what its backward needs
         # The weight snapshot new forwards use, with its version (weight stashing); microbatches
@@ -281,7 +293,7 @@ class StageRuntime:
         self._rounds_incomplete = 0
         self._averaging_bytes = 0
         self._averaging_wait_s = 0.0
-        self.version = 0  # optimizer steps applied
+        self.version = start_step  # optimizer steps applied
         self._step_loss = 0.0
         self._step_done = 0  # microbatches of the current step whose backward is done
         self.frames_accepted = 0
@@ -345,7 +357,7 @@ class StageRuntime:
             check_tensors(frame, self._expected_forward)
             if frame.seq >= self._total_microbatches:
                 raise FrameError(
-                    f"forward seq {frame.seq} is past the run's last microbatch "
+                    f"forward seq {frame.seq} is past the plan's last microbatch "
                     f"{self._total_microbatches - 1}"
                 )
             if frame.seq != self._next_forward_seq:
@@ -377,8 +389,52 @@ class StageRuntime:
             raise FrameError(f"forward frame's sample ids must be distinct and below {n}")
 
     @property
+    def _total_microbatches(self) -> int:
+        """Microbatch seqs below this are this plan's to train."""
+        return self._stop_step * self.run_config.microbatches
+
+    @property
     def received_all_forwards(self) -> bool:
         return self._next_forward_seq >= self._total_microbatches
+
+    @property
+    def run_done(self) -> bool:
+        """The run's last step is applied (not just this plan's)."""
+        return self.version >= self.run_config.steps
+
+    def drain_step(self) -> int:
+        """First stage, when a new plan is coming: feed no microbatch of a step not yet
+        started; returns the step it stops at (this plan then ends there or later, `stop_at`)."""
+        assert self.spec.is_first
+        m = self.run_config.microbatches
+        self._feed_limit = min(self._feed_limit, self._stop_step, -(-self._produced // m))
+        return self._feed_limit
+
+    def stop_at(self, step: int) -> None:
+        """This plan ends once `step` steps are applied (the coordinator's answer to the
+        first stages' `drain_step`). ValueError if this stage is already past it."""
+        if not self.version <= step <= self.run_config.steps:
+            raise ValueError(f"cannot stop at step {step}: this stage is at {self.version}")
+        if self.spec.is_first and step * self.run_config.microbatches < self._produced:
+            raise ValueError(f"cannot stop at step {step}: microbatches of it are fed already")
+        self._stop_step = self._feed_limit = step
+        self._wake.set()
+
+    def upstream_ended(self) -> bool:
+        """The previous stage ended its stream cleanly before the run's end: its plan ended
+        after the forwards it sent. Stop there; False (and no change) if that is not a step
+        boundary, which no drained stage would do."""
+        step, rest = divmod(self._next_forward_seq, self.run_config.microbatches)
+        if rest or step < self.version:
+            return False
+        self.stop_at(step)
+        return True
+
+    async def export(self) -> dict[int, BlockWeights]:
+        """Copies of this stage's blocks and their optimizer moments, for the next plan."""
+        return await self._call(
+            export_blocks, self._blocks, self.spec.first_block, self._optimizer, self.version
+        )
 
     @property
     def data_fingerprint(self) -> str:
@@ -396,7 +452,8 @@ class StageRuntime:
 
     @property
     def done(self) -> bool:
-        return self.version >= self.run_config.steps
+        """This plan's part of the run is done."""
+        return self.version >= self._stop_step
 
     def metrics(self) -> StageMetrics:
         return StageMetrics(
@@ -423,7 +480,8 @@ class StageRuntime:
 
     # ----- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
-        """Train until the last step is applied, then send the final report."""
+        """Train until this plan's last step is applied; at the run's end, send the final
+        report. Ends the downstream stream cleanly either way."""
         self._started = time.monotonic()
         while not self.done:
             if self._round is not None and self._round.done():  # an averaged result arrived
@@ -434,12 +492,18 @@ class StageRuntime:
                 received = self._forwards.popleft()
                 await self._on_forward(received.seq, received.tensors, received.samples)
             elif self.spec.is_first and self._may_produce():
-                await self._produce(self._produced)
+                # Counted before it is fed: a drain decided meanwhile (drain_step, on the loop)
+                # must see this microbatch as begun.
                 self._produced += 1
+                await self._produce(self._produced - 1)
             else:
                 await self._idle()
         if self._round is not None:  # the run ends with the last round applied
             await self._finish_round()
+        if not self.run_done:  # this plan's part ends here; the next plan carries on
+            if self.downstream is not None:
+                await self.downstream.close()
+            return
         params_sq_sum, num_params = await self._call(self._param_stats)
         await self._report(
             StepReport(
@@ -481,7 +545,8 @@ class StageRuntime:
     def _may_produce(self) -> bool:
         """GPipe/1F1B feed microbatches as far as the bound allows; the sequential (naive)
         schedule waits until the previous microbatch's gradient is back."""
-        if self._produced >= self._total_microbatches or not self._may_forward(self._produced):
+        limit = min(self._feed_limit, self._stop_step) * self.run_config.microbatches
+        if self._produced >= limit or not self._may_forward(self._produced):
             return False
         return self.run_config.schedule == "gpipe" or not self._awaiting_grad
 
@@ -714,6 +779,8 @@ class StageRuntime:
         microbatch, as a slower machine would."""
         if self.run_config.fault_slow_stage == self.spec.index:
             time.sleep(self.run_config.fault_slow_ms / 1000)
+        if self.block_delay_s:  # test only: this node is slower by so much per block
+            time.sleep(self.block_delay_s * (self.spec.stop_block - self.spec.first_block))
 
     def _optimizer_step(self) -> None:
         if self.run_config.fault_skip_step_stage == self.spec.index:

@@ -58,6 +58,60 @@ class VoteReply(_message.Message):
     reason: str
     def __init__(self, term: _Optional[int] = ..., granted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "pipeline", "stop_step")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    STOP_STEP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    pipeline: int
+    stop_step: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., pipeline: _Optional[int] = ..., stop_step: _Optional[int] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("stop_step",)
+    STOP_STEP_FIELD_NUMBER: _ClassVar[int]
+    stop_step: int
+    def __init__(self, stop_step: _Optional[int] = ...) -> None: ...
+
+class BlockRequest(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "block")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    block: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., block: _Optional[int] = ...) -> None: ...
+
+class TensorData(_message.Message):
+    __slots__ = ("name", "role", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class BlockState(_message.Message):
+    __slots__ = ("block", "version", "optimizer_step", "tensors")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    version: int
+    optimizer_step: float
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorData]
+    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., optimizer_step: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorData, _Mapping]]] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
     __slots__ = ("node_id", "address", "compute_threads", "protocol", "capabilities")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -117,8 +171,10 @@ class LeaveRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("hand_off",)
+    HAND_OFF_FIELD_NUMBER: _ClassVar[int]
+    hand_off: bool
+    def __init__(self, hand_off: _Optional[bool] = ...) -> None: ...
 
 class WatchPlanRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -199,16 +255,22 @@ class StageAssignment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "swarm_id", "run", "stages")
+    __slots__ = ("epoch", "swarm_id", "run", "stages", "start_step", "pending", "previous")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     swarm_id: str
     run: RunSpec
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
-    def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
+    start_step: int
+    pending: bool
+    previous: _containers.RepeatedCompositeFieldContainer[StageAssignment]
+    def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
 
 class StageReport(_message.Message):
     __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps")

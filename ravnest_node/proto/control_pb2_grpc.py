@@ -71,6 +71,11 @@ class CoordinatorStub:
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=ravnest__node_dot_proto_dot_control__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/ravnest.v1.Coordinator/Drain',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.DrainRequest.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -129,6 +134,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """The first stage of each pipeline, told of a new plan, says at which step it stops feeding
+        microbatches; the reply (once every pipeline has said) is the step the old plan ends at.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +179,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.LeaveRequest.FromString,
                     response_serializer=ravnest__node_dot_proto_dot_control__pb2.LeaveReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.DrainRequest.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -369,6 +387,33 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravnest.v1.Coordinator/Drain',
+            ravnest__node_dot_proto_dot_control__pb2.DrainRequest.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ElectionStub:
     """Nodes started with --join elect: choosing a coordinator among themselves (docs/discovery.md).
@@ -462,6 +507,11 @@ class NodeStub:
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.StatusRequest.SerializeToString,
                 response_deserializer=ravnest__node_dot_proto_dot_control__pb2.NodeStatus.FromString,
                 _registered_method=True)
+        self.FetchBlock = channel.unary_unary(
+                '/ravnest.v1.Node/FetchBlock',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.BlockRequest.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.BlockState.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -474,6 +524,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlock(self, request, context):
+        """A member of a newer plan fetches a block it gains (weights and optimizer state) from the
+        node that held it when the previous plan ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -481,6 +539,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.StatusRequest.FromString,
                     response_serializer=ravnest__node_dot_proto_dot_control__pb2.NodeStatus.SerializeToString,
+            ),
+            'FetchBlock': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchBlock,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.BlockRequest.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.BlockState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -511,6 +574,33 @@ class Node:
             '/ravnest.v1.Node/Status',
             ravnest__node_dot_proto_dot_control__pb2.StatusRequest.SerializeToString,
             ravnest__node_dot_proto_dot_control__pb2.NodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravnest.v1.Node/FetchBlock',
+            ravnest__node_dot_proto_dot_control__pb2.BlockRequest.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.BlockState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,203 @@
+"""Re-planning without a restart: a node that joins a running swarm gets a share of the work.
+
+The coordinator announces a plan with the newcomer, the pipeline drains at a step boundary,
+the new stages fetch the blocks they gain from their previous owners (Node.FetchBlock) and the
+run carries on from that step (docs/discovery.md, "Re-planning")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from ravnest_node.errors import PeerRefused
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.handoff import export_blocks, from_proto, restore_blocks, to_proto
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from tests.conftest import Procs, node_status, poll_until, progress_events
+
+NEGATIVE = b"\x00\x00\x80\xbf"  # -1.0 as little-endian float32
+
+
+def _stage(seed: int = 0) -> tuple[torch.nn.Sequential, torch.optim.AdamW]:
+    blocks = torch.nn.Sequential(*get_model("tiny").build_stage(seed, 1, 3))
+    return blocks, torch.optim.AdamW(blocks.parameters(), lr=1e-3)
+
+
+def test_blocks_move_with_their_optimizer_state() -> None:
+    blocks, opt = _stage()
+    sum(p.square().sum() for p in blocks.parameters()).backward()
+    opt.step()
+    states = export_blocks(blocks, 1, opt, version=7)
+    assert sorted(states) == [1, 2]
+    fresh, fresh_opt = _stage(seed=1)
+    received = {
+        b: from_proto(to_proto(w), block=fresh[b - 1], index=b, version=7, source="peer")
+        for b, w in states.items()
+    }
+    restore_blocks(fresh, 1, fresh_opt, received)
+    for p, q in zip(blocks.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
+    assert float(fresh_opt.state[next(fresh.parameters())]["step"]) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("spoil", "match"),
+    [
+        (lambda m: setattr(m, "block", 2), "it is block 2"),
+        (lambda m: setattr(m, "version", 6), "at step 6, the plan starts at 7"),
+        (lambda m: m.tensors.pop(), "missing|only some"),
+        (lambda m: setattr(m.tensors[0], "data", m.tensors[0].data[:-4]), "bytes, not"),
+        (lambda m: m.tensors[0].shape.append(1), "has shape"),
+        (lambda m: setattr(m.tensors[0], "dtype", "float64"), "not float32"),
+        (lambda m: setattr(m.tensors[0], "name", "os.system"), "unknown tensor"),
+        (lambda m: m.tensors.append(m.tensors[0]), "twice"),
+        (lambda m: setattr(m.tensors[0], "data", b"\xff" * len(m.tensors[0].data)), "not finite"),
+        (
+            lambda m: setattr(m.tensors[2], "data", NEGATIVE * (len(m.tensors[2].data) // 4)),
+            "negative",
+        ),
+    ],
+)
+def test_a_wrong_block_is_refused_whole(spoil: object, match: str) -> None:
+    blocks, opt = _stage()
+    sum(p.square().sum() for p in blocks.parameters()).backward()
+    opt.step()
+    message = to_proto(export_blocks(blocks, 1, opt, version=7)[1])
+    spoil(message)  # type: ignore[operator]
+    fresh, _ = _stage(seed=1)
+    before = [p.clone() for p in fresh.parameters()]
+    with pytest.raises(PeerRefused, match=match):
+        from_proto(message, block=fresh[0], index=1, version=7, source="peer")
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
+
+
+def test_a_fourth_node_joining_mid_run_gets_a_share_of_the_work(
+    tmp_path: Path, procs: Procs
+) -> None:
+    steps = 400
+    coord, ready = procs.start_node(
+        tmp_path / "n0", "--swarm-size", "3", "--model", "tiny", "--steps", str(steps)
+    )
+    address = ready["address"]
+    for i in (1, 2):
+        procs.start_node(tmp_path / f"n{i}", "--join", address)
+    for event in progress_events(address):
+        if event.step >= 5:
+            break
+    _, fourth = procs.start_node(tmp_path / "n3", "--join", address)
+    joined = time.monotonic()
+    # Within 30 s it owns a stage of a newer plan and trains it.
+    poll_until(lambda: node_status(fourth["address"]).version > 0, 30)
+    took = time.monotonic() - joined
+    status = node_status(fourth["address"])
+    assert status.stage >= 0 and status.plan_epoch == 2, status
+    done = [e for e in progress_events(address, timeout_s=300) if e.done]
+    assert len(done) == 1
+    summary = json.loads(done[0].summary_json)
+    assert [p["epoch"] for p in summary["plans"]] == [1, 2]
+    assert [p["nodes"] for p in summary["plans"]] == [3, 4]
+    start = summary["plans"][1]["start_step"]
+    assert 5 <= start < steps
+    assert fourth["node_id"] in {s["node_id"] for s in summary["stages"]}
+    losses = summary["loss_history"]
+    assert len(losses) == steps and all(x == x for x in losses)  # every step, no gaps
+    # Training carried on across the switch: no jump back to the initial loss.
+    assert max(losses[start : start + 5]) < losses[0]
+    assert summary["final_loss"] < summary["initial_loss"]
+    print(f"fourth node trained {took:.1f} s after it started; plan 2 from step {start}")
+    with grpc.insecure_channel(address) as channel:
+        view = pb_grpc.CoordinatorStub(channel).Swarm(pb.SwarmRequest(), timeout=30)
+    assert view.plan.epoch == 2 and len(view.members) == 4
+    assert coord.poll() is None
+    # Blocks go only to members of the current plan, for the current plan.
+    with grpc.insecure_channel(address) as channel:
+        node = pb_grpc.NodeStub(channel)
+        for request, code in (
+            (pb.BlockRequest(node_id="intruder", plan_epoch=2), grpc.StatusCode.PERMISSION_DENIED),
+            (pb.BlockRequest(node_id=fourth["node_id"], plan_epoch=1),
+             grpc.StatusCode.FAILED_PRECONDITION),
+        ):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as info:
+                node.FetchBlock(request, timeout=30)
+            assert info.value.code() == code
+
+
+def test_a_node_that_stops_mid_run_hands_its_blocks_over(tmp_path: Path, procs: Procs) -> None:
+    steps = 400
+    _, ready = procs.start_node(
+        tmp_path / "n0", "--swarm-size", "4", "--model", "tiny", "--steps", str(steps)
+    )
+    address = ready["address"]
+    joined = [procs.start_node(tmp_path / f"n{i}", "--join", address) for i in (1, 2, 3)]
+    for event in progress_events(address):
+        if event.step >= 5:
+            break
+    leaver, info = joined[1]
+    leaver.send_signal(signal.SIGTERM)
+    assert leaver.wait(60) == 0  # it left once its blocks were handed over
+    log = (tmp_path / "n2" / "node.log").read_text()
+    assert "blocks handed over; stopping" in log, log
+    done = [e for e in progress_events(address, timeout_s=300) if e.done]
+    assert len(done) == 1
+    summary = json.loads(done[0].summary_json)
+    assert [p["nodes"] for p in summary["plans"]] == [4, 3]
+    assert info["node_id"] not in {s["node_id"] for s in summary["stages"]}
+    losses = summary["loss_history"]
+    assert len(losses) == steps and all(x == x for x in losses)
+    start = summary["plans"][1]["start_step"]
+    assert max(losses[start : start + 5]) < losses[0]
+
+
+async def test_a_worker_never_goes_back_to_an_older_plan() -> None:
+    """A coordinator that comes back with an older plan (a stale one, or one restored from an
+    old copy of its store) cannot impose it: the worker keeps the newest it has seen."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ravnest_node.daemon.worker import Worker
+    from ravnest_node.transport.boundary import LinkCounters
+    from ravnest_node.transport.options import TransportConfig
+
+    def plan(epoch: int, pending: bool = False) -> pb.Plan:
+        return pb.Plan(epoch=epoch, pending=pending, start_step=epoch)
+
+    streams = [[plan(3)], [plan(2), plan(3), plan(4, pending=True), plan(4)]]
+
+    class Stub:
+        def WatchPlan(self, request: pb.WatchPlanRequest) -> AsyncIterator[pb.Plan]:
+            async def stream() -> AsyncIterator[pb.Plan]:
+                for p in streams.pop(0):
+                    yield p
+                if not streams:  # the last stream stays open, as a live coordinator's does
+                    await asyncio.Event().wait()
+
+            return stream()
+
+    with ThreadPoolExecutor(1) as compute:
+        worker = Worker(
+            node_id="w", address="w:1", coordinator="c:1", compute_threads=1,
+            transport=TransportConfig(), compute=compute, counters=LinkCounters(),
+        )  # fmt: skip
+        seen: list[tuple[int, bool]] = []
+        notify = worker._notify
+
+        async def record() -> None:
+            assert worker.latest_plan is not None
+            seen.append((worker.latest_plan.epoch, worker.latest_plan.pending))
+            await notify()
+
+        worker._notify = record  # type: ignore[method-assign]
+        watcher = asyncio.create_task(worker._watch_plans(Stub()))  # type: ignore[arg-type]
+        latest = await worker._next_plan(3)  # the first stream ended: it reconnects
+        watcher.cancel()
+    assert latest.epoch == 4 and not latest.pending
+    assert seen == [(3, False), (4, True), (4, False)]  # epoch 2 never replaced epoch 3
