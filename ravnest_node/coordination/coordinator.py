@@ -28,7 +28,7 @@ from ravnest_node.coordination.negotiate import (
     negotiated_plan,
 )
 from ravnest_node.coordination.placement import SwarmPlan
-from ravnest_node.coordination.static_plan import Member, stage_at
+from ravnest_node.coordination.static_plan import Member, has_node, stage_at
 from ravnest_node.coordination.store import CoordinatorStore
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
@@ -115,7 +115,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Every plan WatchPlan announced, in order (a copy as it was then: a pending plan,
         and later the same epoch started)."""
         self._replans_closed = False  # the run ends before a newer plan could start
-        self._history: list[dict[str, Any]] = []
         self._changed = asyncio.Condition()
         self._started_at = 0.0
         self._started_unix = 0.0
@@ -161,7 +160,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if saved.plan is not None:
             self._epoch = saved.plan.epoch
             self._announce(saved.plan)
-            self._history = [self._plan_entry(saved.plan)]
             self._started_unix = saved.started_unix
             self._started_at = now - max(0.0, time.time() - saved.started_unix)
         self._pipeline_losses = saved.pipeline_losses
@@ -223,9 +221,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         f"node {request.node_id} already joined from {member.address}",
                     )
                 self._leases = self._leases.renew(request.node_id, now)
-                in_plan = self._plan is not None and any(
-                    s.node_id == request.node_id for s in self._plan.stages
-                )
+                in_plan = self._plan is not None and has_node(self._plan.stages, request.node_id)
                 if request.HasField("capabilities") and not in_plan:
                     self._capabilities[request.node_id] = request.capabilities
                     self._save_members()
@@ -307,9 +303,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return pb.LeaveReply()
         # After the plan: a member with a stage stays until a plan without it has taken its
         # blocks over, if there is anyone to take them.
-        holds = any(s.node_id == request.node_id for s in self._plan.stages)
+        holds = has_node(self._plan.stages, request.node_id)
         pending = self._next
-        if pending is not None and any(s.node_id == request.node_id for s in pending.stages):
+        if pending is not None and has_node(pending.stages, request.node_id):
             # The pending plan counted on it: make it again without it (same epoch; drains
             # already said stay valid, they are about the current plan).
             self._next = None
@@ -343,7 +339,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._plan = plan
         self._epoch = plan.epoch
         self._announce(plan)
-        self._history.append(self._plan_entry(plan))
         if self._store is not None:
             self._store.save_plan(plan, self._started_unix)
         for s in plan.stages:
@@ -672,7 +667,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "schedule": t.schedule,
             # Every plan of the run, in order: epoch, start step, nodes and stages
             # ([pipeline, stage, first block, stop block, node id]); the last is `stages`.
-            "plans": self._history,
+            "plans": [self._plan_entry(p) for p in self._announcements if not p.pending],
             "stages": [
                 {
                     "pipeline": s.pipeline,

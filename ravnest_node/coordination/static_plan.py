@@ -6,7 +6,7 @@ and negotiation issue replaces it with a planner that also weighs node speed, me
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ravnest_node.coordination.planner import partition
@@ -91,6 +91,11 @@ def check_plan(plan: pb.Plan, model: BlockModel, node_id: str) -> pb.StageAssign
     if not mine:
         raise ConfigError(f"plan epoch {plan.epoch} has no stage for this node")
     return mine[0]
+
+
+def has_node(stages: Iterable[pb.StageAssignment], node_id: str) -> bool:
+    """`node_id` owns one of `stages` (a plan's stages, or its `previous`)."""
+    return any(s.node_id == node_id for s in stages)
 
 
 def stage_at(plan: pb.Plan, pipeline: int, index: int) -> pb.StageAssignment | None:

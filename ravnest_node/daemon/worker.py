@@ -30,7 +30,7 @@ import torch
 from ravnest_node.averaging import AveragingConfig, AveragingService, Member, ReplicaAverager
 from ravnest_node.coordination.coordinator import PROTOCOL
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S, heartbeat_interval
-from ravnest_node.coordination.static_plan import check_plan, replica_group, stage_at
+from ravnest_node.coordination.static_plan import check_plan, has_node, replica_group, stage_at
 from ravnest_node.daemon.capabilities import measure
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
@@ -388,12 +388,11 @@ class Worker:
         while True:
             plan = await self._next_plan(epoch)
             epoch = plan.epoch
-            if not any(s.node_id == self.node_id for s in plan.stages):
+            if not has_node(plan.stages, self.node_id):
                 log.info("plan epoch %d has no stage for this node; it waits for a later one",
                          plan.epoch)  # fmt: skip
                 continue
-            was_in = any(s.node_id == self.node_id for s in plan.previous)
-            if was_in and plan.start_step != self._held_step:
+            if has_node(plan.previous, self.node_id) and plan.start_step != self._held_step:
                 raise RunFailed(
                     f"plan epoch {plan.epoch} starts at step {plan.start_step}, but this node's "
                     f"last plan ended at step {self._held_step}"
@@ -470,7 +469,7 @@ class Worker:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"plan epoch {request.plan_epoch} is not the current one ({plan.epoch})",
             )
-        if not any(s.node_id == request.node_id for s in plan.stages):
+        if not has_node(plan.stages, request.node_id):
             raise Refusal(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"unknown peer {request.node_id[:80]!r}: not a member of plan epoch {plan.epoch}",
@@ -518,7 +517,7 @@ class Worker:
             plan = self.started_plan
             return (
                 plan is not None
-                and not any(s.node_id == self.node_id for s in plan.stages)
+                and not has_node(plan.stages, self.node_id)
                 and self._held_step == plan.start_step
                 and set(self._held) <= self._handed
             )
@@ -533,13 +532,12 @@ class Worker:
         fetched (in parallel) from the node that held it under the previous plan."""
         if plan.start_step == 0:
             return {}
-        # Blocks kept here count only if this node trained them up to this plan's start.
-        current = self._held_step == plan.start_step and any(
-            s.node_id == self.node_id for s in plan.previous
-        )
+        # Blocks kept here count only if this node trained them under the previous plan (then
+        # up to this plan's start: _follow_plans checked that).
+        trained = has_node(plan.previous, self.node_id)
         kept = {
             b: w for b, w in self._held.items()
-            if current and me.first_block <= b < me.stop_block
+            if trained and me.first_block <= b < me.stop_block
         }  # fmt: skip
         wanted = [b for b in range(me.first_block, me.stop_block) if b not in kept]
 

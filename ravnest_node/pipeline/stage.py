@@ -267,7 +267,6 @@ class StageRuntime:
         self._expected_backward = [Expected(GRAD, out.shape, out.dtype)]
         if not 0 <= start_step < run.steps:
             raise ValueError(f"start_step {start_step} outside 0..{run.steps - 1}")
-        self.start_step = start_step
         self._stop_step = run.steps  # the plan's last step, once known; the run's until then
         self._feed_limit = run.steps  # first stage: feeds no step from this one on
         # Admitted frames waiting for the compute loop. The schedule bounds each queue by the
