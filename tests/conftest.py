@@ -145,13 +145,30 @@ def poll_until(condition: Callable[[], bool], timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def pid_alive(pid: int) -> bool:
-    """True if `pid` exists and is not a zombie."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name, or None if there is no such task."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except FileNotFoundError:
-        return False
-    return state != "Z"
+        return None
+
+
+def pid_started(pid: int) -> str:
+    """When `pid` started (clock ticks since boot): with the pid, names one process for good."""
+    fields = _proc_stat(pid)
+    assert fields is not None, f"no process {pid}"
+    return fields[19]
+
+
+def pid_alive(pid: int, started: str) -> bool:
+    """True if the process `pid` that started at `started` (see pid_started) runs and is no zombie.
+
+    The start time matters: with pid_max at 32768, a long test run wraps around, and a pid (or a
+    thread id, which /proc also answers for) can belong to someone else seconds after its owner
+    exited.
+    """
+    fields = _proc_stat(pid)
+    return fields is not None and fields[19] == started and fields[0] != "Z"
 
 
 def progress_events(coordinator: str, timeout_s: float = 120) -> Iterator[pb.Progress]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Procs, pid_alive, progress_events, ravnest, wait_for_line
+from .conftest import Procs, pid_alive, pid_started, progress_events, ravnest, wait_for_line
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -46,12 +46,13 @@ def test_demo_stops_on_interrupt(procs: Procs, tmp_path: Path, whole_group: bool
     lines = wait_for_line(demo, "step ", timeout_s=120)
     pids = [int(m) for line in lines for m in re.findall(r"\(pid (\d+)\)", line)]
     assert len(pids) == 3
+    started = {pid: pid_started(pid) for pid in pids}
     if whole_group:  # what a terminal's Ctrl-C does: every process of the group gets SIGINT
         os.killpg(demo.pid, signal.SIGINT)
     else:
         demo.send_signal(signal.SIGINT)
     assert demo.wait(10) == 0
-    assert not [pid for pid in pids if pid_alive(pid)]
+    assert not [pid for pid in pids if pid_alive(pid, started[pid])]
 
 
 STUCK_STOP = """
