@@ -51,6 +51,9 @@ class DemoConfig:
     """Torch threads per node (0 = this machine's cores divided among the nodes)."""
     log_level: LogLevel = "info"
     """Log level of the node processes (their logs go to files in the work dir)."""
+    resume: bool = False
+    """Resume the run from the checkpoints the nodes of an earlier demo left in --work-dir
+    (stopped with Ctrl-C, or run with fewer --steps): every node starts with --resume."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The training run."""
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -62,6 +65,8 @@ class DemoConfig:
         check_swarm_shape(self.nodes, self.train)
         if self.compute_threads < 0:
             raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
+        if self.resume and self.work_dir is None:
+            raise ConfigError("resume: give the --work-dir of the demo to resume")
         check_frame_limit(self.train, self.transport.max_message_bytes)
 
     @property
@@ -173,6 +178,7 @@ class Demo:
         ]  # fmt: skip
         args += ["--advertise", slot.advertise] if slot.advertise else []
         args += ["--join", join] if join else ["--swarm-size", str(cfg.nodes)]
+        args += ["--resume"] if cfg.resume else []
         args += self.node_args
         log_file = await asyncio.to_thread(open, log_path, "ab")
         with log_file:

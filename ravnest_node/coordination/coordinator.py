@@ -21,11 +21,13 @@ from typing import Any
 
 import grpc
 
+from ravnest_node.checkpoint import run_key
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S, Leases
 from ravnest_node.coordination.negotiate import (
     check_capabilities,
     member_speeds,
     negotiated_plan,
+    resume_point,
 )
 from ravnest_node.coordination.placement import SwarmPlan
 from ravnest_node.coordination.static_plan import Member, has_node, stage_at
@@ -123,6 +125,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._bytes_sent: dict[str, int] = {}
         self._final: dict[tuple[int, int], pb.StageReport] = {}  # (pipeline, stage) -> report
         self._events: list[pb.Progress] = []
+        self._resumed_at = 0
+        """The step the run (re)started at: 0, or where the members' checkpoints were."""
+        self._checkpoints: dict[tuple[int, int], tuple[str, int]] = {}
+        """(pipeline, stage) -> (node id, step) of the newest checkpoint its owner reported."""
         data = StdlibBytes(seq_len=self._model.input_spec(1).shape[1], seed=train.seed)
         self._fingerprint = data.fingerprint
         self._store = store
@@ -167,6 +173,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._final = saved.finals
         self._events = saved.events
         self._losses = {e.step: e.loss for e in saved.events if not e.done}
+        if self._losses:
+            self._resumed_at = min(self._losses) - 1
+        elif saved.plan is not None:
+            self._resumed_at = saved.plan.start_step
         log.info(
             "resumed from %s: %d members, plan epoch %s, %d steps reported",
             store.path,
@@ -330,6 +340,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             capabilities=[self._capabilities[m.node_id] for m in self._members],
             run=run,
         )
+        resume = resume_point(
+            self._members,
+            self._capabilities,
+            run_key=run_key(run),
+            num_blocks=self._model.num_blocks(),
+            steps=self._train.steps,
+        )
+        if resume.why:
+            log.info("checkpoints: %s", resume.why)
+        # Resuming: the first plan starts where the checkpoints are, its blocks fetched from
+        # their holders as from a previous plan's stages.
+        self._plan.start_step = self._resumed_at = resume.step
+        self._plan.previous.extend(resume.holders)
         self._started_at = self._clock()
         self._started_unix = time.time()
         self._adopt(self._plan, placed)
@@ -385,7 +408,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         plan = self._plan
         if plan is None or self._next is not None or self._replans_closed:
             return
-        if len(self._losses) >= self._train.steps and not force:
+        if max(self._losses, default=self._resumed_at) >= self._train.steps and not force:
             return  # the run is over
         now = self._clock()
         in_plan = {s.node_id for s in plan.stages}
@@ -544,6 +567,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # Counters only grow; max() keeps a late-arriving older report from undoing a newer one.
         previous = self._bytes_sent.get(request.node_id, 0)
         self._bytes_sent[request.node_id] = max(previous, request.bytes_sent)
+        if request.checkpoint_step > self._checkpoints.get(key, ("", 0))[1]:
+            self._checkpoints[key] = (request.node_id, request.checkpoint_step)
         if request.done:
             if key in self._final or request.step != self._train.steps:
                 await context.abort(
@@ -558,7 +583,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # Steps are reported once each, in order: anything else is a confused or hostile
             # peer, and must not grow the event list.
             losses = self._pipeline_losses.setdefault(owner.pipeline, {})
-            expected = len(losses) + 1
+            expected = max(losses, default=self._resumed_at) + 1
             if request.step != expected or expected > self._train.steps:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -567,7 +592,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             losses[request.step] = request.loss
             # A step is complete once every pipeline has reported it; pipelines report in
             # order, so steps complete in order too.
-            step = len(self._losses) + 1
+            step = max(self._losses, default=self._resumed_at) + 1
             while step <= self._train.steps and all(
                 step in self._pipeline_losses.get(p, {}) for p in range(self._train.pipelines)
             ):
@@ -604,7 +629,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             step=step,
             steps=self._train.steps,
             loss=loss,
-            samples=step * self._train.batch_size * self._train.pipelines,
+            samples=(step - self._resumed_at) * self._train.batch_size * self._train.pipelines,
             wall_s=self._clock() - self._started_at,
             bytes_on_wire=sum(self._bytes_sent.values()),
         )
@@ -622,8 +647,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The run summary; every figure comes from what the stages reported."""
         t = self._train
         wall_s = self._clock() - self._started_at
-        samples = t.steps * t.batch_size * t.pipelines
-        losses = [self._losses.get(step, math.nan) for step in range(1, t.steps + 1)]
+        trained = range(self._resumed_at + 1, t.steps + 1)  # the steps this run trained
+        samples = len(trained) * t.batch_size * t.pipelines
+        losses = [self._losses.get(step, math.nan) for step in trained]
         first_pipeline = [r for (p, _), r in self._final.items() if p == 0]
         bytes_on_wire = sum(self._bytes_sent.values())
         activation_bytes = sum(r.activation_bytes_sent for r in self._final.values())
@@ -638,6 +664,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "samples": samples,
             "wall_s": wall_s,
             "samples_per_s": samples / wall_s if wall_s > 0 else math.nan,
+            # Resumed from checkpoints at this step: loss_history starts at the step after it.
+            "resumed_at": self._resumed_at,
             "initial_loss": losses[0],
             "final_loss": losses[-1],
             "loss_history": losses,
@@ -652,7 +680,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "num_params": sum(r.num_params for r in first_pipeline),
             "pipelines": t.pipelines,
             "loss_history_per_pipeline": [
-                [self._pipeline_losses.get(p, {}).get(s, math.nan) for s in range(1, t.steps + 1)]
+                [self._pipeline_losses.get(p, {}).get(s, math.nan) for s in trained]
                 for p in range(t.pipelines)
             ],
             "average_every": t.average_every,
@@ -668,6 +696,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # Every plan of the run, in order: epoch, start step, nodes and stages
             # ([pipeline, stage, first block, stop block, node id]); the last is `stages`.
             "plans": [self._plan_entry(p) for p in self._announcements if not p.pending],
+            # The newest checkpoint each stage's owner reported writing.
+            "checkpoints": [
+                {"pipeline": p, "stage": i, "node_id": node, "step": step}
+                for (p, i), (node, step) in sorted(self._checkpoints.items())
+            ],
             "stages": [
                 {
                     "pipeline": s.pipeline,

@@ -22,7 +22,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 from ravnest_node.coordination.placement import Block, Link, Links, NodeCaps, SwarmPlan, plan_swarm
 from ravnest_node.coordination.static_plan import Member
@@ -37,20 +38,95 @@ __all__ = [
     "model_blocks",
     "negotiated_plan",
     "node_speeds",
+    "resume_point",
 ]
 
 SPEED_GROUP = 1.3
 DEFAULT_LINK = Link(bandwidth_bps=1e9, rtt_s=1e-3)
 ADAM_BYTES_PER_PARAM = 16
 STASH_BYTES_PER_PARAM = 4
+MAX_OFFERS = 64
+MAX_PIPELINES = 1024  # a swarm has at most 1024 members
 
 
 def check_capabilities(caps: pb.Capabilities, num_blocks: int) -> None:
-    """Raise ConfigError unless `caps` has one finite, positive time per block."""
+    """Raise ConfigError unless `caps` has one finite, positive time per block, and at most
+    MAX_OFFERS checkpoint offers, each of a non-empty range of the model's blocks."""
     if len(caps.block_s) != num_blocks:
         raise ConfigError(f"capabilities give {len(caps.block_s)} block times for {num_blocks}")
     if not all(math.isfinite(t) and t > 0 for t in caps.block_s):
         raise ConfigError("capabilities: every block time must be finite and > 0")
+    if len(caps.checkpoints) > MAX_OFFERS:
+        raise ConfigError(f"capabilities offer {len(caps.checkpoints)} checkpoints, at most "
+                          f"{MAX_OFFERS}")  # fmt: skip
+    for offer in caps.checkpoints:
+        if not 0 <= offer.first_block < offer.stop_block <= num_blocks:
+            raise ConfigError(f"checkpoint offer of blocks [{offer.first_block}, "
+                              f"{offer.stop_block}): the model has {num_blocks}")  # fmt: skip
+        if len(offer.run_key) > 64:
+            raise ConfigError("checkpoint offer: run_key longer than 64 characters")
+        if offer.stage >= num_blocks or offer.pipeline >= MAX_PIPELINES:
+            raise ConfigError(f"checkpoint offer: stage {offer.stage} of pipeline "
+                              f"{offer.pipeline} cannot exist")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where a run resumes from its members' checkpoints (`resume_point`)."""
+
+    step: int
+    """The step the first plan starts at (0: from the beginning)."""
+    holders: list[pb.StageAssignment]
+    """Who holds the blocks at `step`: the first plan's `previous` stages."""
+    why: str
+    """For the log: what was offered and what was chosen."""
+
+
+def resume_point(
+    members: Sequence[Member],
+    capabilities: Mapping[str, pb.Capabilities],
+    *,
+    run_key: str,
+    num_blocks: int,
+    steps: int,
+) -> ResumePoint:
+    """The newest step, below the run's last, at which the members' checkpoints of this run
+    (`run_key`) together hold every block, and who holds them; step 0 if there is none.
+
+    Several holders of a block at that step (replicas) are all listed: a node that gains the
+    block fetches it from one of its own pipeline when it can."""
+    at: dict[int, list[tuple[Member, pb.CheckpointOffer]]] = {}
+    other_run = past_end = 0
+    for m in members:
+        for offer in capabilities[m.node_id].checkpoints if m.node_id in capabilities else ():
+            if offer.run_key != run_key:
+                other_run += 1
+            elif offer.step >= steps:
+                past_end += 1
+            elif offer.step > 0:
+                at.setdefault(offer.step, []).append((m, offer))
+    notes = []
+    if other_run:
+        notes.append(f"{other_run} checkpoint(s) of another run ignored")
+    if past_end:
+        notes.append(f"{past_end} checkpoint(s) at or past the run's {steps} steps ignored "
+                     "(raise --steps to train on from them)")  # fmt: skip
+    for step in sorted(at, reverse=True):
+        covered = {b for _, o in at[step] for b in range(o.first_block, o.stop_block)}
+        if len(covered) < num_blocks:
+            continue
+        holders = [
+            pb.StageAssignment(index=o.stage, first_block=o.first_block, stop_block=o.stop_block,
+                               node_id=m.node_id, address=m.address, pipeline=o.pipeline)
+            for m, o in at[step]
+        ]  # fmt: skip
+        notes.insert(0, f"resuming at step {step} from {len(holders)} checkpoint(s)"
+                        + (f", newest offered: {max(at)}" if max(at) > step else ""))  # fmt: skip
+        return ResumePoint(step, holders, "; ".join(notes))
+    if at:
+        notes.insert(0, f"checkpoints at steps {sorted(at)[-5:]} hold only some of the "
+                        f"{num_blocks} blocks at any one step: starting at step 0")  # fmt: skip
+    return ResumePoint(0, [], "; ".join(notes))
 
 
 def node_speeds(totals: Sequence[float], machines: Sequence[Hashable] | None = None) -> list[float]:

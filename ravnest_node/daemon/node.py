@@ -27,6 +27,7 @@ import grpc
 import torch
 
 from ravnest_node.averaging import AveragingService
+from ravnest_node.checkpoint import CheckpointDir
 from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
 from ravnest_node.coordination.election import Ballot, ElectionService, VoteBook, stand
 from ravnest_node.coordination.locate import (
@@ -70,6 +71,11 @@ MAX_CONCURRENT_RPCS = 64
 SUMMARY_FILE = "summary.json"
 # Seconds a stopping node's own tasks get to end before its server's calls are ended for them.
 STOP_TASKS_S = 1.0
+# A stopping node's last checkpoint: seconds its stage may take to end at a step boundary, and
+# then to pause where it is if it could not (writing it is not cut short: the stop watchdog
+# bounds the whole stop).
+STOP_DRAIN_S = 3.0
+STOP_PAUSE_S = 1.0
 JOIN_AUTO = "auto"
 JOIN_ELECT = "elect"
 MAX_PEERS = 64
@@ -116,6 +122,13 @@ class NodeConfig:
     leave_timeout_s: float = 120.0
     """Worker with a stage: on SIGINT/SIGTERM it first leaves the swarm and stays (at most this
     long) until a plan without it has taken its blocks over; a second signal stops it at once."""
+    resume: bool = False
+    """Carry on from this node's checkpoints in --state-dir: it offers them to the coordinator,
+    which resumes the run at the newest step every block has a checkpoint of. Without it, a new
+    run starts and checkpoints newer than its start are moved to checkpoints.previous/."""
+    checkpoint_keep: int = 3
+    """Checkpoints a node keeps in --state-dir/checkpoints (the newest; older ones are removed
+    once a newer one is complete)."""
     lease_s: float = DEFAULT_LEASE_S
     """On the coordinator: seconds a member stays a member without a heartbeat (members send
     one every third of it); before the plan, a member silent longer loses its place."""
@@ -153,6 +166,15 @@ class NodeConfig:
             raise ConfigError(f"coordinator_grace_s={self.coordinator_grace_s}: must be >= 0")
         if not (math.isfinite(self.leave_timeout_s) and 0 <= self.leave_timeout_s <= 3600):
             raise ConfigError(f"leave_timeout_s={self.leave_timeout_s}: must be 0 to 3600")
+        if self.resume and self.state_dir is None:
+            raise ConfigError("resume: checkpoints live in --state-dir: give the one used before")
+        if self.resume and self.coordinator_only:
+            raise ConfigError(
+                "resume: a lab coordinator carries on from its --state-dir by itself; --resume "
+                "is for nodes that train a stage"
+            )
+        if not 1 <= self.checkpoint_keep <= 1000:
+            raise ConfigError(f"checkpoint_keep={self.checkpoint_keep}: must be 1 to 1000")
         if not (math.isfinite(self.lease_s) and 0.3 <= self.lease_s <= 3600):
             raise ConfigError(f"lease_s={self.lease_s}: must be between 0.3 and 3600 seconds")
         if not (math.isfinite(self.fault_block_ms) and 0 <= self.fault_block_ms <= 60_000):
@@ -327,11 +349,13 @@ class NodeDaemon:
         log.info("leaving the swarm: handing this node's blocks over (at most %g s)", timeout_s)
         try:
             async with asyncio.timeout(timeout_s):
-                if await worker.leave():
-                    await worker.handed_over()
+                if not await worker.leave():
+                    log.info("nobody takes over this node's blocks; stopping")
+                elif await worker.handed_over():
                     log.info("blocks handed over; stopping")
                 else:
-                    log.info("nobody takes over this node's blocks; stopping")
+                    log.info("the coordinator is gone: stopping with this node's blocks "
+                             "checkpointed")  # fmt: skip
         except TimeoutError:
             log.warning("blocks not handed over within %g s; stopping anyway", timeout_s)
         except (PeerUnavailable, PeerRefused) as exc:
@@ -370,6 +394,12 @@ class NodeDaemon:
             compute=self._compute,
             counters=self._counters,
             coordinator_grace_s=cfg.coordinator_grace_s,
+            checkpoints=(
+                CheckpointDir(cfg.state_dir, cfg.checkpoint_keep)
+                if cfg.state_dir is not None and not cfg.coordinator_only
+                else None
+            ),
+            resume=cfg.resume,
         )
         worker.compute_scale = cfg.fault_compute_scale
         worker.block_delay_s = cfg.fault_block_ms / 1000
@@ -546,6 +576,8 @@ class NodeDaemon:
             if self._mdns is not None:
                 tasks.append(tg.create_task(self._mdns.run()))
             await self._stop.wait()
+            if self.run_error is None:
+                await worker.checkpoint_on_stop(STOP_DRAIN_S, STOP_PAUSE_S)
             await worker.stop()
             for task in tasks:
                 task.cancel()

@@ -28,8 +28,15 @@ import grpc
 import torch
 
 from ravnest_node.averaging import AveragingConfig, AveragingService, Member, ReplicaAverager
+from ravnest_node.checkpoint import (
+    CheckpointDir,
+    CheckpointError,
+    Manifest,
+    run_key,
+)
 from ravnest_node.coordination.coordinator import PROTOCOL
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S, heartbeat_interval
+from ravnest_node.coordination.negotiate import MAX_OFFERS
 from ravnest_node.coordination.static_plan import check_plan, has_node, replica_group, stage_at
 from ravnest_node.daemon.capabilities import measure
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
@@ -63,6 +70,9 @@ LEAVE_TIMEOUT_S = 1.0
 # A report the coordinator refused at once as unavailable is tried again after this pause,
 # and a plan stream that ended is opened again after it.
 REPORT_RETRY_S = 0.5
+# The coordinator counts as lost (a leaving node stops waiting for a hand-over) once its plan
+# stream has been unreachable this long: not one dropped connection.
+COORDINATOR_LOST_S = 3.0
 
 
 @asynccontextmanager
@@ -129,8 +139,18 @@ class Worker:
         counters: LinkCounters,
         averaging: AveragingService | None = None,
         coordinator_grace_s: float = 600.0,
+        checkpoints: CheckpointDir | None = None,
+        resume: bool = False,
     ) -> None:
         self.node_id = node_id
+        self._checkpoints = checkpoints
+        self._resume = resume
+        self._writing: asyncio.Task[Manifest] | None = None
+        """The checkpoint being written (one at a time, in a worker thread)."""
+        self._write_lock = asyncio.Lock()
+        self.checkpoint_step = 0
+        """Step of the newest checkpoint this node has written (reported to the coordinator)."""
+        self._plans_seen = 0
         self._coordinator_grace_s = coordinator_grace_s
         self._averaging_service = averaging
         self._address = address
@@ -166,6 +186,8 @@ class Worker:
         self.frames_refused = 0
         self.stopping = False
         """Set by the daemon when it stops: retry loops end instead of trying again."""
+        self.coordinator_lost = False
+        """The coordinator's plan stream has been unreachable for COORDINATOR_LOST_S."""
 
     @property
     def runtime(self) -> StageRuntime | None:
@@ -374,6 +396,11 @@ class Worker:
                 len(caps.block_s),
                 caps.memory_bytes / 2**30,
             )
+            if self._resume and self._checkpoints is not None:
+                found = await asyncio.to_thread(self._checkpoints.verified, get_model(reply.model))
+                caps.checkpoints.extend(m.offer() for m in found[:MAX_OFFERS])
+                log.info("--resume: offering checkpoints at steps %s",
+                         [m.step for m in found] or "(none)")  # fmt: skip
             join.capabilities.CopyFrom(caps)
             with coordinator_errors(self.coordinator):
                 await stub.Join(join, timeout=self._transport.connect_timeout_s)
@@ -388,6 +415,9 @@ class Worker:
         while True:
             plan = await self._next_plan(epoch)
             epoch = plan.epoch
+            self._plans_seen += 1
+            if self._plans_seen == 1:
+                await self._checkpoints_for(plan)
             if not has_node(plan.stages, self.node_id):
                 log.info("plan epoch %d has no stage for this node; it waits for a later one",
                          plan.epoch)  # fmt: skip
@@ -405,6 +435,7 @@ class Worker:
             self._held, self._held_step = await runtime.export(), runtime.version
             self._handed = set()
             await self._notify()
+            await self._write_checkpoint(self._held_step, self._held, plan)
             log.info("plan epoch %d ended at step %d; waiting for the next plan", plan.epoch,
                      runtime.version)  # fmt: skip
 
@@ -428,6 +459,7 @@ class Worker:
         whenever it ends (a coordinator restarting). Only a newer plan replaces the one this
         node has (a higher epoch, or the same epoch no longer pending): an old coordinator
         that comes back cannot impose an older plan."""
+        unreachable_since: float | None = None
         while True:
             try:
                 # Not wait_for_ready: a call waiting for a channel that never comes back cannot
@@ -435,6 +467,8 @@ class Worker:
                 # is tried again after a pause.
                 watch = stub.WatchPlan(pb.WatchPlanRequest(node_id=self.node_id))
                 async for plan in watch:
+                    unreachable_since = None
+                    self.coordinator_lost = False
                     latest = self.latest_plan
                     if latest is not None and (plan.epoch, not plan.pending) <= (
                         latest.epoch,
@@ -451,7 +485,119 @@ class Worker:
             except grpc.aio.AioRpcError as exc:
                 self._reraise_cancel(exc)
                 log.info("plan stream from %s ended: %s", self.coordinator, exc.code().name)
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    now = asyncio.get_running_loop().time()
+                    unreachable_since = unreachable_since or now
+                    if now - unreachable_since >= COORDINATOR_LOST_S and not self.coordinator_lost:
+                        self.coordinator_lost = True
+                        await self._notify()
             await asyncio.sleep(REPORT_RETRY_S)  # a retry's pause before opening it again
+
+    # ----- checkpoints ------------------------------------------------------------------------
+    async def _checkpoints_for(self, plan: pb.Plan) -> None:
+        """The first plan this node gets: checkpoints newer than its start are set aside (a run
+        that starts there must never resume from another timeline), and if the plan resumes
+        from this node's checkpoint, its blocks are loaded to serve (verified again)."""
+        store = self._checkpoints
+        if store is None:
+            return
+        aside, folder = await asyncio.to_thread(store.set_aside_after, plan.start_step)
+        if aside:
+            log.warning("checkpoints at steps %s are newer than where this run starts (step "
+                        "%d): moved to %s", aside, plan.start_step, folder)  # fmt: skip
+        if plan.start_step == 0 or not has_node(plan.previous, self.node_id):
+            return
+        model = get_model(plan.run.model)
+        try:
+            manifest, blocks = await asyncio.to_thread(store.load, plan.start_step, model)
+        except CheckpointError as exc:
+            raise RunFailed(f"cannot resume at step {plan.start_step}: {exc}") from None
+        if manifest.run_key != run_key(plan.run):
+            raise RunFailed(f"cannot resume at step {plan.start_step}: the checkpoint is of "
+                            "another run")  # fmt: skip
+        self._held, self._held_step, self._handed = blocks, plan.start_step, set()
+        self.checkpoint_step = plan.start_step
+        await self._notify()
+        log.info("resuming at step %d: serving blocks [%d, %d) from %s", plan.start_step,
+                 manifest.first_block, manifest.stop_block, store.path)  # fmt: skip
+
+    async def _write_checkpoint(
+        self, step: int, blocks: dict[int, BlockWeights], plan: pb.Plan
+    ) -> None:
+        """Start writing a checkpoint of `blocks` at `step` in a worker thread, once the one
+        before it is written: one write at a time (a slow disk holds the stage up rather than
+        piling copies up in memory)."""
+        if self._checkpoints is None or step == 0 or not blocks:
+            return
+        me = next(s for s in plan.stages if s.node_id == self.node_id)
+        save = partial(
+            self._checkpoints.save,
+            blocks,
+            step=step,
+            run=plan.run,
+            pipeline=me.pipeline,
+            stage=me.index,
+            plan_epoch=plan.epoch,
+        )
+        async with self._write_lock:
+            if self._writing is not None:
+                await asyncio.wait([self._writing])  # never cancels the write, even if cancelled
+            self._writing = asyncio.ensure_future(asyncio.to_thread(save))
+            self._writing.add_done_callback(self._written)
+
+    def _written(self, task: asyncio.Task[Manifest]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # a full disk: say so loudly, train on
+            log.error("checkpoint not written: %s", exc)
+            return
+        manifest = task.result()
+        self.checkpoint_step = max(self.checkpoint_step, manifest.step)
+        log.info("checkpoint of blocks [%d, %d) at step %d written (%.1f MB)",
+                 manifest.first_block, manifest.stop_block, manifest.step,
+                 manifest.bytes / 1e6)  # fmt: skip
+
+    async def flush_checkpoints(self) -> None:
+        """Wait until every checkpoint started so far is on disk."""
+        async with self._write_lock:  # a write being started is started
+            task = self._writing
+        if task is not None:
+            await asyncio.wait([task])  # never cancels the write, even if this wait is
+
+    async def checkpoint_on_stop(self, drain_s: float, pause_s: float) -> None:
+        """The node stops: checkpoint its stage, and wait for every write.
+
+        Where it can, the stage first ends its plan at a step boundary, as for a new plan (for
+        up to `drain_s`): a first stage feeds no new step and trains what it fed; a stage
+        behind it does the same and ends when its upstream stream ends cleanly there. Stopped
+        together, a pipeline's stages so checkpoint one step, the step a resumed run starts
+        at. A stage that cannot get there in time (a neighbour gone) is checkpointed where it
+        is, if its loop pauses within `pause_s`."""
+        session, plan = self._session, self.plan
+        if session is not None and plan is not None and self._checkpoints is not None:
+            runtime = session.runtime
+            if not runtime.done:
+                if runtime.spec.is_first:
+                    with contextlib.suppress(ValueError):
+                        runtime.stop_at(runtime.drain_step())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(drain_s):
+                        await runtime.ended.wait()
+            blocks: dict[int, BlockWeights] = {}
+            if runtime.ended.is_set():
+                blocks = await runtime.export()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(pause_s):
+                        blocks = await runtime.snapshot()
+            if blocks:
+                await self._write_checkpoint(next(iter(blocks.values())).version, blocks, plan)
+            else:
+                log.warning("stage %d did not pause: no checkpoint at its last step (the "
+                            "newest is at step %d)", runtime.spec.index,
+                            self.checkpoint_step)  # fmt: skip
+        await self.flush_checkpoints()
 
     async def fetch_block(self, request: pb.BlockRequest) -> pb.BlockState:
         """Node.FetchBlock: a member of plan `request.plan_epoch` asks for a block this node
@@ -507,13 +653,17 @@ class Worker:
                 )
         return bool(reply.hand_off)
 
-    async def handed_over(self) -> None:
+    async def handed_over(self) -> bool:
         """Wait until a plan without this node has started and its members have fetched every
-        block this node held when its last plan ended."""
+        block this node held when its last plan ended (True), or until the coordinator's plan
+        stream is lost (False): then nobody will take the blocks over, and the node stops with
+        them checkpointed."""
 
         def done() -> bool:
             if self._session is not None and self._session.runtime.run_done:
                 return True  # the run ended before a plan without this node started
+            if self.coordinator_lost:
+                return True
             plan = self.started_plan
             return (
                 plan is not None
@@ -524,6 +674,7 @@ class Worker:
 
         async with self._changed:
             await self._changed.wait_for(done)
+        return not self.coordinator_lost
 
     async def _gather_blocks(
         self, plan: pb.Plan, me: pb.StageAssignment, blocks: list[torch.nn.Module]
@@ -729,6 +880,7 @@ class Worker:
             start_step=plan.start_step,
             restore=restore,
             block_delay_s=self.block_delay_s,
+            checkpoint=partial(self._write_checkpoint, plan=plan),
         )
         try:
             runtime = await asyncio.get_running_loop().run_in_executor(self._compute, build)
@@ -768,6 +920,8 @@ class Worker:
                 r = await reports.get()
                 if r is None:
                     return
+                if r.done:  # the run's last checkpoint counts in the final report
+                    await self.flush_checkpoints()
                 report = pb.StageReport(
                     node_id=self.node_id,
                     stage=spec.index,
@@ -798,6 +952,7 @@ class Worker:
                     gradient_codec_frames=r.metrics.gradient_codec_frames,
                     downstream_bandwidth_bps=r.metrics.downstream_bandwidth_bps,
                     upstream_bandwidth_bps=r.metrics.upstream_bandwidth_bps,
+                    checkpoint_step=self.checkpoint_step,
                 )
                 await self._call_coordinator(partial(call_with_timeout, stub.Report, report))
                 if r.done:

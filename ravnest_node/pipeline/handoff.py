@@ -12,7 +12,7 @@ a wrong message is refused whole and changes nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,7 +110,7 @@ def from_proto(
         raise refuse(f"it is block {message.block}")
     if message.version != version:
         raise refuse(f"it is at step {message.version}, the plan starts at {version}")
-    shapes = {name: tuple(p.shape) for name, p in block.named_parameters()}
+    shapes = block_shapes(block)
     tensors: dict[tuple[str, str], torch.Tensor] = {}
     for t in message.tensors:
         key = (t.role, t.name)
@@ -127,13 +127,45 @@ def from_proto(
             raise refuse(f"{t.role} {t.name} has {len(t.data)} bytes, not {expected}")
         values = np.frombuffer(t.data, dtype="<f4").reshape(shapes[t.name])
         tensors[key] = torch.from_numpy(values.astype(np.float32))
+    return check_block(
+        tensors, shapes=shapes, index=index, version=version,
+        optimizer_step=message.optimizer_step, refuse=refuse,
+    )  # fmt: skip
+
+
+def block_shapes(block: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of a block (a block built on the meta device will do)."""
+    return {name: tuple(p.shape) for name, p in block.named_parameters()}
+
+
+def check_block(
+    tensors: dict[tuple[str, str], torch.Tensor],
+    *,
+    shapes: Mapping[str, tuple[int, ...]],
+    index: int,
+    version: int,
+    optimizer_step: float,
+    refuse: Callable[[str], Exception],
+) -> BlockWeights:
+    """The checks every block state passes before it is used, wherever it came from (a peer, a
+    checkpoint): exactly the block's parameters, float32 and of their shapes, AdamW moments for
+    all of them or none, a whole optimizer step count, every value finite, second moments not
+    negative. Raises `refuse(what is wrong)`."""
+    for role, name in tensors:
+        if role not in ROLES or name not in shapes:
+            raise refuse(f"unknown tensor {role} {name[:80]!r}")
+        t = tensors[(role, name)]
+        if t.dtype != torch.float32:
+            raise refuse(f"{role} {name} is {t.dtype}, not {DTYPE}")
+        if tuple(t.shape) != shapes[name]:
+            raise refuse(f"{role} {name} has shape {list(t.shape)}, not {list(shapes[name])}")
     for name in shapes:
         if ("param", name) not in tensors:
             raise refuse(f"parameter {name} is missing")
     moments = len(tensors) > len(shapes)
     if moments and len(tensors) != len(ROLES) * len(shapes):
         raise refuse("optimizer moments for only some parameters")
-    step = message.optimizer_step
+    step = optimizer_step
     if moments and not (math.isfinite(step) and step >= 1 and step.is_integer()):
         raise refuse(f"optimizer step {step}")
     for (role, name), values_t in tensors.items():
@@ -141,4 +173,4 @@ def from_proto(
             raise refuse(f"{role} {name} is not finite")
         if role == "exp_avg_sq" and bool((values_t < 0).any()):
             raise refuse(f"{role} {name} has negative values")
-    return BlockWeights(index, version, message.optimizer_step if moments else 0.0, tensors)
+    return BlockWeights(index, version, optimizer_step if moments else 0.0, tensors)

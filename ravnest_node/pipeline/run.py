@@ -99,6 +99,10 @@ class TrainConfig:
     int8-block, int4-block or powersgd (rank 4, docs/averaging.md)."""
     average_timeout_s: float = 10.0
     """How long an averaging round waits for the other replicas before leaving them out."""
+    checkpoint_every: int = 50
+    """Each stage writes a checkpoint (its blocks, AdamW moments and step) to its node's
+    --state-dir/checkpoints after every this many steps; also when a plan or the run ends and
+    when the node stops. 0: only then. `start --resume` carries on from them."""
 
     def __post_init__(self) -> None:
         get_model(self.model)  # raises ConfigError naming the known presets
@@ -117,6 +121,8 @@ class TrainConfig:
             raise ConfigError("lr must be > 0 and weight_decay >= 0")
         if self.seed < 0:
             raise ConfigError(f"seed={self.seed}: must not be negative")
+        if not 0 <= self.checkpoint_every <= 1_000_000:
+            raise ConfigError(f"checkpoint_every={self.checkpoint_every}: must be 0 to 1000000")
         for role, name in (
             ("codec", self.codec),
             ("activation_codec", self.activation_codec),
@@ -240,6 +246,7 @@ class TrainConfig:
             staleness_warmup_steps=self.staleness_warmup_steps,
             data_fingerprint=data_fingerprint,
             schedule=_SCHEDULE_TO_PB[self.schedule],
+            checkpoint_every=self.checkpoint_every,
         )
         if self.fault_skip_step_stage is not None:
             spec.fault_skip_step_stage = self.fault_skip_step_stage
@@ -278,6 +285,7 @@ class TrainConfig:
             max_staleness=spec.max_staleness,
             staleness_warmup_steps=spec.staleness_warmup_steps,
             schedule=schedule,
+            checkpoint_every=spec.checkpoint_every,
             fault_skip_step_stage=(
                 spec.fault_skip_step_stage if spec.HasField("fault_skip_step_stage") else None
             ),

@@ -212,8 +212,18 @@ class StageRuntime:
         start_step: int = 0,
         restore: Mapping[int, BlockWeights] | None = None,
         block_delay_s: float = 0.0,
+        checkpoint: Callable[[int, dict[int, BlockWeights]], Awaitable[None]] | None = None,
     ) -> None:
         self.spec = spec
+        self._checkpoint = checkpoint
+        """Called with (step, blocks) after every `checkpoint_every` steps (an averaging round
+        begun at that step not applied yet: the replica's own weights of that step) and at the
+        run's end (every round applied)."""
+        self._snapshots: list[asyncio.Future[dict[int, BlockWeights]]] = []
+        self._looping = False
+        self.ended = asyncio.Event()
+        """Set when `run()` has returned normally: this plan's part is trained, the last
+        averaging round applied; the weights are those of step `version`."""
         self.block_delay_s = block_delay_s
         self.run_config = run
         self._model = model
@@ -482,27 +492,24 @@ class StageRuntime:
         """Train until this plan's last step is applied; at the run's end, send the final
         report. Ends the downstream stream cleanly either way."""
         self._started = time.monotonic()
-        while not self.done:
-            if self._round is not None and self._round.done():  # an averaged result arrived
-                await self._finish_round()
-            elif self._backwards:  # 1F1B: backward work first
-                await self._on_backward(self._backwards.popleft())
-            elif self._forwards and self._may_forward(self._forwards[0].seq):
-                received = self._forwards.popleft()
-                await self._on_forward(received.seq, received.tensors, received.samples)
-            elif self.spec.is_first and self._may_produce():
-                # Counted before it is fed: a drain decided meanwhile (drain_step, on the loop)
-                # must see this microbatch as begun.
-                self._produced += 1
-                await self._produce(self._produced - 1)
-            else:
-                await self._idle()
+        self._looping = True
+        try:
+            await self._loop()
+        finally:
+            self._looping = False
+            for waiter in self._snapshots:  # the loop ended: snapshot() exports directly now
+                if not waiter.done():
+                    waiter.set_result({})
+            self._snapshots = []
         if self._round is not None:  # the run ends with the last round applied
             await self._finish_round()
         if not self.run_done:  # this plan's part ends here; the next plan carries on
             if self.downstream is not None:
                 await self.downstream.close()
+            self.ended.set()
             return
+        if self._checkpoint is not None:  # the trained model, every round applied
+            await self._checkpoint(self.version, await self.export())
         params_sq_sum, num_params = await self._call(self._param_stats)
         await self._report(
             StepReport(
@@ -516,6 +523,42 @@ class StageRuntime:
         )
         if self.downstream is not None:
             await self.downstream.close()
+        self.ended.set()
+
+    async def _loop(self) -> None:
+        while not self.done:
+            if self._snapshots:  # between two pieces of work: weights and version agree
+                blocks = await self.export()
+                waiters, self._snapshots = self._snapshots, []
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(blocks)
+            elif self._round is not None and self._round.done():  # an averaged result arrived
+                await self._finish_round()
+            elif self._backwards:  # 1F1B: backward work first
+                await self._on_backward(self._backwards.popleft())
+            elif self._forwards and self._may_forward(self._forwards[0].seq):
+                received = self._forwards.popleft()
+                await self._on_forward(received.seq, received.tensors, received.samples)
+            elif self.spec.is_first and self._may_produce():
+                # Counted before it is fed: a drain decided meanwhile (drain_step, on the loop)
+                # must see this microbatch as begun.
+                self._produced += 1
+                await self._produce(self._produced - 1)
+            else:
+                await self._idle()
+
+    async def snapshot(self) -> dict[int, BlockWeights]:
+        """Copies of this stage's blocks at its current step (`version`), taken by the loop
+        between two pieces of its work, where weights and step agree (a stopping node
+        checkpoints them). Empty if the loop is not running, or ends first: a loop stopped
+        midway may have stepped its weights without counting the step."""
+        if not self._looping:
+            return {}
+        waiter: asyncio.Future[dict[int, BlockWeights]] = asyncio.get_running_loop().create_future()
+        self._snapshots.append(waiter)
+        self._wake.set()
+        return await waiter
 
     async def _idle(self) -> None:
         """Wait for a frame or a finished send; the time counts against the neighbour that
@@ -625,6 +668,14 @@ class StageRuntime:
         self._wake.set()  # the bound moved: forwards may be allowed now
         if self._averaging is not None and self._averaging.config.round_due(self.version):
             await self._begin_round()
+        every = self.run_config.checkpoint_every
+        if (
+            self._checkpoint is not None
+            and every
+            and self.version % every == 0
+            and not self.run_done  # the run's end is checkpointed once its last round is in
+        ):
+            await self._checkpoint(self.version, await self.export())
         await self._report(
             StepReport(step=self.version, loss=loss, done=False, metrics=self.metrics())
         )

@@ -127,14 +127,32 @@ class JoinRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("block_s", "memory_bytes", "device")
+    __slots__ = ("block_s", "memory_bytes", "device", "checkpoints")
     BLOCK_S_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     block_s: _containers.RepeatedScalarFieldContainer[float]
     memory_bytes: int
     device: str
-    def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointOffer]
+    def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ...) -> None: ...
+
+class CheckpointOffer(_message.Message):
+    __slots__ = ("step", "first_block", "stop_block", "run_key", "pipeline", "stage")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    STOP_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RUN_KEY_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    first_block: int
+    stop_block: int
+    run_key: str
+    pipeline: int
+    stage: int
+    def __init__(self, step: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., run_key: _Optional[str] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("swarm_id", "member_index", "swarm_size", "model", "microbatch", "lease_s")
@@ -183,7 +201,7 @@ class WatchPlanRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s", "staleness_warmup_steps", "fault_slow_link", "fault_link_kbps")
+    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s", "staleness_warmup_steps", "fault_slow_link", "fault_link_kbps", "checkpoint_every")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +228,7 @@ class RunSpec(_message.Message):
     STALENESS_WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     FAULT_SLOW_LINK_FIELD_NUMBER: _ClassVar[int]
     FAULT_LINK_KBPS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     model: str
     steps: int
     batch_size: int
@@ -236,7 +255,8 @@ class RunSpec(_message.Message):
     staleness_warmup_steps: int
     fault_slow_link: int
     fault_link_kbps: int
-    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ...) -> None: ...
+    checkpoint_every: int
+    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline")
@@ -273,7 +293,7 @@ class Plan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps")
+    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps", "checkpoint_step")
     class ActivationCodecFramesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +337,7 @@ class StageReport(_message.Message):
     GRADIENT_CODEC_FRAMES_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     stage: int
     plan_epoch: int
@@ -346,7 +367,8 @@ class StageReport(_message.Message):
     gradient_codec_frames: _containers.ScalarMap[str, int]
     downstream_bandwidth_bps: float
     upstream_bandwidth_bps: float
-    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ..., activation_bytes_sent: _Optional[int] = ..., gradient_bytes_sent: _Optional[int] = ..., wall_s: _Optional[float] = ..., idle_upstream_s: _Optional[float] = ..., idle_downstream_s: _Optional[float] = ..., staleness: _Optional[_Iterable[int]] = ..., max_in_flight: _Optional[int] = ..., max_weight_versions: _Optional[int] = ..., pipeline: _Optional[int] = ..., averaging_rounds: _Optional[int] = ..., averaging_rounds_incomplete: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ..., averaging_wait_s: _Optional[float] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., activation_codec_frames: _Optional[_Mapping[str, int]] = ..., gradient_codec_frames: _Optional[_Mapping[str, int]] = ..., downstream_bandwidth_bps: _Optional[float] = ..., upstream_bandwidth_bps: _Optional[float] = ...) -> None: ...
+    checkpoint_step: int
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ..., activation_bytes_sent: _Optional[int] = ..., gradient_bytes_sent: _Optional[int] = ..., wall_s: _Optional[float] = ..., idle_upstream_s: _Optional[float] = ..., idle_downstream_s: _Optional[float] = ..., staleness: _Optional[_Iterable[int]] = ..., max_in_flight: _Optional[int] = ..., max_weight_versions: _Optional[int] = ..., pipeline: _Optional[int] = ..., averaging_rounds: _Optional[int] = ..., averaging_rounds_incomplete: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ..., averaging_wait_s: _Optional[float] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., activation_codec_frames: _Optional[_Mapping[str, int]] = ..., gradient_codec_frames: _Optional[_Mapping[str, int]] = ..., downstream_bandwidth_bps: _Optional[float] = ..., upstream_bandwidth_bps: _Optional[float] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ()

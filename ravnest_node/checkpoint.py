@@ -1,0 +1,373 @@
+"""Stage checkpoints: a node's blocks, their AdamW moments and the step, kept on its own disk.
+
+A checkpoint is two files in `<state-dir>/checkpoints/`, named by the step they hold:
+
+* `step-00000120-<sha256 prefix>.safetensors`: every tensor of the stage's blocks, float32,
+  named `<block>/<role>/<parameter>` (role: param, exp_avg, exp_avg_sq; pipeline/handoff.py);
+* `step-00000120.json`: the manifest. The step (optimizer steps applied, which is also the data
+  position: step S trains on the batches of step S next), the blocks and the run they belong to,
+  each block's AdamW step count, and the size and sha256 of the tensor file.
+
+**Atomic.** The tensor file is written first, the manifest last, each to a temporary file that
+is fsynced and renamed over its name (`state.write_atomic`): a checkpoint exists once its
+manifest does, and a manifest only names a tensor file already complete on disk. The tensor
+file's name carries its checksum, so writing a step again (a plan ended there, then the node
+stopped there with another stage) never replaces the file the old manifest names. A writer
+killed at any point leaves the previous checkpoints as they were, plus at most a temporary or
+an orphaned tensor file, which the next save removes.
+
+**Verified.** Loading checks the manifest, then the tensor file's size and sha256, then every
+tensor against the blocks the manifest names (`handoff.check_block`: names, shapes, float32,
+finite values). Anything wrong raises CheckpointError naming the file and the fault, and
+`latest` falls back to the next older checkpoint. Nothing is unpickled: safetensors holds raw
+tensors and a JSON header only.
+
+The newest `keep` checkpoints stay; older ones are removed after a new one is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ravnest_node.errors import RavnestError
+from ravnest_node.models import BlockModel, get_model
+from ravnest_node.pipeline.handoff import BlockWeights, block_shapes, check_block
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.state import write_atomic
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ravnest-checkpoint/1"
+DIR_NAME = "checkpoints"
+SET_ASIDE_DIR = "checkpoints.previous"
+MAX_MANIFEST_BYTES = 1 << 20
+_NAME = re.compile(r"^step-(\d{8})\.json$")
+_TENSOR_FILE = re.compile(r"^step-(\d{8})-[0-9a-f]{16}\.safetensors$")
+
+
+class CheckpointError(RavnestError):
+    """A checkpoint is missing, corrupt, truncated or not of this run; the message says which
+    file and what is wrong."""
+
+
+def run_key(spec: pb.RunSpec) -> str:
+    """What a checkpoint must share with a run to resume it: the model and the data (its seed,
+    batch layout and content). The step count, learning rate or swarm shape may change."""
+    text = "|".join(
+        str(v)
+        for v in (spec.model, spec.seed, spec.batch_size, spec.microbatches,
+                  spec.dataset_samples, spec.data_fingerprint)
+    )  # fmt: skip
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What a checkpoint holds (its `.json` file)."""
+
+    step: int
+    """Optimizer steps applied: the run resumes at this step."""
+    run_key: str
+    model: str
+    first_block: int
+    stop_block: int
+    pipeline: int
+    stage: int
+    plan_epoch: int
+    samples_seen: int
+    """Samples this stage's pipeline had trained on (its data position)."""
+    optimizer_steps: dict[int, float]
+    """Block -> AdamW's step count (0: the block has taken no step yet)."""
+    file: str
+    bytes: int
+    sha256: str
+    written_unix: float
+    format: str = FORMAT
+
+    @property
+    def blocks(self) -> range:
+        return range(self.first_block, self.stop_block)
+
+    def offer(self) -> pb.CheckpointOffer:
+        """What a resuming node tells the coordinator about this checkpoint."""
+        return pb.CheckpointOffer(
+            step=self.step,
+            first_block=self.first_block,
+            stop_block=self.stop_block,
+            run_key=self.run_key,
+            pipeline=self.pipeline,
+            stage=self.stage,
+        )
+
+
+def _stem(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _tensor_name(block: int, role: str, name: str) -> str:
+    return f"{block}/{role}/{name}"
+
+
+class CheckpointDir:
+    """The checkpoints of one node: save (from a worker thread), list, load verified."""
+
+    def __init__(self, state_dir: Path, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"keep={keep}: must be >= 1")
+        self.path = state_dir / DIR_NAME
+        self.keep = keep
+
+    # ----- writing ----------------------------------------------------------------------------
+    def save(
+        self,
+        blocks: Mapping[int, BlockWeights],
+        *,
+        step: int,
+        run: pb.RunSpec,
+        pipeline: int,
+        stage: int,
+        plan_epoch: int,
+    ) -> Manifest:
+        """Write the checkpoint of `blocks` (contiguous, all at `step`) and drop the oldest
+        beyond `keep`. Blocking: call it from a worker thread."""
+        indices = sorted(blocks)
+        if not indices or indices != list(range(indices[0], indices[-1] + 1)):
+            raise ValueError(f"blocks {indices} are not a contiguous range")
+        if any(w.version != step for w in blocks.values()):
+            raise ValueError(f"blocks are not all at step {step}")
+        tensors = {
+            _tensor_name(b, role, name): t.contiguous()
+            for b in indices
+            for (role, name), t in blocks[b].tensors.items()
+        }
+        data = st_save(tensors)
+        stem = _stem(step)
+        digest = hashlib.sha256(data).hexdigest()
+        manifest = Manifest(
+            step=step,
+            run_key=run_key(run),
+            model=run.model,
+            first_block=indices[0],
+            stop_block=indices[-1] + 1,
+            pipeline=pipeline,
+            stage=stage,
+            plan_epoch=plan_epoch,
+            samples_seen=step * run.batch_size,
+            optimizer_steps={b: blocks[b].optimizer_step for b in indices},
+            file=f"{stem}-{digest[:16]}.safetensors",
+            bytes=len(data),
+            sha256=digest,
+            written_unix=time.time(),
+        )
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._prune()  # what a killed or failed writer left: room for this one
+        write_atomic(self.path / manifest.file, data)
+        write_atomic(self.path / f"{stem}.json", json.dumps(asdict(manifest)).encode())
+        self._prune()
+        return manifest
+
+    def _named_file(self, manifest_path: Path) -> str | None:
+        """The tensor file a manifest names (None if it names none we would write)."""
+        try:
+            with open(manifest_path, "rb") as f:
+                name = json.loads(f.read(MAX_MANIFEST_BYTES)).get("file")
+        except (OSError, ValueError, AttributeError, RecursionError):
+            return None
+        return name if isinstance(name, str) and _TENSOR_FILE.match(name) else None
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` checkpoints; remove older ones, temporaries left by a killed
+        writer, and tensor files no kept manifest names."""
+        manifests = sorted(self._manifest_paths(), reverse=True)
+        for _, path in manifests[self.keep :]:
+            path.unlink(missing_ok=True)
+        named = {self._named_file(path) for _, path in manifests[: self.keep]}
+        for path in self.path.iterdir():
+            temporary = path.name.startswith(".") and path.name.endswith(".tmp")
+            orphan = path.suffix == ".safetensors" and path.name not in named
+            if temporary or orphan:
+                path.unlink(missing_ok=True)
+
+    def set_aside_after(self, step: int) -> tuple[list[int], Path | None]:
+        """Move checkpoints newer than `step` to a new folder under `checkpoints.previous/`: a
+        run that starts at `step` must never later resume from another timeline. Nothing is
+        deleted (remove set-aside folders by hand). Returns their steps and the folder."""
+        newer = sorted((s, p) for s, p in self._manifest_paths() if s > step)
+        if not newer:
+            return [], None
+        aside = self.path.parent / SET_ASIDE_DIR / time.strftime("%Y%m%d-%H%M%S")
+        suffix = 0
+        while aside.exists():
+            suffix += 1
+            aside = aside.with_name(f"{aside.name.split('.')[0]}.{suffix}")
+        aside.mkdir(parents=True)
+        for _, path in newer:
+            tensors = self._named_file(path)
+            path.rename(aside / path.name)  # the manifest first: no checkpoint is ever half here
+            if tensors is not None and (self.path / tensors).exists():
+                (self.path / tensors).rename(aside / tensors)
+        return [s for s, _ in newer], aside
+
+    # ----- reading ----------------------------------------------------------------------------
+    def _manifest_paths(self) -> Iterator[tuple[int, Path]]:
+        if not self.path.is_dir():
+            return
+        for path in self.path.iterdir():
+            match = _NAME.match(path.name)
+            if match:
+                yield int(match.group(1)), path
+
+    def steps(self) -> list[int]:
+        """Steps that have a manifest, newest first (not verified)."""
+        return sorted((s for s, _ in self._manifest_paths()), reverse=True)
+
+    def manifest(self, step: int) -> Manifest:
+        """The manifest of the checkpoint at `step`, checked for form; CheckpointError."""
+        path = self.path / f"{_stem(step)}.json"
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_MANIFEST_BYTES + 1)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read it: {exc.strerror}") from None
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes")
+        try:
+            return _parse_manifest(json.loads(raw), step)
+        except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as exc:
+            raise CheckpointError(f"{path}: not a valid manifest: {exc!s:.200}") from None
+
+    def load(self, step: int, model: BlockModel) -> tuple[Manifest, dict[int, BlockWeights]]:
+        """The checkpoint at `step`, every byte verified; CheckpointError otherwise."""
+        manifest = self.manifest(step)
+        path = self.path / manifest.file
+
+        def refuse(what: str) -> CheckpointError:
+            return CheckpointError(f"{path}: {what}")
+
+        if manifest.model != model.name:
+            raise refuse(f"it is of model {manifest.model!r}, not {model.name!r}")
+        if not 0 <= manifest.first_block < manifest.stop_block <= model.num_blocks():
+            raise refuse(f"blocks [{manifest.first_block}, {manifest.stop_block}) are not "
+                         f"blocks of {model.name}")  # fmt: skip
+        try:
+            size = path.stat().st_size
+            if size != manifest.bytes:
+                raise refuse(f"{size} bytes, the manifest says {manifest.bytes} (truncated?)")
+            data = path.read_bytes()
+        except OSError as exc:
+            raise refuse(f"cannot read it: {exc.strerror}") from None
+        if hashlib.sha256(data).hexdigest() != manifest.sha256:
+            raise refuse("its sha256 does not match the manifest (corrupt)")
+        try:
+            tensors = st_load(data)
+        except (SafetensorError, ValueError) as exc:
+            raise refuse(f"not a safetensors file: {exc}") from None
+        by_block: dict[int, dict[tuple[str, str], torch.Tensor]] = {b: {} for b in manifest.blocks}
+        for key, t in tensors.items():
+            parts = key.split("/", 2)
+            if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) not in by_block:
+                raise refuse(f"unexpected tensor {key[:80]!r}")
+            by_block[int(parts[0])][(parts[1], parts[2])] = t
+        with torch.device("meta"):  # shapes only: nothing is allocated or initialised
+            built = model.build_stage(0, manifest.first_block, manifest.stop_block)
+        out: dict[int, BlockWeights] = {}
+        for block, module in zip(manifest.blocks, built, strict=True):
+
+            def refuse_block(what: str, block: int = block) -> CheckpointError:
+                return refuse(f"block {block}: {what}")
+
+            out[block] = check_block(
+                by_block[block],
+                shapes=block_shapes(module),
+                index=block,
+                version=manifest.step,
+                optimizer_step=manifest.optimizer_steps.get(block, 0.0),
+                refuse=refuse_block,
+            )
+        return manifest, out
+
+    def verified(self, model: BlockModel | None = None) -> list[Manifest]:
+        """The manifest of every checkpoint that loads, newest first (each loaded, checked and
+        let go in turn); each refused one is logged with why."""
+        good = []
+        for step in self.steps():
+            try:
+                m = model or get_model(self.manifest(step).model)
+                good.append(self.load(step, m)[0])
+            except RavnestError as exc:
+                log.warning("checkpoint refused: %s", exc)
+        return good
+
+    def latest(self, model: BlockModel) -> tuple[Manifest, dict[int, BlockWeights]] | None:
+        """The newest checkpoint that loads (older ones are tried in turn when a newer one is
+        refused, and each refusal is logged); None if there is none."""
+        for step in self.steps():
+            try:
+                return self.load(step, model)
+            except CheckpointError as exc:
+                log.warning("checkpoint refused, trying an older one: %s", exc)
+        return None
+
+
+def _parse_manifest(obj: Any, step: int) -> Manifest:
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    if obj.get("format") != FORMAT:
+        raise ValueError(f"format {str(obj.get('format'))[:40]!r} is not {FORMAT!r}")
+
+    def integer(key: str, low: int = 0) -> int:
+        v = obj[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{key} must be an integer >= {low}")
+        return v
+
+    def text(key: str, limit: int = 256) -> str:
+        v = obj[key]
+        if not isinstance(v, str) or len(v) > limit:
+            raise ValueError(f"{key} must be a string of at most {limit} characters")
+        return v
+
+    steps = obj["optimizer_steps"]
+    if not isinstance(steps, dict) or len(steps) > 4096:
+        raise ValueError("optimizer_steps must be an object")
+    optimizer_steps = {int(k): float(v) for k, v in steps.items()}
+    written = obj["written_unix"]
+    if not isinstance(written, (int, float)):
+        raise ValueError("written_unix must be a number")
+    manifest = Manifest(
+        step=integer("step"),
+        run_key=text("run_key", 64),
+        model=text("model", 64),
+        first_block=integer("first_block"),
+        stop_block=integer("stop_block", 1),
+        pipeline=integer("pipeline"),
+        stage=integer("stage"),
+        plan_epoch=integer("plan_epoch"),
+        samples_seen=integer("samples_seen"),
+        optimizer_steps=optimizer_steps,
+        file=text("file"),
+        bytes=integer("bytes"),
+        sha256=text("sha256", 64),
+        written_unix=float(written),
+    )
+    if manifest.step != step:
+        raise ValueError(f"it says step {manifest.step}, its name says {step}")
+    if manifest.file != f"{_stem(step)}-{manifest.sha256[:16]}.safetensors":
+        raise ValueError(f"file {manifest.file[:80]!r} is not {_stem(step)}-<its sha256 "
+                         "prefix>.safetensors")  # fmt: skip
+    if set(optimizer_steps) - set(manifest.blocks):
+        raise ValueError("optimizer_steps names blocks it does not hold")
+    return manifest
