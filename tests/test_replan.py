@@ -19,7 +19,13 @@ import torch
 
 from ravnest_node.errors import PeerRefused
 from ravnest_node.models import get_model
-from ravnest_node.pipeline.handoff import export_blocks, from_proto, restore_blocks, to_proto
+from ravnest_node.pipeline.handoff import (
+    BlockWeights,
+    export_blocks,
+    from_chunks,
+    restore_blocks,
+    to_chunks,
+)
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from tests.conftest import Procs, node_status, poll_until, progress_events
@@ -39,8 +45,8 @@ def test_blocks_move_with_their_optimizer_state() -> None:
     states = export_blocks(blocks, 1, opt, version=7)
     assert sorted(states) == [1, 2]
     fresh, fresh_opt = _stage(seed=1)
-    received = {
-        b: from_proto(to_proto(w), block=fresh[b - 1], index=b, version=7, source="peer")
+    received = {  # in small chunks: many per tensor
+        b: from_chunks(to_chunks(w, 256), block=fresh[b - 1], index=b, version=7, source="peer")
         for b, w in states.items()
     }
     restore_blocks(fresh, 1, fresh_opt, received)
@@ -50,34 +56,55 @@ def test_blocks_move_with_their_optimizer_state() -> None:
     assert float(fresh_opt.state[next(fresh.parameters())]["step"]) == 1.0
 
 
+def _tensor(chunks: list[pb.BlockChunk], role: str = "param") -> list[pb.BlockChunk]:
+    """The chunks of the first tensor of `role` with more than one chunk."""
+    first = next(c for c in chunks if c.role == role and c.offset > 0)
+    return [c for c in chunks if (c.role, c.name) == (first.role, first.name)]
+
+
+def _drop_tensor(m: list[pb.BlockChunk]) -> None:
+    last = (m[-1].role, m[-1].name)
+    m[:] = [c for c in m if (c.role, c.name) != last]
+
+
 @pytest.mark.parametrize(
     ("spoil", "match"),
     [
-        (lambda m: setattr(m, "block", 2), "it is block 2"),
-        (lambda m: setattr(m, "version", 6), "at step 6, the plan starts at 7"),
-        (lambda m: m.tensors.pop(), "missing|only some"),
-        (lambda m: setattr(m.tensors[0], "data", m.tensors[0].data[:-4]), "bytes, not"),
-        (lambda m: m.tensors[0].shape.append(1), "has shape"),
-        (lambda m: setattr(m.tensors[0], "dtype", "float64"), "not float32"),
-        (lambda m: setattr(m.tensors[0], "name", "os.system"), "unknown tensor"),
-        (lambda m: m.tensors.append(m.tensors[0]), "twice"),
-        (lambda m: setattr(m.tensors[0], "data", b"\xff" * len(m.tensors[0].data)), "not finite"),
+        (lambda m: setattr(m[0], "block", 2), "it is block 2"),
+        (lambda m: setattr(m[0], "version", 6), "at step 6, the plan starts at 7"),
+        (_drop_tensor, "missing|only some"),
+        (lambda m: m.remove(_tensor(m)[-1]), r"has \d+ of \d+ values"),
+        (lambda m: m[0].shape.append(1), "has shape"),
+        (lambda m: setattr(m[0], "dtype", "float64"), "not float32"),
+        (lambda m: setattr(m[0], "name", "os.system"), "unknown tensor"),
+        (lambda m: m.extend(_tensor(m)), "twice"),
+        (lambda m: setattr(_tensor(m)[1], "offset", _tensor(m)[1].offset + 1), "expected"),
+        (lambda m: setattr(_tensor(m)[-1], "data", _tensor(m)[-1].data + NEGATIVE), "not \\d+"),
+        (lambda m: setattr(m[0], "data", m[0].data[:-1]), "a chunk of"),
+        (lambda m: setattr(m[0], "data", b""), "a chunk of 0 bytes"),
+        (lambda m: setattr(m[1], "optimizer_step", 3.0), "disagree"),
+        (lambda m: setattr(m[0], "data", b"\xff" * len(m[0].data)), "not finite"),
         (
-            lambda m: setattr(m.tensors[2], "data", NEGATIVE * (len(m.tensors[2].data) // 4)),
+            lambda m: setattr(
+                _tensor(m, "exp_avg_sq")[0], "data", NEGATIVE * (len(m[0].data) // 4)
+            ),
             "negative",
         ),
     ],
-)
+    ids=["block", "version", "missing", "truncated", "shape", "dtype", "name", "twice", "gap",
+         "overrun", "odd-bytes", "empty", "step", "nan", "negative"],
+)  # fmt: skip
 def test_a_wrong_block_is_refused_whole(spoil: object, match: str) -> None:
     blocks, opt = _stage()
     sum(p.square().sum() for p in blocks.parameters()).backward()
     opt.step()
-    message = to_proto(export_blocks(blocks, 1, opt, version=7)[1])
-    spoil(message)  # type: ignore[operator]
+    weights: BlockWeights = export_blocks(blocks, 1, opt, version=7)[1]
+    chunks = list(to_chunks(weights, 256))
+    spoil(chunks)  # type: ignore[operator]
     fresh, _ = _stage(seed=1)
     before = [p.clone() for p in fresh.parameters()]
     with pytest.raises(PeerRefused, match=match):
-        from_proto(message, block=fresh[0], index=1, version=7, source="peer")
+        from_chunks(chunks, block=fresh[0], index=1, version=7, source="peer")
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
 
 
@@ -128,7 +155,7 @@ def test_a_fourth_node_joining_mid_run_gets_a_share_of_the_work(
              grpc.StatusCode.FAILED_PRECONDITION),
         ):  # fmt: skip
             with pytest.raises(grpc.RpcError) as info:
-                node.FetchBlock(request, timeout=30)
+                list(node.FetchBlock(request, timeout=30))
             assert info.value.code() == code
 
 

@@ -14,6 +14,8 @@ import grpc
 
 from ravnest_node.checkpoint import SET_ASIDE_DIR, CheckpointDir
 from ravnest_node.models import get_model
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.proto import control_pb2_grpc as pb_grpc
 
 from .conftest import Procs, progress_events
 
@@ -46,6 +48,10 @@ class Swarm:
             losses[event.step] = event.loss
             if event.step >= step:
                 break
+        # The coordinator knows each member's newest checkpoint (status --swarm shows it).
+        with grpc.insecure_channel(self.address) as channel:
+            view = pb_grpc.CoordinatorStub(channel).Swarm(pb.SwarmRequest(), timeout=30)
+        assert all(m.checkpoint_step >= step - 10 for m in view.members), view.members
         for node in self.nodes:
             node.send_signal(signal.SIGTERM)
         # The steps the swarm trains while it stops; the stream ends with the coordinator.

@@ -136,6 +136,7 @@ def swarm_dict(
             "silent_s": member.silent_s,
             "lease_expired": member.lease_expired,
             "left": member.left,
+            "checkpoint_step": member.checkpoint_step,
         }
         if isinstance(status, pb.NodeStatus):
             entry.update(
@@ -183,6 +184,8 @@ def describe_swarm(s: dict[str, Any]) -> str:
             else "no stage"
         )
         answer = f"version {m['version']}" if m["reachable"] else f"no answer ({m['error']})"
+        if m["checkpoint_step"]:
+            answer += f", checkpoint at step {m['checkpoint_step']}"
         if m["left"]:
             answer += ", left the swarm"
         elif m["lease_expired"]:

@@ -736,6 +736,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     silent_s=self._leases.silent_s(m.node_id, now),
                     lease_expired=self._leases.expired(m.node_id, now),
                     left=m.node_id in self._leases.left,
+                    checkpoint_step=max(
+                        (step for node, step in self._checkpoints.values() if node == m.node_id),
+                        default=0,
+                    ),
                 )
                 for m, c, speed in zip(self._members, caps, speeds, strict=True)
             ],

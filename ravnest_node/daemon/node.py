@@ -249,13 +249,14 @@ class NodeService(pb_grpc.NodeServicer):
 
     async def FetchBlock(
         self, request: pb.BlockRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.BlockState:
+    ) -> AsyncIterator[pb.BlockChunk]:
         worker = self._daemon.worker
         if worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is starting")
         assert worker is not None
         try:
-            return await worker.fetch_block(request)
+            async for chunk in worker.fetch_block(request):
+                yield chunk
         except Refusal as refusal:
             await context.abort(refusal.code, refusal.reason)
             raise  # not reached: abort raises

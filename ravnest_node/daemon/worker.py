@@ -42,7 +42,7 @@ from ravnest_node.daemon.capabilities import measure
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
-from ravnest_node.pipeline.handoff import BlockWeights, from_proto, to_proto
+from ravnest_node.pipeline.handoff import CHUNK_BYTES, BlockAssembler, BlockWeights, to_chunks
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
 from ravnest_node.pipeline.stage import Averaging, StageRuntime, StageSpec, StepReport
 from ravnest_node.proto import control_pb2 as pb
@@ -599,10 +599,10 @@ class Worker:
                             self.checkpoint_step)  # fmt: skip
         await self.flush_checkpoints()
 
-    async def fetch_block(self, request: pb.BlockRequest) -> pb.BlockState:
+    async def fetch_block(self, request: pb.BlockRequest) -> AsyncIterator[pb.BlockChunk]:
         """Node.FetchBlock: a member of plan `request.plan_epoch` asks for a block this node
-        kept when its last plan ended. Waits (within the connect timeout) for that plan and
-        for this node's previous plan to end; Refusal otherwise."""
+        kept when its last plan ended; its chunks. Waits (within the connect timeout) for that
+        plan and for this node's previous plan to end; Refusal otherwise (before any chunk)."""
         await self._wait(
             lambda: self.started_plan is not None
             and self.started_plan.epoch >= request.plan_epoch,
@@ -630,11 +630,16 @@ class Worker:
             f"block {request.block} is not ready yet (its plan has not ended here)",
             timeout_s=2 * self._transport.connect_timeout_s,  # a pipeline may be catching up
         )
-        message = await asyncio.to_thread(to_proto, self._held[request.block])
+        # A chunk well within the message limit both ends have (its header included).
+        chunk_bytes = min(CHUNK_BYTES, self._transport.max_message_bytes // 2)
+        chunks = to_chunks(self._held[request.block], chunk_bytes)
+        done = object()
+        while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+            assert isinstance(chunk, pb.BlockChunk)
+            yield chunk
         if self._held_step == plan.start_step:
             self._handed.add(request.block)
             await self._notify()
-        return message
 
     @property
     def holds_stage(self) -> bool:
@@ -701,25 +706,38 @@ class Worker:
 
         async def fetch(block: int) -> BlockWeights:
             holder = source(block)
+            where = f"{holder.node_id} ({holder.address})"
+            assembler = BlockAssembler(
+                block=blocks[block - me.first_block], index=block, version=plan.start_step,
+                source=where,
+            )  # fmt: skip
             async with open_channel(holder.address, self._transport) as channel:
                 stub = pb_grpc.NodeStub(channel)
                 request = pb.BlockRequest(node_id=self.node_id, plan_epoch=plan.epoch, block=block)
+                call = stub.FetchBlock(request)
+                # No deadline for the whole block (a big one over a slow link takes minutes);
+                # the holder may take a while to have it (its pipeline catching up), then each
+                # chunk must follow the one before within the connect timeout.
+                first = True
                 try:
-                    message = await stub.FetchBlock(
-                        request, timeout=3 * self._transport.connect_timeout_s
-                    )
+                    while True:
+                        limit = self._transport.connect_timeout_s * (3 if first else 1)
+                        async with asyncio.timeout(limit):
+                            chunk = await call.read()
+                        if chunk is grpc.aio.EOF:
+                            break
+                        assembler.add(chunk)
+                        first = False
+                except TimeoutError:
+                    raise PeerUnavailable(f"block {block} from {where}: no chunk for "
+                                          f"{limit:g} s") from None  # fmt: skip
                 except grpc.aio.AioRpcError as exc:
                     raise PeerUnavailable(
-                        f"block {block} from {holder.node_id} ({holder.address}): "
-                        f"{exc.code().name}: {exc.details()}"
+                        f"block {block} from {where}: {exc.code().name}: {exc.details()}"
                     ) from None
-            return from_proto(
-                message,
-                block=blocks[block - me.first_block],
-                index=block,
-                version=plan.start_step,
-                source=f"{holder.node_id} ({holder.address})",
-            )
+                finally:
+                    call.cancel()
+            return assembler.finish()
 
         async with asyncio.TaskGroup() as tg:
             tasks = {b: tg.create_task(fetch(b)) for b in wanted}

@@ -1,5 +1,5 @@
 """Moving blocks between plans: a block's weights and AdamW moments, out of one stage and into
-another, over `Node.FetchBlock`.
+another, over `Node.FetchBlock`, in chunks.
 
 When a plan ends at step S (docs/discovery.md, "Re-planning"), every node keeps the blocks it
 trained, as they were after step S, and serves them to the members of the next plan. A node
@@ -12,7 +12,7 @@ a wrong message is refused whole and changes nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +23,8 @@ from ravnest_node.proto import control_pb2 as pb
 
 ROLES = ("param", "exp_avg", "exp_avg_sq")
 DTYPE = "float32"
+CHUNK_BYTES = 1 << 20
+"""Data per `BlockChunk`: a block of any size moves in messages far below gRPC's limits."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +64,7 @@ def restore_blocks(
     optimizer: torch.optim.Optimizer,
     states: Mapping[int, BlockWeights],
 ) -> None:
-    """Load `states` (checked by `from_proto`, or exported here) into a stage's blocks and its
+    """Load `states` (checked by `BlockAssembler`, or exported here) into a stage's blocks and its
     fresh optimizer; blocks without a state keep their initial weights."""
     with torch.no_grad():
         for i, block in enumerate(blocks):
@@ -79,58 +81,103 @@ def restore_blocks(
                     }
 
 
-def to_proto(weights: BlockWeights) -> pb.BlockState:
-    return pb.BlockState(
-        block=weights.block,
-        version=weights.version,
-        optimizer_step=weights.optimizer_step,
-        tensors=[
-            pb.TensorData(
+def to_chunks(weights: BlockWeights, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.BlockChunk]:
+    """A block as `Node.FetchBlock` sends it: each tensor's little-endian float32 values in
+    chunks of at most `chunk_bytes` (call it in a worker thread: it converts as it goes)."""
+    per_chunk = max(1, chunk_bytes // 4)
+    for (role, name), t in weights.tensors.items():
+        values = t.detach().contiguous().view(-1).numpy().astype("<f4", copy=False)
+        for offset in range(0, values.size, per_chunk):
+            yield pb.BlockChunk(
+                block=weights.block,
+                version=weights.version,
+                optimizer_step=weights.optimizer_step,
                 name=name,
                 role=role,
                 dtype=DTYPE,
                 shape=list(t.shape),
-                data=t.contiguous().numpy().astype("<f4", copy=False).tobytes(),
+                offset=offset,
+                data=values[offset : offset + per_chunk].tobytes(),
             )
-            for (role, name), t in weights.tensors.items()
-        ],
-    )
 
 
-def from_proto(
-    message: pb.BlockState, *, block: torch.nn.Module, index: int, version: int, source: str
-) -> BlockWeights:
-    """Check a fetched block against the receiver's own copy of it (`block`, freshly built) and
-    the step the plan starts at; PeerRefused naming `source` and what is wrong otherwise."""
+class BlockAssembler:
+    """Puts a fetched block together from its chunks, checking each against the receiver's own
+    copy of the block (`block`, freshly built) and the step the plan starts at before anything
+    is copied: PeerRefused naming `source` and what is wrong otherwise. Memory is allocated
+    for the receiver's own parameter shapes only, never for what a chunk claims."""
 
-    def refuse(what: str) -> PeerRefused:
-        return PeerRefused(f"block {index} from {source}: {what}")
+    def __init__(self, *, block: torch.nn.Module, index: int, version: int, source: str) -> None:
+        self._shapes = block_shapes(block)
+        self._index, self._version, self._source = index, version, source
+        self._optimizer_step: float | None = None
+        self._values: dict[tuple[str, str], np.ndarray] = {}
+        self._filled: dict[tuple[str, str], int] = {}
 
-    if message.block != index:
-        raise refuse(f"it is block {message.block}")
-    if message.version != version:
-        raise refuse(f"it is at step {message.version}, the plan starts at {version}")
-    shapes = block_shapes(block)
-    tensors: dict[tuple[str, str], torch.Tensor] = {}
-    for t in message.tensors:
-        key = (t.role, t.name)
-        if t.role not in ROLES or t.name not in shapes:
-            raise refuse(f"unknown tensor {t.role} {t.name[:80]!r}")
-        if key in tensors:
-            raise refuse(f"{t.role} {t.name} twice")
-        if t.dtype != DTYPE:
-            raise refuse(f"{t.role} {t.name} is {t.dtype[:20]!r}, not {DTYPE}")
-        if tuple(t.shape) != shapes[t.name]:
-            raise refuse(f"{t.role} {t.name} has shape {list(t.shape)}, not {list(shapes[t.name])}")
-        expected = 4 * int(np.prod(shapes[t.name], dtype=np.int64))
-        if len(t.data) != expected:
-            raise refuse(f"{t.role} {t.name} has {len(t.data)} bytes, not {expected}")
-        values = np.frombuffer(t.data, dtype="<f4").reshape(shapes[t.name])
-        tensors[key] = torch.from_numpy(values.astype(np.float32))
-    return check_block(
-        tensors, shapes=shapes, index=index, version=version,
-        optimizer_step=message.optimizer_step, refuse=refuse,
-    )  # fmt: skip
+    def _refuse(self, what: str) -> PeerRefused:
+        return PeerRefused(f"block {self._index} from {self._source}: {what}")
+
+    def add(self, chunk: pb.BlockChunk) -> None:
+        refuse = self._refuse
+        if chunk.block != self._index:
+            raise refuse(f"it is block {chunk.block}")
+        if chunk.version != self._version:
+            raise refuse(f"it is at step {chunk.version}, the plan starts at {self._version}")
+        if self._optimizer_step is None:
+            self._optimizer_step = chunk.optimizer_step
+        elif chunk.optimizer_step != self._optimizer_step and not (
+            math.isnan(chunk.optimizer_step) and math.isnan(self._optimizer_step)
+        ):
+            raise refuse("its chunks disagree on the optimizer step")
+        key = (chunk.role, chunk.name)
+        if chunk.role not in ROLES or chunk.name not in self._shapes:
+            raise refuse(f"unknown tensor {chunk.role[:20]} {chunk.name[:80]!r}")
+        shape = self._shapes[chunk.name]
+        if chunk.dtype != DTYPE:
+            raise refuse(f"{chunk.role} {chunk.name} is {chunk.dtype[:20]!r}, not {DTYPE}")
+        if tuple(chunk.shape) != shape:
+            raise refuse(f"{chunk.role} {chunk.name} has shape {list(chunk.shape)[:8]}, not "
+                         f"{list(shape)}")  # fmt: skip
+        numel = int(np.prod(shape, dtype=np.int64))
+        filled = self._filled.get(key, 0)
+        if filled == numel and key in self._values:
+            raise refuse(f"{chunk.role} {chunk.name} twice")
+        if chunk.offset != filled:
+            raise refuse(f"{chunk.role} {chunk.name}: a chunk at element {chunk.offset}, "
+                         f"expected {filled}")  # fmt: skip
+        count, rest = divmod(len(chunk.data), 4)
+        if count == 0 or rest:
+            raise refuse(f"{chunk.role} {chunk.name}: a chunk of {len(chunk.data)} bytes")
+        if filled + count > numel:
+            raise refuse(f"{chunk.role} {chunk.name}: {filled + count} values, not {numel}")
+        if key not in self._values:
+            self._values[key] = np.empty(numel, dtype=np.float32)
+        self._values[key][filled : filled + count] = np.frombuffer(chunk.data, dtype="<f4")
+        self._filled[key] = filled + count
+
+    def finish(self) -> BlockWeights:
+        """The block, once every chunk has arrived and passed `check_block`."""
+        tensors: dict[tuple[str, str], torch.Tensor] = {}
+        for (role, name), values in self._values.items():
+            if self._filled[(role, name)] != values.size:
+                raise self._refuse(f"{role} {name} has {self._filled[(role, name)]} of "
+                                   f"{values.size} values")  # fmt: skip
+            tensors[(role, name)] = torch.from_numpy(values).reshape(self._shapes[name])
+        return check_block(
+            tensors, shapes=self._shapes, index=self._index, version=self._version,
+            optimizer_step=self._optimizer_step or 0.0, refuse=self._refuse,
+        )  # fmt: skip
+
+
+def from_chunks(
+    chunks: Iterable[pb.BlockChunk], *, block: torch.nn.Module, index: int, version: int,
+    source: str,
+) -> BlockWeights:  # fmt: skip
+    """`BlockAssembler` over chunks at hand (tests, and what a peer sent in one go)."""
+    assembler = BlockAssembler(block=block, index=index, version=version, source=source)
+    for chunk in chunks:
+        assembler.add(chunk)
+    return assembler.finish()
 
 
 def block_shapes(block: torch.nn.Module) -> dict[str, tuple[int, ...]]:

@@ -86,31 +86,27 @@ class BlockRequest(_message.Message):
     block: int
     def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., block: _Optional[int] = ...) -> None: ...
 
-class TensorData(_message.Message):
-    __slots__ = ("name", "role", "dtype", "shape", "data")
+class BlockChunk(_message.Message):
+    __slots__ = ("block", "version", "optimizer_step", "name", "role", "dtype", "shape", "offset", "data")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    version: int
+    optimizer_step: float
     name: str
     role: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
-
-class BlockState(_message.Message):
-    __slots__ = ("block", "version", "optimizer_step", "tensors")
-    BLOCK_FIELD_NUMBER: _ClassVar[int]
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
-    TENSORS_FIELD_NUMBER: _ClassVar[int]
-    block: int
-    version: int
-    optimizer_step: float
-    tensors: _containers.RepeatedCompositeFieldContainer[TensorData]
-    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., optimizer_step: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorData, _Mapping]]] = ...) -> None: ...
+    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., optimizer_step: _Optional[float] = ..., name: _Optional[str] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("node_id", "address", "compute_threads", "protocol", "capabilities")
@@ -455,7 +451,7 @@ class SwarmRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SwarmMember(_message.Message):
-    __slots__ = ("node_id", "address", "compute_s", "speed", "silent_s", "lease_expired", "left")
+    __slots__ = ("node_id", "address", "compute_s", "speed", "silent_s", "lease_expired", "left", "checkpoint_step")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +459,7 @@ class SwarmMember(_message.Message):
     SILENT_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     LEFT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     compute_s: float
@@ -470,7 +467,8 @@ class SwarmMember(_message.Message):
     silent_s: float
     lease_expired: bool
     left: bool
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ..., silent_s: _Optional[float] = ..., lease_expired: _Optional[bool] = ..., left: _Optional[bool] = ...) -> None: ...
+    checkpoint_step: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ..., silent_s: _Optional[float] = ..., lease_expired: _Optional[bool] = ..., left: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class SwarmView(_message.Message):
     __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done")

@@ -507,10 +507,10 @@ class NodeStub:
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.StatusRequest.SerializeToString,
                 response_deserializer=ravnest__node_dot_proto_dot_control__pb2.NodeStatus.FromString,
                 _registered_method=True)
-        self.FetchBlock = channel.unary_unary(
+        self.FetchBlock = channel.unary_stream(
                 '/ravnest.v1.Node/FetchBlock',
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.BlockRequest.SerializeToString,
-                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.BlockState.FromString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.BlockChunk.FromString,
                 _registered_method=True)
 
 
@@ -540,10 +540,10 @@ def add_NodeServicer_to_server(servicer, server):
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.StatusRequest.FromString,
                     response_serializer=ravnest__node_dot_proto_dot_control__pb2.NodeStatus.SerializeToString,
             ),
-            'FetchBlock': grpc.unary_unary_rpc_method_handler(
+            'FetchBlock': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchBlock,
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.BlockRequest.FromString,
-                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.BlockState.SerializeToString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.BlockChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -595,12 +595,12 @@ class Node:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/ravnest.v1.Node/FetchBlock',
             ravnest__node_dot_proto_dot_control__pb2.BlockRequest.SerializeToString,
-            ravnest__node_dot_proto_dot_control__pb2.BlockState.FromString,
+            ravnest__node_dot_proto_dot_control__pb2.BlockChunk.FromString,
             options,
             channel_credentials,
             insecure,
