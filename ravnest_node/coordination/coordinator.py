@@ -127,6 +127,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._events: list[pb.Progress] = []
         self._resumed_at = 0
         """The step the run (re)started at: 0, or where the members' checkpoints were."""
+        self._crashes: list[dict[str, Any]] = []
+        """Members with a stage whose lease ran out mid-run: who, where, when."""
+        self._broken: set[int] = set()
+        """Pipelines of the current plan that lost a member: they are not waited for."""
+        self._dropped = 0
+        """Microbatches of broken pipelines that were never trained (counted at the switch)."""
         self._checkpoints: dict[tuple[int, int], tuple[str, int]] = {}
         """(pipeline, stage) -> (node id, step) of the newest checkpoint its owner reported."""
         data = StdlibBytes(seq_len=self._model.input_spec(1).shape[1], seed=train.seed)
@@ -298,7 +304,52 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "not a member of this swarm: join first")
         if request.node_id not in self._leases.left:  # a leaving node stays left
             self._leases = self._leases.renew(request.node_id, self._clock())
+        if self._check_lost():
+            await self._notify()
         return pb.HeartbeatReply(lease_s=self._leases.lease_s)
+
+    def _check_lost(self) -> bool:
+        """Members send heartbeats every third of their lease, so every member's heartbeat is
+        also this coordinator's clock: a member with a stage whose lease has run out is lost
+        (crashed, or cut off). With replicas, its pipeline is broken: a plan without it is
+        announced at once, the healthy pipelines drain to a step boundary and the new stages
+        take the lost blocks from a replica there; the broken pipeline's unfinished steps are
+        dropped and counted. Without a replica nothing holds its blocks: say so."""
+        plan = self._plan
+        if plan is None or self._replans_closed:
+            return False
+        now = self._clock()
+        known = {(c["node_id"], c["plan_epoch"]) for c in self._crashes}
+        lost = [
+            s for s in plan.stages
+            if (s.node_id, plan.epoch) not in known and s.node_id not in self._leases.left
+            and self._leases.expired(s.node_id, now)
+        ]  # fmt: skip
+        if not lost:
+            return False
+        step = max(self._losses, default=self._resumed_at)
+        for s in lost:
+            self._crashes.append({"node_id": s.node_id, "pipeline": s.pipeline, "stage": s.index,
+                                  "plan_epoch": plan.epoch, "after_step": step})  # fmt: skip
+            log.warning("node %s (pipeline %d stage %d) is lost: no heartbeat for %.1f s",
+                        s.node_id, s.pipeline, s.index,
+                        self._leases.silent_s(s.node_id, now))  # fmt: skip
+        broken = self._broken | {s.pipeline for s in lost}
+        if len(broken) >= self._train.pipelines:
+            log.error("no replica holds the blocks of %s: the run cannot go on without them; "
+                      "restart the swarm with --resume to carry on from its checkpoints",
+                      ", ".join(s.node_id for s in lost))  # fmt: skip
+            return True
+        self._broken = broken
+        for p in broken:
+            self._drains.pop(p, None)
+        pending = self._next
+        if pending is not None and any(has_node(pending.stages, s.node_id) for s in lost):
+            self._next = None  # it counted on a lost member: make it again
+        self._maybe_replan(force=True, keep_drains=True)
+        if self._next is not None and self._drained():
+            self._switch(plan)
+        return True
 
     async def Leave(
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -438,7 +489,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             log.warning("no plan with the new members: %s", exc)
             return
         new.pending = True
-        new.previous.extend(plan.stages)
+        # A broken pipeline's blocks are not at the plan's end step: take them from replicas.
+        new.previous.extend(s for s in plan.stages if s.pipeline not in self._broken)
         self._next, self._next_placed = new, placed
         if not keep_drains:
             self._drains = {}
@@ -483,22 +535,40 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"stop step {request.stop_step} outside {plan.start_step}..{self._train.steps}",
             )
-        self._drains[request.pipeline] = request.stop_step
-        if len(self._drains) == self._train.pipelines:
+        if request.pipeline not in self._broken:  # a broken pipeline cannot reach any step
+            self._drains[request.pipeline] = request.stop_step
+        if self._drained():
             self._switch(plan)
         await self._notify()
         async with self._changed:
             await self._changed.wait_for(lambda: plan.epoch in self._ends)
         return pb.DrainReply(stop_step=self._ends[plan.epoch])
 
+    def _drained(self) -> bool:
+        """Every healthy pipeline of the current plan has drained."""
+        healthy = set(range(self._train.pipelines)) - self._broken
+        return bool(healthy) and healthy <= set(self._drains)
+
     def _switch(self, plan: pb.Plan) -> None:
-        """Every pipeline of `plan` has drained: it ends at the furthest of their steps, and
-        the announced plan starts there (unless the run ends first)."""
+        """Every healthy pipeline of `plan` has drained: it ends at the furthest of their
+        steps, and the announced plan starts there (unless the run ends first). A broken
+        pipeline's steps up to there are dropped: counted, and left out of the mean loss."""
         new = self._next
         assert new is not None
         stop = max(self._drains.values())
         self._ends[plan.epoch] = stop
         self._next, self._drains = None, {}
+        for p in sorted(self._broken):
+            losses = self._pipeline_losses.setdefault(p, {})
+            last = max(losses, default=plan.start_step)
+            for step in range(last + 1, stop + 1):
+                losses[step] = math.nan
+            self._dropped += max(0, stop - last) * self._train.microbatches
+            log.warning("pipeline %d of plan epoch %d broke after step %d: %d microbatches of "
+                        "steps %d to %d dropped", p, plan.epoch, last,
+                        max(0, stop - last) * self._train.microbatches, last + 1, stop)  # fmt: skip
+        self._broken = set()
+        self._complete_steps()
         if stop >= self._train.steps:
             log.info("the run ends (step %d) before plan epoch %d could start", stop, new.epoch)
             self._replans_closed = True
@@ -590,16 +660,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     f"report for step {request.step}, expected step {expected}",
                 )
             losses[request.step] = request.loss
-            # A step is complete once every pipeline has reported it; pipelines report in
-            # order, so steps complete in order too.
-            step = max(self._losses, default=self._resumed_at) + 1
-            while step <= self._train.steps and all(
-                step in self._pipeline_losses.get(p, {}) for p in range(self._train.pipelines)
-            ):
-                mean = sum(self._pipeline_losses[p][step] for p in range(self._train.pipelines))
-                self._losses[step] = mean / self._train.pipelines
-                self._events.append(self._progress(step, self._losses[step]))
-                step += 1
+            self._complete_steps()
         if self._store is not None:
             self._store.save_report(
                 node_id=request.node_id,
@@ -611,6 +672,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )  # fmt: skip
         await self._notify()
         return pb.ReportReply()
+
+    def _complete_steps(self) -> None:
+        """Record each step every pipeline has reported (or dropped), in order: its mean loss
+        over the pipelines that trained it, and its progress event."""
+        step = max(self._losses, default=self._resumed_at) + 1
+        while step <= self._train.steps and all(
+            step in self._pipeline_losses.get(p, {}) for p in range(self._train.pipelines)
+        ):
+            trained = [
+                loss for p in range(self._train.pipelines)
+                if not math.isnan(loss := self._pipeline_losses[p][step])
+            ]  # fmt: skip
+            self._losses[step] = sum(trained) / len(trained) if trained else math.nan
+            self._events.append(self._progress(step, self._losses[step]))
+            step += 1
 
     def _is_repeat(self, request: pb.StageReport, key: tuple[int, int], last: int) -> bool:
         if request.done:
@@ -696,6 +772,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # Every plan of the run, in order: epoch, start step, nodes and stages
             # ([pipeline, stage, first block, stop block, node id]); the last is `stages`.
             "plans": [self._plan_entry(p) for p in self._announcements if not p.pending],
+            # Members lost mid-run, and the microbatches their pipelines never trained.
+            "crashes": self._crashes,
+            "dropped_microbatches": self._dropped,
             # The newest checkpoint each stage's owner reported writing.
             "checkpoints": [
                 {"pipeline": p, "stage": i, "node_id": node, "step": step}

@@ -73,6 +73,16 @@ REPORT_RETRY_S = 0.5
 # The coordinator counts as lost (a leaving node stops waiting for a hand-over) once its plan
 # stream has been unreachable this long: not one dropped connection.
 COORDINATOR_LOST_S = 3.0
+# A node whose plan a lost neighbour broke waits this many leases (plus the connect timeout)
+# for the coordinator's plan without that neighbour.
+BREAK_WAIT_LEASES = 4
+
+
+def _peer_fault(exc: BaseException) -> PeerUnavailable | PeerRefused | None:
+    """The peer fault `exc` is (or its task group's first one), if it is one."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, (PeerUnavailable, PeerRefused)) else None
 
 
 @asynccontextmanager
@@ -427,7 +437,13 @@ class Worker:
                     f"plan epoch {plan.epoch} starts at step {plan.start_step}, but this node's "
                     f"last plan ended at step {self._held_step}"
                 )
-            runtime = await self._train(plan, stub)
+            try:
+                runtime = await self._train(plan, stub)
+            except BaseException as exc:
+                broke = _peer_fault(exc)
+                if broke is None or not await self._after_break(plan, broke):
+                    raise
+                continue
             if runtime.run_done:
                 await self._notify()  # a leaving node need not wait for a hand-over now
                 return
@@ -438,6 +454,37 @@ class Worker:
             await self._write_checkpoint(self._held_step, self._held, plan)
             log.info("plan epoch %d ended at step %d; waiting for the next plan", plan.epoch,
                      runtime.version)  # fmt: skip
+
+    async def _after_break(self, plan: pb.Plan, error: BaseException) -> bool:
+        """A neighbour of this stage broke `plan` (its stream ended, or the coordinator refused
+        what the stage reported after counting its pipeline out). With replicas, the
+        coordinator plans without the lost member once its lease runs out: wait for that plan
+        (True) with this stage's state discarded, as its pipeline's steps from here on are
+        dropped. False (the run fails) without replicas, when the run is over or stopping, or
+        if no newer plan comes within a few leases."""
+        if plan.run.pipelines < 2 or self.stopping:
+            return False
+        log.warning("plan epoch %d broke: %s; this node waits for the coordinator's plan "
+                    "without the lost member", plan.epoch, error)  # fmt: skip
+        self._session = None
+        self._held, self._held_step, self._handed = {}, -1, set()
+        await self._notify()
+        try:
+            async with asyncio.timeout(BREAK_WAIT_LEASES * self._lease_s
+                                       + self._transport.connect_timeout_s):  # fmt: skip
+                async with self._changed:
+                    await self._changed.wait_for(
+                        lambda: (
+                            self.stopping
+                            or (
+                                self.started_plan is not None
+                                and self.started_plan.epoch > plan.epoch
+                            )
+                        )
+                    )
+        except TimeoutError:
+            return False
+        return not self.stopping
 
     async def _next_plan(self, after_epoch: int) -> pb.Plan:
         """The newest started plan above `after_epoch`. Waits as long as it takes (a spare
@@ -1015,37 +1062,39 @@ class Worker:
             plan, [(p, c, pace) for p, c, pace in neighbours if p is not None]
         )
 
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(send_reports())
-            upstream_watch = tg.create_task(watch_upstream())
-            drain = tg.create_task(drain_when_replanned()) if spec.is_first else None
-            if downstream is not None:
-                async with open_channel(downstream.address, self._transport) as channel:
-                    link = BoundaryLink(
-                        downstream.node_id,
-                        self.counters,
-                        runtime.window,
-                        pace_bps=run.link_pace_bps(spec.index),
-                    )
-                    runtime.downstream = link
-                    tg.create_task(run_stage())
-                    await run_client_stream(
-                        channel,
-                        link,
-                        node_id=self.node_id,
-                        epoch=plan.epoch,
-                        limits=self.limits,
-                        accept=runtime.accept_from_downstream,
-                        on_refused=self.on_refused,
-                    )
-            else:
-                await run_stage()
-            upstream_watch.cancel()
-            if drain is not None:  # the run ended before a newer plan came
-                drain.cancel()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(send_reports())
+                upstream_watch = tg.create_task(watch_upstream())
+                drain = tg.create_task(drain_when_replanned()) if spec.is_first else None
+                if downstream is not None:
+                    async with open_channel(downstream.address, self._transport) as channel:
+                        link = BoundaryLink(
+                            downstream.node_id,
+                            self.counters,
+                            runtime.window,
+                            pace_bps=run.link_pace_bps(spec.index),
+                        )
+                        runtime.downstream = link
+                        tg.create_task(run_stage())
+                        await run_client_stream(
+                            channel,
+                            link,
+                            node_id=self.node_id,
+                            epoch=plan.epoch,
+                            limits=self.limits,
+                            accept=runtime.accept_from_downstream,
+                            on_refused=self.on_refused,
+                        )
+                else:
+                    await run_stage()
+                upstream_watch.cancel()
+                if drain is not None:  # the run ended before a newer plan came
+                    drain.cancel()
+        finally:
+            if averaging is not None:  # also when a neighbour broke the plan
+                assert self._averaging_service is not None
+                self._averaging_service.attach(None)
+                await averaging.averager.close()
         log.info("stage %d is at step %d", spec.index, runtime.version)
-        if averaging is not None:
-            assert self._averaging_service is not None
-            self._averaging_service.attach(None)
-            await averaging.averager.close()
         return runtime
