@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from ravnest_node.coordination.coordinator import CoordinatorService
 from ravnest_node.pipeline.run import TrainConfig
@@ -18,7 +19,7 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 
 from .conftest import Procs, demo_summary, poll_until, progress_events
-from .test_coordinator import Clock, FakeContext, _caps, _join
+from .test_coordinator import Aborted, Clock, FakeContext, _caps, _join
 
 STEPS = 160
 RUN = ("--model", "tiny", "--pipelines", "2", "--steps", str(STEPS), "--seed", "0",
@@ -31,8 +32,18 @@ def swarm_view(address: str) -> pb.SwarmView:
     return view
 
 
-def test_a_node_killed_mid_run_is_replaced_by_its_replica(procs: Procs, tmp_path: Path) -> None:
-    undisturbed = demo_summary(tmp_path, "undisturbed", "--nodes", "6", *RUN)
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same run with nobody killed."""
+    return demo_summary(tmp_path_factory.mktemp("chaos"), "undisturbed", "--nodes", "6", *RUN)
+
+
+@pytest.mark.parametrize("victim_stage", [1, 2], ids=["middle-stage", "last-stage"])
+def test_a_node_killed_mid_run_is_replaced_by_its_replica(
+    procs: Procs, tmp_path: Path, undisturbed: dict[str, Any], victim_stage: int
+) -> None:
+    """Killing the middle stage breaks both its neighbours' streams; killing the last one, the
+    first stage two hops away learns it when the coordinator refuses its drain."""
 
     coord, ready = procs.start_node(tmp_path / "n0", "--swarm-size", "6", *RUN)
     address = ready["address"]
@@ -44,9 +55,11 @@ def test_a_node_killed_mid_run_is_replaced_by_its_replica(procs: Procs, tmp_path
     for event in events:
         if event.step >= 30:
             break
-    # The node owning stage 1 of pipeline 1 dies without a word.
+    # The node owning that stage of pipeline 1 dies without a word.
     victim = next(
-        s.node_id for s in swarm_view(address).plan.stages if (s.pipeline, s.index) == (1, 1)
+        s.node_id
+        for s in swarm_view(address).plan.stages
+        if (s.pipeline, s.index) == (1, victim_stage)
     )
     nodes[victim].send_signal(signal.SIGKILL)
     killed = time.monotonic()
@@ -101,7 +114,7 @@ async def test_a_lost_member_breaks_its_pipeline_and_the_healthy_one_carries_on(
             await svc.Report(report, ctx)
     victim = stage[(1, 0)]
     # Everyone else keeps sending heartbeats; the victim is silent past its lease.
-    for _ in range(2):
+    for _ in range(4):  # lost after two leases (12 s) of silence
         clock.now += 3.5
         for node in "abcd":
             if node != victim:
@@ -115,6 +128,11 @@ async def test_a_lost_member_breaks_its_pipeline_and_the_healthy_one_carries_on(
         report = pb.StageReport(node_id=stage[(0, last)], stage=last, pipeline=0,
                                 plan_epoch=1, step=step, loss=3.0)  # fmt: skip
         await svc.Report(report, ctx)
+    # The broken pipeline's first stage is told to drop its work, not to drain.
+    broken_drain = pb.DrainRequest(node_id=victim, plan_epoch=1, pipeline=1, stop_step=4)
+    with pytest.raises(Aborted) as refused:
+        await svc.Drain(broken_drain, ctx)
+    assert refused.value.code == grpc.StatusCode.ABORTED
     drain = pb.DrainRequest(node_id=stage[(0, 0)], plan_epoch=1, pipeline=0, stop_step=5)
     assert (await svc.Drain(drain, ctx)).stop_step == 5
     assert svc.plan is not None and svc.plan.epoch == 2 and svc.plan.start_step == 5
@@ -134,7 +152,10 @@ async def test_without_a_replica_a_lost_member_is_reported_and_nothing_replanned
     )  # fmt: skip
     for node in "ab":
         await _join(svc, node, caps=_caps(blocks=4))
-    clock.now += 7.0
+    clock.now += 7.0  # one lease: not yet lost
+    await svc.Heartbeat(pb.HeartbeatRequest(node_id="a"), FakeContext())  # type: ignore[arg-type]
+    assert svc._crashes == []
+    clock.now += 6.0
     await svc.Heartbeat(pb.HeartbeatRequest(node_id="a"), FakeContext())  # type: ignore[arg-type]
     assert svc._next is None and svc.plan is not None and svc.plan.epoch == 1
     assert [c["node_id"] for c in svc._crashes] == ["b"]

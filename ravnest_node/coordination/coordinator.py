@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 PROTOCOL = "ravnest.v1"
 # Members a swarm may grow to after its first plan (before it, exactly --swarm-size).
 MAX_MEMBERS = 1024
+LOST_AFTER_LEASES = 2
+"""A member with a stage silent for this many leases is lost (one late heartbeat is not)."""
 
 
 def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
@@ -131,6 +133,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Members with a stage whose lease ran out mid-run: who, where, when."""
         self._broken: set[int] = set()
         """Pipelines of the current plan that lost a member: they are not waited for."""
+        self._broken_in: dict[int, set[int]] = {}
+        """Plan epoch -> its broken pipelines (a late Drain from one is refused)."""
         self._dropped = 0
         """Microbatches of broken pipelines that were never trained (counted at the switch)."""
         self._checkpoints: dict[tuple[int, int], tuple[str, int]] = {}
@@ -316,14 +320,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         take the lost blocks from a replica there; the broken pipeline's unfinished steps are
         dropped and counted. Without a replica nothing holds its blocks: say so."""
         plan = self._plan
-        if plan is None or self._replans_closed:
+        if plan is None:
             return False
         now = self._clock()
         known = {(c["node_id"], c["plan_epoch"]) for c in self._crashes}
         lost = [
             s for s in plan.stages
             if (s.node_id, plan.epoch) not in known and s.node_id not in self._leases.left
-            and self._leases.expired(s.node_id, now)
+            and self._leases.silent_s(s.node_id, now) > LOST_AFTER_LEASES * self._leases.lease_s
         ]  # fmt: skip
         if not lost:
             return False
@@ -334,6 +338,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             log.warning("node %s (pipeline %d stage %d) is lost: no heartbeat for %.1f s",
                         s.node_id, s.pipeline, s.index,
                         self._leases.silent_s(s.node_id, now))  # fmt: skip
+        if self._replans_closed:  # the run ends without a newer plan: its stages are not awaited
+            self._finish_if_done(plan)
+            return True
         broken = self._broken | {s.pipeline for s in lost}
         if len(broken) >= self._train.pipelines:
             log.error("no replica holds the blocks of %s: the run cannot go on without them; "
@@ -341,13 +348,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                       ", ".join(s.node_id for s in lost))  # fmt: skip
             return True
         self._broken = broken
+        self._broken_in[plan.epoch] = set(broken)
         for p in broken:
             self._drains.pop(p, None)
         pending = self._next
-        if pending is not None and any(has_node(pending.stages, s.node_id) for s in lost):
-            self._next = None  # it counted on a lost member: make it again
+        if pending is not None and (
+            any(has_node(pending.stages, s.node_id) for s in lost)
+            or any(s.pipeline in broken for s in pending.previous)
+        ):
+            self._next = None  # it counted on a lost member or its pipeline: make it again
         self._maybe_replan(force=True, keep_drains=True)
-        if self._next is not None and self._drained():
+        if self._next is None:
+            log.error("no plan without %s is possible with the members left: the run cannot "
+                      "go on", ", ".join(s.node_id for s in lost))  # fmt: skip
+        elif self._drained():
             self._switch(plan)
         return True
 
@@ -508,6 +522,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Drain(
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DrainReply:
+        if request.pipeline in self._broken_in.get(request.plan_epoch, ()):
+            # It cannot reach any step: its stages drop their state and wait for the plan
+            # without the lost member (the stages behind the first learn it as their streams end).
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"pipeline {request.pipeline} lost a member: it is not drained but dropped",
+            )
         if request.plan_epoch in self._ends:  # a retry after the end was fixed
             return pb.DrainReply(stop_step=self._ends[request.plan_epoch])
         plan = self._plan
@@ -535,8 +556,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"stop step {request.stop_step} outside {plan.start_step}..{self._train.steps}",
             )
-        if request.pipeline not in self._broken:  # a broken pipeline cannot reach any step
-            self._drains[request.pipeline] = request.stop_step
+        self._drains[request.pipeline] = request.stop_step
         if self._drained():
             self._switch(plan)
         await self._notify()
@@ -560,6 +580,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._next, self._drains = None, {}
         for p in sorted(self._broken):
             losses = self._pipeline_losses.setdefault(p, {})
+            for step in [s for s in losses if s > stop]:  # it was ahead: those steps go too
+                del losses[step]
             last = max(losses, default=plan.start_step)
             for step in range(last + 1, stop + 1):
                 losses[step] = math.nan
@@ -647,8 +669,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     f"step {request.step}",
                 )
             self._final[key] = request
-            if len(self._final) == len(plan.stages):
-                self._events.append(self._finish(plan))
+            self._finish_if_done(plan)
         elif owner.index == last:
             # Steps are reported once each, in order: anything else is a confused or hostile
             # peer, and must not grow the event list.
@@ -672,6 +693,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )  # fmt: skip
         await self._notify()
         return pb.ReportReply()
+
+    def _finish_if_done(self, plan: pb.Plan) -> None:
+        """The run is done once every stage of its last plan has sent its final report, but
+        for the stages of a pipeline that lost a member in that plan (they never will)."""
+        if any(e.done for e in self._events):
+            return
+        broken = {c["pipeline"] for c in self._crashes if c["plan_epoch"] == plan.epoch}
+        if not all((s.pipeline, s.index) in self._final or s.pipeline in broken
+                   for s in plan.stages):  # fmt: skip
+            return
+        for p in sorted(broken):  # a pipeline lost in the last plan: its other steps dropped
+            losses = self._pipeline_losses.setdefault(p, {})
+            last = max(losses, default=plan.start_step)
+            for step in range(last + 1, self._train.steps + 1):
+                losses[step] = math.nan
+            self._dropped += max(0, self._train.steps - last) * self._train.microbatches
+        self._complete_steps()
+        self._events.append(self._finish(plan))
 
     def _complete_steps(self) -> None:
         """Record each step every pipeline has reported (or dropped), in order: its mean loss
@@ -788,7 +827,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     "node_id": s.node_id,
                     "address": s.address,
                     "bytes_sent": self._bytes_sent.get(s.node_id, 0),
-                    **stage_schedule(self._final[(s.pipeline, s.index)]),
+                    **(
+                        stage_schedule(self._final[(s.pipeline, s.index)])
+                        if (s.pipeline, s.index) in self._final
+                        else {"lost": True}
+                    ),
                 }
                 for s in plan.stages
             ],

@@ -79,10 +79,18 @@ BREAK_WAIT_LEASES = 4
 
 
 def _peer_fault(exc: BaseException) -> PeerUnavailable | PeerRefused | None:
-    """The peer fault `exc` is (or its task group's first one), if it is one."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc if isinstance(exc, (PeerUnavailable, PeerRefused)) else None
+    """The first peer fault in `exc` (or its task groups) if every error in it is one: a
+    neighbour or the coordinator gave up on this stage. None if anything else failed."""
+    leaves: list[BaseException] = []
+    pending = [exc]
+    while pending:
+        e = pending.pop()
+        if isinstance(e, BaseExceptionGroup):
+            pending.extend(reversed(e.exceptions))
+        else:
+            leaves.append(e)
+    faults = [e for e in leaves if isinstance(e, (PeerUnavailable, PeerRefused))]
+    return faults[0] if faults and len(faults) == len(leaves) else None
 
 
 @asynccontextmanager
@@ -466,8 +474,13 @@ class Worker:
             return False
         log.warning("plan epoch %d broke: %s; this node waits for the coordinator's plan "
                     "without the lost member", plan.epoch, error)  # fmt: skip
+        # The stage upstream learns it at once (it may be waiting for this stage's gradients),
+        # and so on up the pipeline. Blocks kept from the plan before stay: a slow member of
+        # this plan may still fetch them.
+        session = self._session
+        if session is not None and session.runtime.upstream is not None:
+            session.runtime.upstream.abort(f"plan epoch {plan.epoch} broke here: {error}")
         self._session = None
-        self._held, self._held_step, self._handed = {}, -1, set()
         await self._notify()
         try:
             async with asyncio.timeout(BREAK_WAIT_LEASES * self._lease_s
@@ -744,15 +757,27 @@ class Worker:
         }  # fmt: skip
         wanted = [b for b in range(me.first_block, me.stop_block) if b not in kept]
 
-        def source(block: int) -> pb.StageAssignment:
+        def sources(block: int) -> list[pb.StageAssignment]:
+            """Who held `block`: first the holder of this node's pipeline, then replicas."""
             holders = [s for s in plan.previous if s.first_block <= block < s.stop_block]
             if not holders:
                 raise RunFailed(f"plan epoch {plan.epoch}: nobody held block {block} before")
-            same = [s for s in holders if s.pipeline == me.pipeline]
-            return (same or holders)[0]
+            return sorted(holders, key=lambda s: s.pipeline != me.pipeline)
 
         async def fetch(block: int) -> BlockWeights:
-            holder = source(block)
+            """The block from its first holder that gives it whole (a holder may be gone)."""
+            failed: PeerUnavailable | PeerRefused | None = None
+            for holder in sources(block):
+                try:
+                    return await fetch_from(block, holder)
+                except (PeerUnavailable, PeerRefused) as exc:
+                    if failed is not None or len(sources(block)) > 1:
+                        log.warning("%s; trying another holder", exc)
+                    failed = exc
+            assert failed is not None
+            raise failed
+
+        async def fetch_from(block: int, holder: pb.StageAssignment) -> BlockWeights:
             where = f"{holder.node_id} ({holder.address})"
             assembler = BlockAssembler(
                 block=blocks[block - me.first_block], index=block, version=plan.start_step,

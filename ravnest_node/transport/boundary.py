@@ -87,6 +87,7 @@ class BoundaryLink:
         self._pace_bps = pace_bps
         self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=outbox_size)
         self.closing = False
+        self.abort_reason: str | None = None
 
     async def send(self, message: bytes) -> None:
         """Queue one frame; waits while the outbox is full (the peer or the link is slow)."""
@@ -97,13 +98,28 @@ class BoundaryLink:
         self.closing = True
         await self._outbox.put(None)
 
+    def abort(self, reason: str) -> None:
+        """End the stream with an error now, queued frames dropped: this side's stage gave up
+        (its plan broke), and the peer must learn it rather than wait."""
+        self.abort_reason = reason
+        while not self._outbox.empty():
+            self._outbox.get_nowait()
+        self._outbox.put_nowait(None)
+
     async def pump_writes(self, write: Callable[[bytes], Awaitable[Any]]) -> None:
-        """Write queued frames until `close`; counts each message's bytes once written."""
+        """Write queued frames until `close`; counts each message's bytes once written.
+        LinkAborted after `abort`."""
         while (message := await self._outbox.get()) is not None:
             if self._pace_bps > 0:
                 await asyncio.sleep(len(message) * 8 / self._pace_bps)
             await write(message)
             self._counters.add(self.peer, len(message))
+        if self.abort_reason is not None:
+            raise LinkAborted(self.abort_reason)
+
+
+class LinkAborted(Exception):
+    """This side ended its boundary stream with an error (`BoundaryLink.abort`)."""
 
 
 async def pump_reads(
@@ -225,6 +241,9 @@ class BoundaryServer:
             reason = f"frame refused: {exc}"
             log.warning("%s (from %s)", reason, context.peer())
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+        except LinkAborted as exc:
+            error = exc
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this stage gave up: {exc}")
         except BaseException as exc:
             error = exc
             raise
