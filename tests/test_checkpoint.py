@@ -10,7 +10,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,8 +28,6 @@ from ravnest_node.models import get_model
 from ravnest_node.pipeline.handoff import BlockWeights, export_blocks
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
-
-from .conftest import read_line
 
 MODEL = get_model("tiny")
 RUN = TrainConfig(model="tiny").to_proto("fingerprint")
@@ -220,7 +217,7 @@ def test_a_failed_write_keeps_the_older_checkpoints_and_no_temporary(
 
 # ----- the crash test ------------------------------------------------------------------------
 WRITER = """
-import sys, torch
+import os, signal, sys, torch
 from pathlib import Path
 from ravnest_node.checkpoint import CheckpointDir
 from ravnest_node.pipeline.handoff import BlockWeights
@@ -231,40 +228,50 @@ run = TrainConfig(model="tiny").to_proto("fingerprint")
 store = CheckpointDir(Path(sys.argv[1]), keep=2)
 shapes = {n: p.shape for n, p in get_model("tiny").build_stage(0, 0, 2)[1].named_parameters()}
 step = int(sys.argv[2])
+calls_left = int(sys.argv[3])
+
+def killed_after(call):
+    # The writer SIGKILLs itself just before its N-th file-system call of the kinds a save
+    # makes (open, fsync, rename, unlink): every step of a save is a place it can die.
+    def wrapped(*args, **kwargs):
+        global calls_left
+        calls_left -= 1
+        if calls_left <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return call(*args, **kwargs)
+    return wrapped
+
+import builtins
+say = os.write
+builtins.open = killed_after(builtins.open)
+for name in ("fsync", "replace", "unlink"):
+    setattr(os, name, killed_after(getattr(os, name)))
 while True:
     step += 1
     # Every value says which step wrote it: a mix of two checkpoints cannot pass for one.
     tensors = {("param", n): torch.full(s, float(step)) for n, s in shapes.items()}
     store.save({1: BlockWeights(1, step, 0.0, tensors)}, step=step, run=run, pipeline=0,
                stage=0, plan_epoch=1)
-    print(step, flush=True)
+    say(1, f"{step}\\n".encode())
 """
 
 
 def test_a_writer_killed_anywhere_never_leaves_a_checkpoint_that_loads_wrongly(
     tmp_path: Path,
 ) -> None:
-    """SIGKILL a process that writes checkpoints in a loop at random moments, many times: the
-    newest checkpoint that loads is always whole (every value is its own step), and it is at
-    least the last one the writer said it had finished."""
+    """Kill a process that writes checkpoints in a loop at a random point of a save (a SIGKILL
+    before its N-th file-system call), many times: the newest checkpoint that loads is always
+    whole (every value is its own step), and never older than the last one it finished."""
     store = CheckpointDir(tmp_path, keep=2)
     rng = random.Random(7)
     finished = 0
     for _ in range(25):
-        writer = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(tmp_path), str(finished)],
-            stdout=subprocess.PIPE,
-        )
-        assert writer.stdout is not None
-        # Let it finish a few checkpoints, then kill it at a random moment of the next ones.
-        for _ in range(rng.randint(1, 3)):
-            finished = int(read_line(writer, timeout_s=60))
-        # A random moment in the writes that follow (not a wait for an event): the kill lands
-        # in the tensor file, between the files, in the manifest or in pruning.
-        time.sleep(rng.uniform(0, 0.02))
-        writer.send_signal(signal.SIGKILL)
-        writer.wait()
-        for line in writer.stdout.read().split():  # what it finished before the kill
+        writer = subprocess.run(
+            [sys.executable, "-c", WRITER, str(tmp_path), str(finished), str(rng.randint(1, 40))],
+            capture_output=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert writer.returncode == -signal.SIGKILL, writer.stderr.decode()[-2000:]
+        for line in writer.stdout.split():  # what it finished before it died
             finished = int(line)
         step = _latest_whole(store)
         assert step >= finished
