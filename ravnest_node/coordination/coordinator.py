@@ -579,16 +579,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._ends[plan.epoch] = stop
         self._next, self._drains = None, {}
         for p in sorted(self._broken):
-            losses = self._pipeline_losses.setdefault(p, {})
-            for step in [s for s in losses if s > stop]:  # it was ahead: those steps go too
-                del losses[step]
-            last = max(losses, default=plan.start_step)
-            for step in range(last + 1, stop + 1):
-                losses[step] = math.nan
-            self._dropped += max(0, stop - last) * self._train.microbatches
-            log.warning("pipeline %d of plan epoch %d broke after step %d: %d microbatches of "
-                        "steps %d to %d dropped", p, plan.epoch, last,
-                        max(0, stop - last) * self._train.microbatches, last + 1, stop)  # fmt: skip
+            self._drop_steps(plan, p, stop)
         self._broken = set()
         self._complete_steps()
         if stop >= self._train.steps:
@@ -704,13 +695,25 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                    for s in plan.stages):  # fmt: skip
             return
         for p in sorted(broken):  # a pipeline lost in the last plan: its other steps dropped
-            losses = self._pipeline_losses.setdefault(p, {})
-            last = max(losses, default=plan.start_step)
-            for step in range(last + 1, self._train.steps + 1):
-                losses[step] = math.nan
-            self._dropped += max(0, self._train.steps - last) * self._train.microbatches
+            self._drop_steps(plan, p, self._train.steps)
         self._complete_steps()
         self._events.append(self._finish(plan))
+
+    def _drop_steps(self, plan: pb.Plan, pipeline: int, stop: int) -> None:
+        """Broken `pipeline` of `plan` trains no step up to `stop`: the steps after its last
+        report are dropped (NaN, left out of the mean) and counted; steps it reported past
+        `stop` (it was ahead) go too."""
+        losses = self._pipeline_losses.setdefault(pipeline, {})
+        for step in [s for s in losses if s > stop]:
+            del losses[step]
+        last = max(losses, default=plan.start_step)
+        for step in range(last + 1, stop + 1):
+            losses[step] = math.nan
+        dropped = max(0, stop - last) * self._train.microbatches
+        self._dropped += dropped
+        log.warning("pipeline %d of plan epoch %d broke after step %d: %d microbatches of "
+                    "steps %d to %d dropped", pipeline, plan.epoch, last, dropped, last + 1,
+                    stop)  # fmt: skip
 
     def _complete_steps(self) -> None:
         """Record each step every pipeline has reported (or dropped), in order: its mean loss

@@ -168,7 +168,7 @@ class Worker:
         self._write_lock = asyncio.Lock()
         self.checkpoint_step = 0
         """Step of the newest checkpoint this node has written (reported to the coordinator)."""
-        self._plans_seen = 0
+        self._first_plan = True
         self._coordinator_grace_s = coordinator_grace_s
         self._averaging_service = averaging
         self._address = address
@@ -433,8 +433,8 @@ class Worker:
         while True:
             plan = await self._next_plan(epoch)
             epoch = plan.epoch
-            self._plans_seen += 1
-            if self._plans_seen == 1:
+            if self._first_plan:
+                self._first_plan = False
                 await self._checkpoints_for(plan)
             if not has_node(plan.stages, self.node_id):
                 log.info("plan epoch %d has no stage for this node; it waits for a later one",

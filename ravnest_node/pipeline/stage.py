@@ -497,7 +497,7 @@ class StageRuntime:
             await self._loop()
         finally:
             self._looping = False
-            for waiter in self._snapshots:  # the loop ended: snapshot() exports directly now
+            for waiter in self._snapshots:  # the loop ended first: no snapshot for them
                 if not waiter.done():
                     waiter.set_result({})
             self._snapshots = []
