@@ -23,19 +23,27 @@ finite values). Anything wrong raises CheckpointError naming the file and the fa
 tensors and a JSON header only.
 
 The newest `keep` checkpoints stay; older ones are removed after a new one is complete.
+
+**Copies.** A stage without a replica has its checkpoints copied to the node of the next stage
+(`Node.FetchCheckpoint`), into `<state-dir>/checkpoint-copies/blocks-FFFF-SSSS/`, in the same
+two-file form (`CheckpointCopies`): the copy is checked against the manifest's size and sha256
+before it reaches the disk, and loads like a checkpoint of the node's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import re
+import shutil
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError
@@ -52,10 +60,13 @@ log = logging.getLogger(__name__)
 
 FORMAT = "ravnest-checkpoint/1"
 DIR_NAME = "checkpoints"
+COPIES_DIR_NAME = "checkpoint-copies"
+COPIES_KEEP = 2
 SET_ASIDE_DIR = "checkpoints.previous"
 MAX_MANIFEST_BYTES = 1 << 20
 _NAME = re.compile(r"^step-(\d{8})\.json$")
 _TENSOR_FILE = re.compile(r"^step-(\d{8})-[0-9a-f]{16}\.safetensors$")
+_COPY_DIR = re.compile(r"^blocks-(\d{4})-(\d{4})$")
 
 
 class CheckpointError(RavnestError):
@@ -110,6 +121,7 @@ class Manifest:
             run_key=self.run_key,
             pipeline=self.pipeline,
             stage=self.stage,
+            plan_epoch=self.plan_epoch,
         )
 
 
@@ -121,14 +133,39 @@ def _tensor_name(block: int, role: str, name: str) -> str:
     return f"{block}/{role}/{name}"
 
 
+def bytes_bound(model: BlockModel, first_block: int, stop_block: int) -> int:
+    """The most bytes a checkpoint of blocks [first_block, stop_block) of `model` can take:
+    three float32 tensors (parameter and AdamW's two moments) per parameter, and the
+    safetensors header's names and shapes (generously)."""
+    with torch.device("meta"):
+        built = model.build_stage(0, first_block, stop_block)
+    params = [p for block in built for p in block.parameters()]
+    return 3 * 4 * sum(p.numel() for p in params) + 1024 * (3 * len(params) + 1)
+
+
+def parse_manifest(raw: bytes, step: int | None = None, where: str = "manifest") -> Manifest:
+    """A manifest from its JSON (at most MAX_MANIFEST_BYTES), checked for form, and for
+    `step` if given; CheckpointError naming `where` otherwise."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        obj = json.loads(raw)
+        return _parse_manifest(obj, obj.get("step") if step is None else step)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError,
+            OverflowError) as exc:  # fmt: skip
+        raise CheckpointError(f"{where}: not a valid manifest: {exc!s:.200}") from None
+
+
 class CheckpointDir:
     """The checkpoints of one node: save (from a worker thread), list, load verified."""
 
-    def __init__(self, state_dir: Path, keep: int = 3) -> None:
+    def __init__(self, state_dir: Path, keep: int = 3, *, path: Path | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1")
-        self.path = state_dir / DIR_NAME
+        self.path = state_dir / DIR_NAME if path is None else path
         self.keep = keep
+        self.hold: int | None = None
+        """A step pruning never removes (a restore is about to load it)."""
 
     # ----- writing ----------------------------------------------------------------------------
     def save(
@@ -172,12 +209,33 @@ class CheckpointDir:
             sha256=digest,
             written_unix=time.time(),
         )
+        self._write(manifest, data)
+        return manifest
+
+    def save_copy(self, manifest: Manifest, data: bytes, model: BlockModel) -> None:
+        """Keep a copy of another node's checkpoint: `data` is its tensor file, checked as a
+        load checks it first (size, sha256, every tensor against `model`'s blocks; a
+        CheckpointError, and nothing written)."""
+        _verify(manifest, data, model, f"copy of step {manifest.step}")
+        self._write(manifest, data)
+
+    def _write(self, manifest: Manifest, data: bytes) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         self._prune()  # what a killed or failed writer left: room for this one
         write_atomic(self.path / manifest.file, data)
-        write_atomic(self.path / f"{stem}.json", json.dumps(asdict(manifest)).encode())
+        write_atomic(self.path / f"{_stem(manifest.step)}.json",
+                     json.dumps(asdict(manifest)).encode())  # fmt: skip
         self._prune()
-        return manifest
+
+    def drop_after(self, step: int) -> list[int]:
+        """Remove checkpoints newer than `step` (the manifest first: never half of one)."""
+        newer = sorted((s, p) for s, p in self._manifest_paths() if s > step)
+        for _, path in newer:
+            tensors = self._named_file(path)
+            path.unlink(missing_ok=True)
+            if tensors is not None:
+                (self.path / tensors).unlink(missing_ok=True)
+        return [s for s, _ in newer]
 
     def _named_file(self, manifest_path: Path) -> str | None:
         """The tensor file a manifest names (None if it names none we would write)."""
@@ -192,9 +250,12 @@ class CheckpointDir:
         """Keep the newest `keep` checkpoints; remove older ones, temporaries left by a killed
         writer, and tensor files no kept manifest names."""
         manifests = sorted(self._manifest_paths(), reverse=True)
-        for _, path in manifests[self.keep :]:
-            path.unlink(missing_ok=True)
-        named = {self._named_file(path) for _, path in manifests[: self.keep]}
+        kept = manifests[: self.keep] + [(s, p) for s, p in manifests[self.keep :]
+                                         if s == self.hold]  # fmt: skip
+        for step, path in manifests[self.keep :]:
+            if step != self.hold:
+                path.unlink(missing_ok=True)
+        named = {self._named_file(path) for _, path in kept}
         for path in self.path.iterdir():
             temporary = path.name.startswith(".") and path.name.endswith(".tmp")
             orphan = path.suffix == ".safetensors" and path.name not in named
@@ -242,62 +303,44 @@ class CheckpointDir:
                 raw = f.read(MAX_MANIFEST_BYTES + 1)
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read it: {exc.strerror}") from None
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes")
+        return parse_manifest(raw, step, str(path))
+
+    def manifests(self) -> list[Manifest]:
+        """The manifest of every checkpoint, newest first, checked for form only (cheap: what
+        a node tells the coordinator it holds; loading verifies the rest)."""
+        found = []
+        for step in self.steps():
+            with contextlib.suppress(CheckpointError):
+                found.append(self.manifest(step))
+        return found
+
+    def tensor_bytes(self, manifest: Manifest) -> bytes:
+        """The tensor file `manifest` names, as it is on disk (to copy; the copy is checked)."""
+        with self.open_tensors(manifest) as f:
+            return f.read()
+
+    def open_tensors(self, manifest: Manifest) -> BinaryIO:
+        """The tensor file `manifest` names, open for reading; CheckpointError."""
         try:
-            return _parse_manifest(json.loads(raw), step)
-        except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as exc:
-            raise CheckpointError(f"{path}: not a valid manifest: {exc!s:.200}") from None
+            return open(self.path / manifest.file, "rb")  # the caller closes it
+        except OSError as exc:
+            raise CheckpointError(f"{self.path / manifest.file}: cannot read it: "
+                                  f"{exc.strerror}") from None  # fmt: skip
 
     def load(self, step: int, model: BlockModel) -> tuple[Manifest, dict[int, BlockWeights]]:
         """The checkpoint at `step`, every byte verified; CheckpointError otherwise."""
         manifest = self.manifest(step)
         path = self.path / manifest.file
-
-        def refuse(what: str) -> CheckpointError:
-            return CheckpointError(f"{path}: {what}")
-
-        if manifest.model != model.name:
-            raise refuse(f"it is of model {manifest.model!r}, not {model.name!r}")
-        if not 0 <= manifest.first_block < manifest.stop_block <= model.num_blocks():
-            raise refuse(f"blocks [{manifest.first_block}, {manifest.stop_block}) are not "
-                         f"blocks of {model.name}")  # fmt: skip
+        _check_model(manifest, model, str(path))
         try:
             size = path.stat().st_size
             if size != manifest.bytes:
-                raise refuse(f"{size} bytes, the manifest says {manifest.bytes} (truncated?)")
+                raise CheckpointError(f"{path}: {size} bytes, the manifest says "
+                                      f"{manifest.bytes} (truncated?)")  # fmt: skip
             data = path.read_bytes()
         except OSError as exc:
-            raise refuse(f"cannot read it: {exc.strerror}") from None
-        if hashlib.sha256(data).hexdigest() != manifest.sha256:
-            raise refuse("its sha256 does not match the manifest (corrupt)")
-        try:
-            tensors = st_load(data)
-        except (SafetensorError, ValueError) as exc:
-            raise refuse(f"not a safetensors file: {exc}") from None
-        by_block: dict[int, dict[tuple[str, str], torch.Tensor]] = {b: {} for b in manifest.blocks}
-        for key, t in tensors.items():
-            parts = key.split("/", 2)
-            if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) not in by_block:
-                raise refuse(f"unexpected tensor {key[:80]!r}")
-            by_block[int(parts[0])][(parts[1], parts[2])] = t
-        with torch.device("meta"):  # shapes only: nothing is allocated or initialised
-            built = model.build_stage(0, manifest.first_block, manifest.stop_block)
-        out: dict[int, BlockWeights] = {}
-        for block, module in zip(manifest.blocks, built, strict=True):
-
-            def refuse_block(what: str, block: int = block) -> CheckpointError:
-                return refuse(f"block {block}: {what}")
-
-            out[block] = check_block(
-                by_block[block],
-                shapes=block_shapes(module),
-                index=block,
-                version=manifest.step,
-                optimizer_step=manifest.optimizer_steps.get(block, 0.0),
-                refuse=refuse_block,
-            )
-        return manifest, out
+            raise CheckpointError(f"{path}: cannot read it: {exc.strerror}") from None
+        return manifest, _verify(manifest, data, model, str(path))
 
     def verified(self, model: BlockModel | None = None) -> list[Manifest]:
         """The manifest of every checkpoint that loads, newest first (each loaded, checked and
@@ -320,6 +363,112 @@ class CheckpointDir:
             except CheckpointError as exc:
                 log.warning("checkpoint refused, trying an older one: %s", exc)
         return None
+
+
+class CheckpointCopies:
+    """Copies of other nodes' checkpoints, one folder per block range
+    (`checkpoint-copies/blocks-FFFF-SSSS/`, each a CheckpointDir keeping `keep`). Copies of a
+    range other than the newest one stored are removed once that one has `keep` copies: a node
+    keeps copies of the stage upstream of it, which a re-plan may change."""
+
+    def __init__(self, state_dir: Path, keep: int = COPIES_KEEP) -> None:
+        self.root = state_dir / COPIES_DIR_NAME
+        self.keep = keep
+        self._lock = threading.Lock()
+        self.generation = 0
+        """Raised by `drop_after`: a copy fetched before is of the dropped timeline."""
+
+    def dir(self, first_block: int, stop_block: int) -> CheckpointDir:
+        name = f"blocks-{first_block:04d}-{stop_block:04d}"
+        return CheckpointDir(self.root, self.keep, path=self.root / name)
+
+    def dirs(self) -> list[CheckpointDir]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in sorted(self.root.iterdir()):
+            match = _COPY_DIR.match(path.name)
+            if match and path.is_dir():
+                found.append(self.dir(int(match.group(1)), int(match.group(2))))
+        return found
+
+    def store(self, manifest: Manifest, data: bytes, generation: int, model: BlockModel) -> None:
+        """Keep a copy (CheckpointDir.save_copy) fetched in `generation`; then drop other
+        ranges' copies if this range has `keep` now. Blocking: call it from a worker thread.
+        CheckpointError if a `drop_after` came since the copy was asked for."""
+        with self._lock:
+            if generation != self.generation:
+                raise CheckpointError(f"copy of step {manifest.step}: asked for before the "
+                                      "run went back to an earlier step")  # fmt: skip
+            here = self.dir(manifest.first_block, manifest.stop_block)
+            here.save_copy(manifest, data, model)
+            if len(here.steps()) >= self.keep:
+                for other in self.dirs():
+                    if other.path != here.path:
+                        shutil.rmtree(other.path, ignore_errors=True)
+
+    def manifests(self) -> list[Manifest]:
+        """Every copy's manifest (checked for form), newest first."""
+        found = [m for d in self.dirs() for m in d.manifests()]
+        return sorted(found, key=lambda m: m.step, reverse=True)
+
+    def drop_after(self, step: int) -> list[int]:
+        """Remove copies newer than `step` (another timeline's, after a restore), and refuse
+        copies asked for before this call."""
+        with self._lock:
+            self.generation += 1
+            return sorted({s for d in self.dirs() for s in d.drop_after(step)})
+
+
+def _check_model(manifest: Manifest, model: BlockModel, where: str) -> None:
+    if manifest.model != model.name:
+        raise CheckpointError(f"{where}: it is of model {manifest.model!r}, not {model.name!r}")
+    if not 0 <= manifest.first_block < manifest.stop_block <= model.num_blocks():
+        raise CheckpointError(f"{where}: blocks [{manifest.first_block}, {manifest.stop_block}) "
+                              f"are not blocks of {model.name}")  # fmt: skip
+
+
+def _verify(
+    manifest: Manifest, data: bytes, model: BlockModel, where: str
+) -> dict[int, BlockWeights]:
+    """The blocks in a checkpoint's tensor file `data`, every byte checked against `manifest`
+    and `model`; CheckpointError naming `where` otherwise."""
+
+    def refuse(what: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {what}")
+
+    _check_model(manifest, model, where)
+    if len(data) != manifest.bytes:
+        raise refuse(f"{len(data)} bytes, the manifest says {manifest.bytes} (truncated?)")
+    if hashlib.sha256(data).hexdigest() != manifest.sha256:
+        raise refuse("its sha256 does not match the manifest (corrupt)")
+    try:
+        tensors = st_load(data)
+    except (SafetensorError, ValueError) as exc:
+        raise refuse(f"not a safetensors file: {exc}") from None
+    by_block: dict[int, dict[tuple[str, str], torch.Tensor]] = {b: {} for b in manifest.blocks}
+    for key, t in tensors.items():
+        parts = key.split("/", 2)
+        if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) not in by_block:
+            raise refuse(f"unexpected tensor {key[:80]!r}")
+        by_block[int(parts[0])][(parts[1], parts[2])] = t
+    with torch.device("meta"):  # shapes only: nothing is allocated or initialised
+        built = model.build_stage(0, manifest.first_block, manifest.stop_block)
+    out: dict[int, BlockWeights] = {}
+    for block, module in zip(manifest.blocks, built, strict=True):
+
+        def refuse_block(what: str, block: int = block) -> CheckpointError:
+            return refuse(f"block {block}: {what}")
+
+        out[block] = check_block(
+            by_block[block],
+            shapes=block_shapes(module),
+            index=block,
+            version=manifest.step,
+            optimizer_step=manifest.optimizer_steps.get(block, 0.0),
+            refuse=refuse_block,
+        )
+    return out
 
 
 def _parse_manifest(obj: Any, step: int) -> Manifest:

@@ -171,8 +171,25 @@ def pid_alive(pid: int, started: str) -> bool:
     return fields is not None and fields[19] == started and fields[0] != "Z"
 
 
+_STREAMS: list[grpc.Channel] = []
+"""Channels of progress streams a test opened: closed when it ends, even if it failed."""
+
+
+@pytest.fixture(autouse=True)
+def _close_streams() -> Iterator[None]:
+    """A failed test keeps its frames (and so an open stream's generator) alive in its report:
+    its channel must be closed here, or the interpreter hangs at exit waiting for the stream."""
+    yield
+    while _STREAMS:
+        _STREAMS.pop().close()
+
+
 def progress_events(coordinator: str, timeout_s: float = 120) -> Iterator[pb.Progress]:
     """The coordinator's progress stream (blocking), ending with the summary event."""
-    with grpc.insecure_channel(coordinator) as channel:
+    channel = grpc.insecure_channel(coordinator)
+    _STREAMS.append(channel)
+    try:
         stub = pb_grpc.CoordinatorStub(channel)
         yield from stub.WatchProgress(pb.WatchProgressRequest(), timeout=timeout_s)
+    finally:
+        channel.close()

@@ -1,5 +1,7 @@
-"""Chaos: a node of a swarm with replicas is killed with SIGKILL mid-run; the swarm carries on
-without a restart, a replica's blocks take its place, and what was dropped is counted."""
+"""Chaos: a node is killed with SIGKILL mid-run and the swarm carries on without a restart.
+With replicas, a replica's blocks take its place and what was dropped is counted; without, its
+stage is restored from a copy of its checkpoint on another node, the run goes back to that
+step, and what is trained again is counted."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from typing import Any
 import grpc
 import pytest
 
-from ravnest_node.coordination.coordinator import CoordinatorService
+from ravnest_node.checkpoint import run_key
+from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
+from ravnest_node.coordination.static_plan import has_node
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
@@ -91,15 +95,86 @@ def test_a_node_killed_mid_run_is_replaced_by_its_replica(
             assert proc.wait(30) == 0
 
 
+ALONE = ("--model", "tiny", "--steps", "400", "--seed", "0", "--checkpoint-every", "10")
+
+
+@pytest.fixture(scope="module")
+def undisturbed_alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One pipeline of three stages, nobody killed."""
+    return demo_summary(tmp_path_factory.mktemp("alone"), "undisturbed", "--nodes", "3", *ALONE)
+
+
+def test_a_node_without_a_replica_killed_mid_run_is_restored_from_its_copied_checkpoint(
+    procs: Procs, tmp_path: Path, undisturbed_alone: dict[str, Any]
+) -> None:
+    """One pipeline: nothing holds the middle stage's blocks but its checkpoints, of which the
+    last stage's node keeps copies. Killed, the middle node's stage is restored from the copy
+    on another node, the run goes back to that step, and the steps trained again are counted.
+    Started again on its state directory, the node rejoins under its id and gets a stage of a
+    later plan, whose blocks it fetches (it trains nothing of the plan it crashed in)."""
+    coord, ready = procs.start_node(tmp_path / "n0", "--swarm-size", "3", *ALONE)
+    address = ready["address"]
+    nodes = {ready["node_id"]: coord}
+    for i in (1, 2):
+        proc, info = procs.start_node(tmp_path / f"n{i}", "--join", address)
+        nodes[info["node_id"]] = proc
+    events = progress_events(address, timeout_s=600)
+    for event in events:
+        if event.step >= 35:
+            break
+    stages = {s.index: s for s in swarm_view(address).plan.stages}
+    victim, keeper = stages[1].node_id, stages[2]
+    held = next(p for p in (tmp_path / "n2").glob("checkpoint-copies/blocks-*"))
+    assert sorted(held.glob("step-*.json"))  # the last stage keeps copies of the middle one's
+    nodes[victim].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    poll_until(lambda: swarm_view(address).plan.epoch >= 2, 30)
+    restored_s = time.monotonic() - killed
+    plan = swarm_view(address).plan
+    assert plan.restore and victim not in {s.node_id for s in plan.stages}
+    holders = {(h.first_block, h.stop_block): h.node_id for h in plan.previous}
+    assert holders[(stages[1].first_block, stages[1].stop_block)] == keeper.node_id
+    nodes[victim], info = procs.start_node(tmp_path / "n1", "--join", address)
+    assert info["node_id"] == victim
+    poll_until(lambda: has_node(swarm_view(address).plan.stages, victim), 60)
+    rejoined = swarm_view(address).plan
+    summary = json.loads(list(events)[-1].summary_json)
+
+    assert [c["node_id"] for c in summary["crashes"]] == [victim]
+    (restore,) = summary["restores"]
+    assert restore["restored_step"] == plan.start_step and plan.start_step % 10 == 0
+    redone_steps = restore["after_step"] - restore["restored_step"]
+    assert redone_steps > 0 and summary["redone_microbatches"] == 4 * redone_steps
+    assert summary["dropped_microbatches"] == 0
+    assert not any(math.isnan(loss) for loss in summary["loss_history"])
+    final, expected = (sum(s["loss_history"][-10:]) / 10 for s in (summary, undisturbed_alone))
+    print(f"restored {restored_s:.1f} s after the kill at step {plan.start_step} (plan epoch "
+          f"{plan.epoch}, {len(plan.stages)} stages) from the copy on {keeper.node_id}; "
+          f"{summary['redone_microbatches']} microbatches redone (steps "
+          f"{restore['restored_step'] + 1}-{restore['after_step']}); final loss (last 10 "
+          f"steps) {final:.4f}, undisturbed {expected:.4f}")  # fmt: skip
+    assert final <= 1.03 * expected
+    assert [len({s[4] for s in p["stages"]}) for p in summary["plans"]] == [3, 2, 3]
+    print(f"the restarted node rejoined in plan epoch {rejoined.epoch} from step "
+          f"{rejoined.start_step}")  # fmt: skip
+    for proc in nodes.values():
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
 # ----- the coordinator's side, without processes --------------------------------------------
+def tiny_swarm(clock: Clock, size: int, **train: Any) -> CoordinatorService:
+    return CoordinatorService(
+        train=TrainConfig(model="tiny", batch_size=16, **train), swarm_size=size,
+        swarm_id="test/tiny", summary_path=None, clock=clock,
+    )  # fmt: skip
+
+
 async def test_a_lost_member_breaks_its_pipeline_and_the_healthy_one_carries_on(
     tmp_path: Path,
 ) -> None:
     clock = Clock()
-    svc = CoordinatorService(
-        train=TrainConfig(model="tiny", steps=50, batch_size=16, pipelines=2),
-        swarm_size=4, swarm_id="test/tiny", summary_path=None, clock=clock,
-    )  # fmt: skip
+    svc = tiny_swarm(clock, 4, steps=50, pipelines=2)
     ctx: Any = FakeContext()
     for node in "abcd":
         await _join(svc, node, caps=_caps(blocks=4))
@@ -146,10 +221,7 @@ async def test_without_a_replica_a_lost_member_is_reported_and_nothing_replanned
     tmp_path: Path,
 ) -> None:
     clock = Clock()
-    svc = CoordinatorService(
-        train=TrainConfig(model="tiny", steps=50, batch_size=16), swarm_size=2,
-        swarm_id="test/tiny", summary_path=None, clock=clock,
-    )  # fmt: skip
+    svc = tiny_swarm(clock, 2, steps=50)
     for node in "ab":
         await _join(svc, node, caps=_caps(blocks=4))
     clock.now += 7.0  # one lease: not yet lost
@@ -159,3 +231,145 @@ async def test_without_a_replica_a_lost_member_is_reported_and_nothing_replanned
     await svc.Heartbeat(pb.HeartbeatRequest(node_id="a"), FakeContext())  # type: ignore[arg-type]
     assert svc._next is None and svc.plan is not None and svc.plan.epoch == 1
     assert [c["node_id"] for c in svc._crashes] == ["b"]
+
+
+async def test_without_a_replica_the_run_is_restored_from_checkpoints_and_copies(
+    tmp_path: Path,
+) -> None:
+    """b is lost; c holds a copy of b's checkpoint at step 10: a plan of a and c restores the
+    run at step 10 (the newest step every block has, and no later than the last reported),
+    and the steps after it are rolled back and counted as redone."""
+    clock = Clock()
+    svc = tiny_swarm(clock, 3, steps=50, microbatches=4)
+    ctx: Any = FakeContext()
+    for node in "abc":
+        await _join(svc, node, caps=_caps(blocks=4))
+    plan = svc.plan
+    assert plan is not None
+    stage = {s.index: s for s in plan.stages}
+    key = run_key(plan.run)
+
+    def offer(step: int, s: pb.StageAssignment) -> pb.CheckpointOffer:
+        return pb.CheckpointOffer(step=step, first_block=s.first_block, stop_block=s.stop_block,
+                                  run_key=key, stage=s.index)  # fmt: skip
+
+    offers = {  # every stage's own checkpoints, and each a copy of its upstream's
+        s.node_id: [offer(st, s) for st in (10, 5)] + [offer(st, stage[(s.index - 1) % 3])
+                                                       for st in (10, 5)]
+        for s in plan.stages
+    }  # fmt: skip
+    offers[stage[2].node_id].insert(0, offer(15, stage[2]))  # past the last reported step
+    for step in range(1, 13):
+        report = pb.StageReport(node_id=stage[2].node_id, stage=2, pipeline=0, plan_epoch=1,
+                                step=step, loss=5.0 - step / 10)  # fmt: skip
+        await svc.Report(report, ctx)
+    victim = stage[1].node_id
+    for _ in range(4):  # lost after two leases of silence
+        clock.now += 3.5
+        for node in "abc":
+            if node != victim:
+                request = pb.HeartbeatRequest(node_id=node, checkpoints=offers[node])
+                await svc.Heartbeat(request, ctx)
+    new = svc.plan
+    assert new is not None and new.epoch == 2 and new.restore and not new.pending
+    assert new.start_step == 10 and victim not in {s.node_id for s in new.stages}
+    assert len(new.stages) == 2
+    holders = {(h.first_block, h.stop_block): h.node_id for h in new.previous}
+    assert holders[(stage[1].first_block, stage[1].stop_block)] == stage[2].node_id
+    assert svc._redone == 2 * 4 and sorted(svc._losses) == list(range(1, 11))
+    # The broken plan's late report past step 10 is refused; the new plan trains step 11 again.
+    late = pb.StageReport(node_id=stage[2].node_id, stage=2, pipeline=0, plan_epoch=1, step=13)
+    with pytest.raises(Aborted):
+        await svc.Report(late, ctx)
+    last = new.stages[-1]
+    again = pb.StageReport(node_id=last.node_id, stage=last.index, pipeline=0, plan_epoch=2,
+                           step=11, loss=3.0)  # fmt: skip
+    await svc.Report(again, ctx)
+    assert svc._losses[11] == 3.0
+    summary = svc.summary(new)
+    assert summary["redone_microbatches"] == 8
+    assert summary["restores"][0]["restored_step"] == 10
+
+
+async def test_a_heartbeat_with_malformed_offers_counts_without_them(tmp_path: Path) -> None:
+    clock = Clock()
+    svc = tiny_swarm(clock, 2, steps=50)
+    await _join(svc, "a", caps=_caps(blocks=4))
+    clock.now += 5
+    good = pb.CheckpointOffer(step=5, stop_block=4)
+    await svc.Heartbeat(pb.HeartbeatRequest(node_id="a", checkpoints=[good]), FakeContext())  # type: ignore[arg-type]
+    bad = pb.HeartbeatRequest(node_id="a", checkpoints=[pb.CheckpointOffer(step=5, stop_block=9)])
+    clock.now += 5
+    await svc.Heartbeat(bad, FakeContext())  # type: ignore[arg-type]
+    assert svc._offers == {}  # what it offered before is not counted on either
+    assert svc._leases.silent_s("a", clock.now) == 0  # but it is alive
+
+
+async def test_a_node_that_restarts_while_in_the_plan_is_lost_at_once_and_rejoins(
+    tmp_path: Path,
+) -> None:
+    """b crashes and starts again at once (another port): the coordinator does not wait for
+    its lease to run out. Its earlier run's stage is lost (here restored from checkpoints);
+    this run of it is a newcomer that trains no plan up to the one started when it joined."""
+    clock = Clock()
+    svc = tiny_swarm(clock, 3, steps=50, microbatches=4)
+    ctx: Any = FakeContext()
+    for node in "abc":
+        await _join(svc, node, caps=_caps(blocks=4))
+    plan = svc.plan
+    assert plan is not None
+    key = run_key(plan.run)
+    for s in plan.stages:  # every block checkpointed at step 4 by its owner and copied by c
+        offers = [pb.CheckpointOffer(step=4, first_block=t.first_block, stop_block=t.stop_block,
+                                     run_key=key, stage=t.index, plan_epoch=1)
+                  for t in plan.stages if t.node_id == s.node_id or s.node_id == "c"]  # fmt: skip
+        await svc.Heartbeat(pb.HeartbeatRequest(node_id=s.node_id, checkpoints=offers), ctx)
+    last = plan.stages[-1]
+    for step in range(1, 7):
+        report = pb.StageReport(node_id=last.node_id, stage=last.index, pipeline=0,
+                                plan_epoch=1, step=step, loss=4.0)  # fmt: skip
+        await svc.Report(report, ctx)
+    clock.now += 1.0  # well within its lease
+    # Another address while its lease runs: someone else, refused.
+    with pytest.raises(Aborted) as refused:
+        await svc.Join(pb.JoinRequest(node_id="b", address="b:2", protocol=PROTOCOL), ctx)
+    assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+    # The same address (a fixed port): its restart.
+    reply = await svc.Join(pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL), ctx)
+    new = svc.plan
+    assert new is not None and new.epoch == 2 and new.restore and new.start_step == 4
+    assert "b" not in {s.node_id for s in new.stages}
+    assert [c["node_id"] for c in svc._crashes] == ["b"]
+    assert reply.started_epoch == 2  # it trains nothing up to the restore plan
+    # Measured again, it gets a stage in the next plan.
+    await svc.Join(pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL,
+                                  capabilities=_caps(blocks=4)), ctx)  # fmt: skip
+    pending = svc._next
+    assert pending is not None and pending.epoch == 3 and has_node(pending.stages, "b")
+    # A second restore never takes the rolled-back timeline's checkpoints: b's step-6 one,
+    # written under epoch 1, after the step (4) that epoch 2 restored.
+    stale = pb.CheckpointOffer(step=6, first_block=0, stop_block=4, run_key=key, plan_epoch=1)
+    fresh = pb.CheckpointOffer(step=6, first_block=0, stop_block=4, run_key=key, plan_epoch=2)
+    assert svc._timeline([stale, fresh]) == [fresh]
+
+
+async def test_a_node_lost_after_the_last_step_ends_the_run(tmp_path: Path) -> None:
+    clock = Clock()
+    svc = tiny_swarm(clock, 2, steps=3)
+    ctx: Any = FakeContext()
+    for node in "ab":
+        await _join(svc, node, caps=_caps(blocks=4))
+    plan = svc.plan
+    assert plan is not None
+    last = plan.stages[-1]
+    for step in (1, 2, 3):
+        report = pb.StageReport(node_id=last.node_id, stage=last.index, pipeline=0,
+                                plan_epoch=1, step=step, loss=4.0)  # fmt: skip
+        await svc.Report(report, ctx)
+    victim = plan.stages[0].node_id
+    for _ in range(4):
+        clock.now += 3.5
+        await svc.Heartbeat(pb.HeartbeatRequest(node_id=last.node_id), ctx)
+    assert svc.plan is not None and svc.plan.epoch == 1 and not svc._restores
+    assert svc._events[-1].done  # nothing to restore: every step is trained
+    assert json.loads(svc._events[-1].summary_json)["crashes"][0]["node_id"] == victim

@@ -305,7 +305,8 @@ MEMBERS = [Member(node_id=f"n{i}", address=f"127.0.0.1:{5000 + i}") for i in ran
 
 
 def point(capabilities: dict[str, pb.Capabilities], steps: int = 100) -> tuple[int, list[str]]:
-    p = resume_point(MEMBERS, capabilities, run_key=run_key(RUN), num_blocks=4, steps=steps)
+    offers = {node: c.checkpoints for node, c in capabilities.items()}
+    p = resume_point(MEMBERS, offers, run_key=run_key(RUN), num_blocks=4, steps=steps)
     return p.step, sorted(h.node_id for h in p.holders)
 
 

@@ -25,6 +25,7 @@ from ravnest_node.checkpoint import run_key
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S, Leases
 from ravnest_node.coordination.negotiate import (
     check_capabilities,
+    check_offers,
     member_speeds,
     negotiated_plan,
     resume_point,
@@ -48,6 +49,9 @@ PROTOCOL = "ravnest.v1"
 MAX_MEMBERS = 1024
 LOST_AFTER_LEASES = 2
 """A member with a stage silent for this many leases is lost (one late heartbeat is not)."""
+RESTORE_RETRY_LEASES = 3
+"""A restore from checkpoints that finds no step at once is tried again on each heartbeat for
+this many leases (a member's offers may come with its next heartbeat)."""
 
 
 def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
@@ -139,6 +143,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Microbatches of broken pipelines that were never trained (counted at the switch)."""
         self._checkpoints: dict[tuple[int, int], tuple[str, int]] = {}
         """(pipeline, stage) -> (node id, step) of the newest checkpoint its owner reported."""
+        self._offers: dict[str, list[pb.CheckpointOffer]] = {}
+        """Node id -> the checkpoints (own and copies) it said it holds in its last heartbeat."""
+        self._restores: list[dict[str, Any]] = []
+        """Restores from checkpoints after a member without a replica was lost."""
+        self._redone = 0
+        """Microbatches trained again after a restore rolled the run back."""
+        self._unrestored: tuple[int, list[pb.StageAssignment], float] | None = None
+        """(plan epoch, lost stages, when) of a restore that found no step yet: tried again."""
         data = StdlibBytes(seq_len=self._model.input_spec(1).shape[1], seed=train.seed)
         self._fingerprint = data.fingerprint
         self._store = store
@@ -182,7 +194,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._bytes_sent = saved.bytes_sent
         self._final = saved.finals
         self._events = saved.events
-        self._losses = {e.step: e.loss for e in saved.events if not e.done}
+        # Events of steps a restore rolled back stay in the list; the losses table does not
+        # have them: a step counts once every pipeline's loss for it is stored.
+        self._losses = {
+            e.step: e.loss for e in saved.events
+            if not e.done and all(e.step in self._pipeline_losses.get(p, {})
+                                  for p in range(self._train.pipelines))
+        }  # fmt: skip
         if self._losses:
             self._resumed_at = min(self._losses) - 1
         elif saved.plan is not None:
@@ -236,12 +254,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         for index, member in enumerate(self._members):
             if member.node_id == request.node_id:
                 if member.address != request.address:
-                    await context.abort(
-                        grpc.StatusCode.ALREADY_EXISTS,
-                        f"node {request.node_id} already joined from {member.address}",
-                    )
-                self._leases = self._leases.renew(request.node_id, now)
+                    if not self._leases.expired(request.node_id, now):
+                        await context.abort(
+                            grpc.StatusCode.ALREADY_EXISTS,
+                            f"node {request.node_id} already joined from {member.address}",
+                        )
+                    # Its lease ran out: the node came back (restarted, or its address changed).
+                    log.info("node %s rejoins from %s (it was at %s)", request.node_id,
+                             request.address, member.address)  # fmt: skip
+                    self._members[index] = Member(request.node_id, request.address)
+                    self._save_members()
                 in_plan = self._plan is not None and has_node(self._plan.stages, request.node_id)
+                if in_plan and not request.HasField("capabilities"):
+                    # A node starting up finds itself in the plan: an earlier run of it had a
+                    # stage and is gone (a crash and a quick restart), whether or not its
+                    # lease has run out yet. Count it lost now; this run of it is a newcomer.
+                    self._restarted(request.node_id, now)
+                    in_plan = False
+                self._leases = self._leases.renew(request.node_id, now)
                 if request.HasField("capabilities") and not in_plan:
                     self._capabilities[request.node_id] = request.capabilities
                     self._save_members()
@@ -277,6 +307,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _join_reply(self, index: int) -> pb.JoinReply:
         return pb.JoinReply(
+            started_epoch=self._plan.epoch if self._plan is not None else 0,
             swarm_id=self._swarm_id,
             member_index=index,
             swarm_size=self._swarm_size,
@@ -308,6 +339,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "not a member of this swarm: join first")
         if request.node_id not in self._leases.left:  # a leaving node stays left
             self._leases = self._leases.renew(request.node_id, self._clock())
+        try:
+            check_offers(request.checkpoints, self._model.num_blocks())
+            self._offers[request.node_id] = list(request.checkpoints)
+        except ConfigError as exc:  # still a heartbeat: its checkpoints are not counted on
+            self._offers.pop(request.node_id, None)
+            log.warning("node %s: its checkpoint offers are ignored: %s", request.node_id, exc)
         if self._check_lost():
             await self._notify()
         return pb.HeartbeatReply(lease_s=self._leases.lease_s)
@@ -318,11 +355,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         (crashed, or cut off). With replicas, its pipeline is broken: a plan without it is
         announced at once, the healthy pipelines drain to a step boundary and the new stages
         take the lost blocks from a replica there; the broken pipeline's unfinished steps are
-        dropped and counted. Without a replica nothing holds its blocks: say so."""
+        dropped and counted. Without a replica, the run is restored from the newest step at
+        which the members left hold a checkpoint (or a copy) of every block
+        (`_restore_from_checkpoints`); if they do not, say so."""
         plan = self._plan
         if plan is None:
             return False
         now = self._clock()
+        if self._unrestored and self._unrestored[0] == plan.epoch:
+            # A restore that found no step yet (offers not in): try again on every heartbeat
+            # while the stages wait for it (they give up after 4 leases).
+            _, lost_before, since = self._unrestored
+            if now - since > RESTORE_RETRY_LEASES * self._leases.lease_s:
+                self._unrestored = None
+            elif self._restore_from_checkpoints(plan, lost_before):
+                return True
         known = {(c["node_id"], c["plan_epoch"]) for c in self._crashes}
         lost = [
             s for s in plan.stages
@@ -331,6 +378,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         ]  # fmt: skip
         if not lost:
             return False
+        self._lose(plan, lost, now)
+        return True
+
+    def _restarted(self, node_id: str, now: float) -> None:
+        """`node_id`, which has a stage in the current plan, joined again: it restarted."""
+        plan = self._plan
+        assert plan is not None
+        known = {(c["node_id"], c["plan_epoch"]) for c in self._crashes}
+        self._capabilities.pop(node_id, None)  # measured again before it gets a stage
+        self._save_members()
+        if (node_id, plan.epoch) not in known:
+            log.warning("node %s joined again: it restarted, and its stage is lost", node_id)
+            self._lose(plan, [s for s in plan.stages if s.node_id == node_id], now)
+
+    def _lose(self, plan: pb.Plan, lost: list[pb.StageAssignment], now: float) -> None:
+        """The owners of `lost` stages of `plan` are gone: count them, and carry on without
+        them (see _check_lost)."""
         step = max(self._losses, default=self._resumed_at)
         for s in lost:
             self._crashes.append({"node_id": s.node_id, "pipeline": s.pipeline, "stage": s.index,
@@ -340,13 +404,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         self._leases.silent_s(s.node_id, now))  # fmt: skip
         if self._replans_closed:  # the run ends without a newer plan: its stages are not awaited
             self._finish_if_done(plan)
-            return True
+            return
         broken = self._broken | {s.pipeline for s in lost}
         if len(broken) >= self._train.pipelines:
-            log.error("no replica holds the blocks of %s: the run cannot go on without them; "
-                      "restart the swarm with --resume to carry on from its checkpoints",
-                      ", ".join(s.node_id for s in lost))  # fmt: skip
-            return True
+            if max(self._losses, default=self._resumed_at) >= self._train.steps:
+                # Every step is trained; only final reports were missing: the run ends
+                # without the lost stages' ones.
+                self._replans_closed = True
+                self._finish_if_done(plan)
+            elif not self._restore_from_checkpoints(plan, lost):
+                self._unrestored = (plan.epoch, lost, now)
+                log.error("no replica holds the blocks of %s and no checkpoints restore them "
+                          "yet: unless they come, the run cannot go on; restart the swarm with "
+                          "--resume to carry on from its checkpoints",
+                          ", ".join(s.node_id for s in lost))  # fmt: skip
+            return
         self._broken = broken
         self._broken_in[plan.epoch] = set(broken)
         for p in broken:
@@ -363,7 +435,74 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                       "go on", ", ".join(s.node_id for s in lost))  # fmt: skip
         elif self._drained():
             self._switch(plan)
+
+    def _restore_from_checkpoints(self, plan: pb.Plan, lost: list[pb.StageAssignment]) -> bool:
+        """No replica holds the `lost` members' blocks: start a plan of the members left at
+        the newest step, no later than the last step every pipeline completed, at which their
+        checkpoints and copies of checkpoints hold every block (`plan.restore`). Every stage
+        drops what it trained after that step; those steps are trained again (counted as
+        redone). False if the members left cannot (no such step, or no plan fits them)."""
+        gone = {s.node_id for s in lost}
+        staying = self._plan_members(plan, gone)
+        completed = max(self._losses, default=self._resumed_at)
+        point = resume_point(
+            staying,
+            {node: self._timeline(offers) for node, offers in self._offers.items()},
+            run_key=run_key(plan.run),
+            num_blocks=self._model.num_blocks(),
+            steps=completed + 1,  # a step every pipeline has reported: its loss is known
+        )
+        if not point.holders or point.step < self._resumed_at:
+            return False
+        try:
+            epoch = max(plan.epoch, self._next.epoch if self._next else 0) + 1
+            new, placed = self._negotiate(epoch, staying, plan.run)
+        except ConfigError as exc:
+            log.error("restore: no plan fits the members left: %s", exc)
+            return False
+        step = point.step
+        new.start_step, new.restore = step, True
+        new.previous.extend(point.holders)
+        # The plan broken here ends at the restored step: its stages' later reports are
+        # refused, and its first stages are told to drop their work, not to drain.
+        self._ends[plan.epoch] = step
+        self._broken_in[plan.epoch] = set(range(self._train.pipelines))
+        self._next, self._drains, self._broken = None, {}, set()
+        self._unrestored = None
+        self._final = {}  # final reports of the rolled-back timeline (a stage ended early)
+        redone = 0
+        for losses in self._pipeline_losses.values():
+            later = [s for s in losses if s > step]
+            redone += len(later) * self._train.microbatches
+            for s in later:
+                del losses[s]
+        for s in [s for s in self._losses if s > step]:
+            del self._losses[s]
+        self._checkpoints = {k: v for k, v in self._checkpoints.items() if v[1] <= step}
+        self._redone += redone
+        self._restores.append({
+            "plan_epoch": new.epoch, "lost": sorted(gone), "after_step": completed,
+            "restored_step": step, "redone_microbatches": redone,
+            "holders": [[h.first_block, h.stop_block, h.node_id] for h in point.holders],
+        })  # fmt: skip
+        log.warning("restoring the run at step %d from %d checkpoints and copies: steps %d to "
+                    "%d are trained again (%d microbatches redone)", step, len(point.holders),
+                    step + 1, completed, redone)  # fmt: skip
+        self._previous = plan
+        if self._store is not None:
+            self._store.roll_back(step, new, self._started_unix)
+        self._adopt(new, placed)
         return True
+
+    def _timeline(self, offers: list[pb.CheckpointOffer]) -> list[pb.CheckpointOffer]:
+        """Of a member's `offers`, those of the run as it happened: a checkpoint written under
+        a plan before a restore, of a step after the one restored, is of a timeline that was
+        rolled back (its node may not have set it aside yet: it restarted, or lags)."""
+        rolled = [(r["plan_epoch"], r["restored_step"]) for r in self._restores]
+        return [
+            o for o in offers
+            if not any(o.plan_epoch < epoch and o.step > step for epoch, step in rolled)
+        ]  # fmt: skip
 
     async def Leave(
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -407,7 +546,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         )
         resume = resume_point(
             self._members,
-            self._capabilities,
+            {node: c.checkpoints for node, c in self._capabilities.items()},
             run_key=run_key(run),
             num_blocks=self._model.num_blocks(),
             steps=self._train.steps,
@@ -464,6 +603,34 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         copy.CopyFrom(plan)
         self._announcements.append(copy)
 
+    def _plan_members(self, plan: pb.Plan, gone: set[str] | None = None) -> list[Member]:
+        """Who a plan after `plan` has: members that have said what they measured, are alive
+        and stay (none of `gone`), `plan`'s first, then newcomers, each in join order; as many
+        as the swarm's shape allows (a multiple of the pipelines, at most one stage a block)."""
+        now = self._clock()
+        in_plan = {s.node_id for s in plan.stages}
+        staying = [
+            m for m in self._members
+            if m.node_id in self._capabilities and m.node_id not in (gone or ())
+            and not self._leases.expired(m.node_id, now) and m.node_id not in self._leases.left
+        ]  # fmt: skip
+        staying.sort(key=lambda m: m.node_id not in in_plan)
+        pipelines = self._train.pipelines
+        count = min(len(staying) - len(staying) % pipelines, self._model.num_blocks() * pipelines)
+        return staying[:count]
+
+    def _negotiate(
+        self, epoch: int, members: list[Member], run: pb.RunSpec
+    ) -> tuple[pb.Plan, SwarmPlan]:
+        return negotiated_plan(
+            epoch=epoch,
+            swarm_id=self._swarm_id,
+            model=self._model,
+            members=members,
+            capabilities=[self._capabilities[m.node_id] for m in members],
+            run=run,
+        )
+
     def _maybe_replan(self, *, force: bool = False, keep_drains: bool = False) -> None:
         """After the first plan: when members that are in no stage have said what they
         measured, or members with a stage leave, announce a plan of the members that stay and
@@ -475,30 +642,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return
         if max(self._losses, default=self._resumed_at) >= self._train.steps and not force:
             return  # the run is over
-        now = self._clock()
         in_plan = {s.node_id for s in plan.stages}
-        staying = [
-            m for m in self._members
-            if m.node_id in self._capabilities
-            and not self._leases.expired(m.node_id, now) and m.node_id not in self._leases.left
-        ]  # fmt: skip
-        # Members of the current plan first, in join order; then newcomers, in join order.
-        staying.sort(key=lambda m: m.node_id not in in_plan)
-        pipelines = self._train.pipelines
-        count = min(len(staying) - len(staying) % pipelines, self._model.num_blocks() * pipelines)
-        members = staying[:count]
+        members = self._plan_members(plan)
         if not members or ({m.node_id for m in members} == in_plan and not force):
             return
         current = [m for m in members if m.node_id in in_plan]
         try:
-            new, placed = negotiated_plan(
-                epoch=plan.epoch + 1,
-                swarm_id=self._swarm_id,
-                model=self._model,
-                members=members,
-                capabilities=[self._capabilities[m.node_id] for m in members],
-                run=plan.run,
-            )
+            new, placed = self._negotiate(plan.epoch + 1, members, plan.run)
         except ConfigError as exc:
             log.warning("no plan with the new members: %s", exc)
             return
@@ -562,6 +712,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         await self._notify()
         async with self._changed:
             await self._changed.wait_for(lambda: plan.epoch in self._ends)
+        if request.pipeline in self._broken_in.get(plan.epoch, ()):  # a restore ended it
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"plan epoch {plan.epoch} was rolled back to step {self._ends[plan.epoch]}: "
+                f"pipeline {request.pipeline} is not drained but dropped",
+            )
         return pb.DrainReply(stop_step=self._ends[plan.epoch])
 
     def _drained(self) -> bool:
@@ -817,6 +973,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # Members lost mid-run, and the microbatches their pipelines never trained.
             "crashes": self._crashes,
             "dropped_microbatches": self._dropped,
+            # Restores from checkpoints (a lost member had no replica), and the microbatches
+            # of the steps rolled back and trained again.
+            "restores": self._restores,
+            "redone_microbatches": self._redone,
             # The newest checkpoint each stage's owner reported writing.
             "checkpoints": [
                 {"pipeline": p, "stage": i, "node_id": node, "step": step}

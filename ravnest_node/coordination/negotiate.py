@@ -34,6 +34,7 @@ from ravnest_node.transport.options import split_host_port
 
 __all__ = [
     "check_capabilities",
+    "check_offers",
     "member_speeds",
     "model_blocks",
     "negotiated_plan",
@@ -56,10 +57,15 @@ def check_capabilities(caps: pb.Capabilities, num_blocks: int) -> None:
         raise ConfigError(f"capabilities give {len(caps.block_s)} block times for {num_blocks}")
     if not all(math.isfinite(t) and t > 0 for t in caps.block_s):
         raise ConfigError("capabilities: every block time must be finite and > 0")
-    if len(caps.checkpoints) > MAX_OFFERS:
-        raise ConfigError(f"capabilities offer {len(caps.checkpoints)} checkpoints, at most "
-                          f"{MAX_OFFERS}")  # fmt: skip
-    for offer in caps.checkpoints:
+    check_offers(caps.checkpoints, num_blocks)
+
+
+def check_offers(offers: Sequence[pb.CheckpointOffer], num_blocks: int) -> None:
+    """Raise ConfigError unless there are at most MAX_OFFERS checkpoint offers, each of a
+    non-empty range of the model's blocks."""
+    if len(offers) > MAX_OFFERS:
+        raise ConfigError(f"{len(offers)} checkpoints offered, at most {MAX_OFFERS}")
+    for offer in offers:
         if not 0 <= offer.first_block < offer.stop_block <= num_blocks:
             raise ConfigError(f"checkpoint offer of blocks [{offer.first_block}, "
                               f"{offer.stop_block}): the model has {num_blocks}")  # fmt: skip
@@ -84,21 +90,22 @@ class ResumePoint:
 
 def resume_point(
     members: Sequence[Member],
-    capabilities: Mapping[str, pb.Capabilities],
+    offers: Mapping[str, Sequence[pb.CheckpointOffer]],
     *,
     run_key: str,
     num_blocks: int,
     steps: int,
 ) -> ResumePoint:
-    """The newest step, below the run's last, at which the members' checkpoints of this run
-    (`run_key`) together hold every block, and who holds them; step 0 if there is none.
+    """The newest step, below `steps`, at which the members' checkpoints of this run (`run_key`;
+    `offers`: node id -> what it offered) together hold every block, and who holds them; step
+    0 if there is none.
 
     Several holders of a block at that step (replicas) are all listed: a node that gains the
     block fetches it from one of its own pipeline when it can."""
     at: dict[int, list[tuple[Member, pb.CheckpointOffer]]] = {}
     other_run = past_end = 0
     for m in members:
-        for offer in capabilities[m.node_id].checkpoints if m.node_id in capabilities else ():
+        for offer in offers.get(m.node_id, ()):
             if offer.run_key != run_key:
                 other_run += 1
             elif offer.step >= steps:

@@ -165,6 +165,16 @@ class CoordinatorStore:
         with self._transaction() as cur:
             cur.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", rows)
 
+    def roll_back(self, step: int, plan: pb.Plan, started_unix: float) -> None:
+        """A restore from checkpoints (coordinator.py): the losses after `step` and every final
+        report are of a timeline that no longer happened; `plan` is the plan now. One
+        transaction. (Progress events stay: they are what watchers were shown.)"""
+        rows = [("plan", plan.SerializeToString()), ("started_unix", started_unix)]
+        with self._transaction() as cur:
+            cur.execute("DELETE FROM losses WHERE step > ?", (step,))
+            cur.execute("DELETE FROM finals")
+            cur.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", rows)
+
     def save_report(
         self,
         *,

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import grpc
 import torch
@@ -62,6 +62,7 @@ from ravnest_node.transport.boundary import BoundaryServer, LinkCounters, Refusa
 from ravnest_node.transport.options import TransportConfig, server_options, split_host_port
 from ravnest_node.transport.probe import ProbeServer
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -250,13 +251,28 @@ class NodeService(pb_grpc.NodeServicer):
     async def FetchBlock(
         self, request: pb.BlockRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.BlockChunk]:
+        async for chunk in self._from_worker(context, lambda w: w.fetch_block(request)):
+            yield chunk
+
+    async def FetchCheckpoint(
+        self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.CheckpointChunk]:
+        async for chunk in self._from_worker(context, lambda w: w.fetch_checkpoint(request)):
+            yield chunk
+
+    async def _from_worker(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        stream: Callable[[Worker], AsyncIterator[T]],
+    ) -> AsyncIterator[T]:
+        """What the worker streams; its Refusal as the call's status."""
         worker = self._daemon.worker
         if worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is starting")
         assert worker is not None
         try:
-            async for chunk in worker.fetch_block(request):
-                yield chunk
+            async for item in stream(worker):
+                yield item
         except Refusal as refusal:
             await context.abort(refusal.code, refusal.reason)
             raise  # not reached: abort raises

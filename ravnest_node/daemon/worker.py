@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -29,9 +31,12 @@ import torch
 
 from ravnest_node.averaging import AveragingConfig, AveragingService, Member, ReplicaAverager
 from ravnest_node.checkpoint import (
+    CheckpointCopies,
     CheckpointDir,
     CheckpointError,
     Manifest,
+    bytes_bound,
+    parse_manifest,
     run_key,
 )
 from ravnest_node.coordination.coordinator import PROTOCOL
@@ -39,7 +44,7 @@ from ravnest_node.coordination.membership import DEFAULT_LEASE_S, heartbeat_inte
 from ravnest_node.coordination.negotiate import MAX_OFFERS
 from ravnest_node.coordination.static_plan import check_plan, has_node, replica_group, stage_at
 from ravnest_node.daemon.capabilities import measure
-from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
+from ravnest_node.errors import ConfigError, PeerError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.handoff import CHUNK_BYTES, BlockAssembler, BlockWeights, to_chunks
@@ -76,6 +81,8 @@ COORDINATOR_LOST_S = 3.0
 # A node whose plan a lost neighbour broke waits this many leases (plus the connect timeout)
 # for the coordinator's plan without that neighbour.
 BREAK_WAIT_LEASES = 4
+# A checkpoint copy must come at least this fast (bits per second), after the connect timeout.
+COPY_MIN_BPS = 1e6
 
 
 def _peer_fault(exc: BaseException) -> PeerUnavailable | PeerRefused | None:
@@ -162,6 +169,19 @@ class Worker:
     ) -> None:
         self.node_id = node_id
         self._checkpoints = checkpoints
+        self._copies = None if checkpoints is None else CheckpointCopies(checkpoints.path.parent)
+        """Copies of the upstream stage's checkpoints (a stage without a replica)."""
+        self._copying: asyncio.Task[None] | None = None
+        self._serving_copy: set[str] = set()
+        """Peers a checkpoint copy is being sent to now (one at a time each)."""
+        self._offering = False
+        """Heartbeats carry this node's checkpoints once its first plan has set aside those
+        that are not of the run."""
+        self._offers: list[pb.CheckpointOffer] = []
+        self._model_name = ""
+        self._joined_epoch = 0
+        self._notifying: asyncio.Future[None] | None = None
+        """The copy being fetched (one at a time; a copy due meanwhile is skipped)."""
         self._resume = resume
         self._writing: asyncio.Task[Manifest] | None = None
         """The checkpoint being written (one at a time, in a worker thread)."""
@@ -232,6 +252,8 @@ class Worker:
         cancelled too, but a cancel that arrives during a call to this node's own server can be
         lost inside grpc.aio, so the run must not rely on it alone)."""
         self.stopping = True
+        if self._copying is not None:
+            self._copying.cancel()
         await self._notify()
 
     async def _notify(self) -> None:
@@ -392,6 +414,8 @@ class Worker:
             with coordinator_errors(self.coordinator):
                 reply = await stub.Join(join, timeout=self._transport.connect_timeout_s)
             self._lease_s = reply.lease_s or DEFAULT_LEASE_S
+            self._model_name = reply.model
+            self._joined_epoch = reply.started_epoch
             self._joined.set()  # keep_membership() sends heartbeats from now on
             # Then measure this node for the swarm's model, and tell the coordinator.
             try:
@@ -415,7 +439,7 @@ class Worker:
                 caps.memory_bytes / 2**30,
             )
             if self._resume and self._checkpoints is not None:
-                found = await asyncio.to_thread(self._checkpoints.verified, get_model(reply.model))
+                found = await asyncio.to_thread(self._verified_checkpoints, get_model(reply.model))
                 caps.checkpoints.extend(m.offer() for m in found[:MAX_OFFERS])
                 log.info("--resume: offering checkpoints at steps %s",
                          [m.step for m in found] or "(none)")  # fmt: skip
@@ -428,12 +452,15 @@ class Worker:
                 watcher.cancel()
 
     async def _follow_plans(self, stub: pb_grpc.CoordinatorStub) -> None:
-        """Train a stage of each plan this node is in, one after another, to the run's end."""
-        epoch = 0
+        """Train a stage of each plan this node is in, one after another, to the run's end.
+        Never a plan that had started before this node joined: a stage for it there was an
+        earlier run's of this node (JoinReply.started_epoch)."""
+        epoch = self._joined_epoch
         while True:
             plan = await self._next_plan(epoch)
             epoch = plan.epoch
-            if self._first_plan:
+            # A restore (a lost member had no replica) goes back to its checkpoints' step.
+            if self._first_plan or plan.restore:
                 self._first_plan = False
                 await self._checkpoints_for(plan)
             if not has_node(plan.stages, self.node_id):
@@ -468,9 +495,10 @@ class Worker:
         what the stage reported after counting its pipeline out). With replicas, the
         coordinator plans without the lost member once its lease runs out: wait for that plan
         (True) with this stage's state discarded, as its pipeline's steps from here on are
-        dropped. False (the run fails) without replicas, when the run is over or stopping, or
-        if no newer plan comes within a few leases."""
-        if plan.run.pipelines < 2 or self.stopping:
+        dropped. Without replicas, the coordinator restores the run from checkpoints if the
+        members left hold them (the plan says `restore`). False (the run fails) when the run is
+        over or stopping, or if no newer plan comes within a few leases."""
+        if self.stopping:
             return False
         log.warning("plan epoch %d broke: %s; this node waits for the coordinator's plan "
                     "without the lost member", plan.epoch, error)  # fmt: skip
@@ -555,31 +583,100 @@ class Worker:
 
     # ----- checkpoints ------------------------------------------------------------------------
     async def _checkpoints_for(self, plan: pb.Plan) -> None:
-        """The first plan this node gets: checkpoints newer than its start are set aside (a run
-        that starts there must never resume from another timeline), and if the plan resumes
-        from this node's checkpoint, its blocks are loaded to serve (verified again)."""
-        store = self._checkpoints
-        if store is None:
+        """The first plan this node gets, or a plan that restores the run from checkpoints:
+        checkpoints newer than its start are set aside (a run that starts there must never
+        resume from another timeline; copies of them are removed), and the blocks the plan
+        says this node holds at its start are loaded from its checkpoints or copies (verified
+        again) to serve. A restore drops what this node trained after that step."""
+        step = plan.start_step
+        if plan.restore:
+            self._held, self._held_step, self._handed = {}, step, set()
+        store, copies = self._checkpoints, self._copies
+        if store is None or copies is None:
+            self._offering = True
             return
-        aside, folder = await asyncio.to_thread(store.set_aside_after, plan.start_step)
+        # What this node keeps from before: with --resume or on a restore, its timeline up to
+        # the plan's start; otherwise nothing (another run's checkpoints may share this run's
+        # key, and must never be offered to a restore).
+        keep = step if self._resume or plan.restore else 0
+        store.hold = step  # a write of the dropped timeline may land now: it must not prune it
+        try:
+            await self.flush_checkpoints()  # ... and it lands before the move
+            aside, folder = await asyncio.to_thread(store.set_aside_after, keep)
+        finally:
+            store.hold = None
         if aside:
             log.warning("checkpoints at steps %s are newer than where this run starts (step "
-                        "%d): moved to %s", aside, plan.start_step, folder)  # fmt: skip
-        if plan.start_step == 0 or not has_node(plan.previous, self.node_id):
+                        "%d): moved to %s", aside, keep, folder)  # fmt: skip
+        await asyncio.to_thread(copies.drop_after, keep)
+        self.checkpoint_step = max(await asyncio.to_thread(store.steps), default=0)
+        self._offering = True
+        mine = [h for h in plan.previous if h.node_id == self.node_id]
+        if step == 0 or not mine:
             return
         model = get_model(plan.run.model)
-        try:
-            manifest, blocks = await asyncio.to_thread(store.load, plan.start_step, model)
-        except CheckpointError as exc:
-            raise RunFailed(f"cannot resume at step {plan.start_step}: {exc}") from None
-        if manifest.run_key != run_key(plan.run):
-            raise RunFailed(f"cannot resume at step {plan.start_step}: the checkpoint is of "
-                            "another run")  # fmt: skip
-        self._held, self._held_step, self._handed = blocks, plan.start_step, set()
-        self.checkpoint_step = plan.start_step
+        held: dict[int, BlockWeights] = {}
+        for h in mine:
+            try:
+                found, blocks, where = await asyncio.to_thread(
+                    self._load_checkpoint, step, h.first_block, h.stop_block, model
+                )
+            except CheckpointError as exc:
+                raise RunFailed(f"cannot start at step {step}: {exc}") from None
+            if found.run_key != run_key(plan.run):
+                raise RunFailed(f"cannot start at step {step}: the checkpoint of blocks "
+                                f"[{h.first_block}, {h.stop_block}) is of another run")  # fmt: skip
+            held |= blocks
+            log.info("%s at step %d: serving blocks [%d, %d) from %s",
+                     "restoring" if plan.restore else "resuming", step, h.first_block,
+                     h.stop_block, where)  # fmt: skip
+        self._held, self._held_step, self._handed = held, step, set()
+        self.checkpoint_step = step
         await self._notify()
-        log.info("resuming at step %d: serving blocks [%d, %d) from %s", plan.start_step,
-                 manifest.first_block, manifest.stop_block, store.path)  # fmt: skip
+
+    def _load_checkpoint(
+        self, step: int, first_block: int, stop_block: int, model: Any
+    ) -> tuple[Manifest, dict[int, BlockWeights], Path]:
+        """This node's checkpoint, or copy of one, of blocks [first_block, stop_block) at
+        `step`, verified, and the folder it is in. Blocking."""
+        assert self._checkpoints is not None and self._copies is not None
+        refused: list[str] = []
+        for store in (self._checkpoints, self._copies.dir(first_block, stop_block)):
+            try:
+                found = store.manifest(step)
+                if (found.first_block, found.stop_block) != (first_block, stop_block):
+                    continue
+                return (*store.load(step, model), store.path)
+            except CheckpointError as exc:
+                refused.append(str(exc))
+        raise CheckpointError(
+            f"no checkpoint of blocks [{first_block}, {stop_block}) at step "
+            f"{step} loads here" + (f": {refused[-1]}" if refused else "")
+        )
+
+    def _verified_checkpoints(self, model: Any) -> list[Manifest]:
+        """Every checkpoint and copy here that loads, newest first. Blocking."""
+        assert self._checkpoints is not None and self._copies is not None
+        found = self._checkpoints.verified(model)
+        found += [m for d in self._copies.dirs() for m in d.verified(model)]
+        return sorted(found, key=lambda m: m.step, reverse=True)
+
+    def checkpoint_offers(self) -> list[pb.CheckpointOffer]:
+        """What this node holds now (its checkpoints and copies of the swarm's model, newest
+        first, checked for form), for its heartbeats; none before its first plan. Blocking
+        (reads the manifests). A disk that cannot be read keeps the last list."""
+        if self._checkpoints is None or self._copies is None or not self._offering:
+            return []
+        try:
+            found = self._checkpoints.manifests() + self._copies.manifests()
+        except OSError as exc:  # a copy folder replaced meanwhile, or a failing disk
+            log.warning("cannot list this node's checkpoints: %s", exc)
+            return self._offers
+        model = get_model(self._model_name)
+        found = [m for m in found if m.model == model.name and m.stop_block <= model.num_blocks()]
+        found.sort(key=lambda m: m.step, reverse=True)
+        self._offers = [m.offer() for m in found[:MAX_OFFERS]]
+        return self._offers
 
     async def _write_checkpoint(
         self, step: int, blocks: dict[int, BlockWeights], plan: pb.Plan
@@ -605,6 +702,165 @@ class Worker:
             self._writing = asyncio.ensure_future(asyncio.to_thread(save))
             self._writing.add_done_callback(self._written)
 
+    async def _stage_checkpoint(
+        self,
+        step: int,
+        blocks: dict[int, BlockWeights],
+        *,
+        plan: pb.Plan,
+        me: pb.StageAssignment,
+    ) -> None:
+        """The stage's periodic checkpoint (and its run-end one): write it, and copy the
+        upstream stage's checkpoint of that step if no replica holds that stage."""
+        await self._write_checkpoint(step, blocks, plan)
+        stages = len(plan.stages) // max(1, plan.run.pipelines)
+        if self._copies is None or plan.run.pipelines > 1 or stages < 2:
+            return
+        if step >= plan.run.steps:  # the run's end: nothing left to restore
+            return
+        if self._copying is not None and not self._copying.done():
+            log.info("checkpoint copy of step %d skipped: the one before is still coming", step)
+            return
+        source = stage_at(plan, me.pipeline, (me.index - 1) % stages)
+        assert source is not None
+        self._copying = asyncio.create_task(self._copy_checkpoint(plan, source, step))
+
+    async def _copy_checkpoint(self, plan: pb.Plan, source: pb.StageAssignment, step: int) -> None:
+        """Fetch `source`'s checkpoint at `step` and keep it (CheckpointCopies): checked
+        against what `source` trains under `plan`, its size bound and its sha256. A failure is
+        logged; the next copy is tried at the next checkpoint."""
+        assert self._copies is not None
+        generation = self._copies.generation
+        where = f"{source.node_id} ({source.address})"
+        model = get_model(plan.run.model)
+        bound = bytes_bound(model, source.first_block, source.stop_block)
+        manifest: Manifest | None = None
+        parts: list[bytes] = []
+        size = 0
+        limit = self._transport.connect_timeout_s
+        # All of it within the connect timeout plus what it takes at COPY_MIN_BPS: a peer that
+        # trickles cannot hold the copies up for ever.
+        whole = 3 * self._transport.connect_timeout_s + bound * 8 / COPY_MIN_BPS
+        try:
+            channel_cm = open_channel(source.address, self._transport)
+            async with asyncio.timeout(whole), channel_cm as channel:
+                call = pb_grpc.NodeStub(channel).FetchCheckpoint(
+                    pb.CheckpointRequest(node_id=self.node_id, plan_epoch=plan.epoch, step=step)
+                )
+                try:
+                    while True:
+                        # The source may still be writing it: the first chunk may take longer.
+                        limit = self._transport.connect_timeout_s * (3 if manifest is None else 1)
+                        async with asyncio.timeout(limit):
+                            chunk = await call.read()
+                        if chunk is grpc.aio.EOF:
+                            break
+                        if manifest is None:
+                            manifest = parse_manifest(chunk.manifest, step, f"copy from {where}")
+                            expected = (model.name, source.first_block, source.stop_block,
+                                        run_key(plan.run))  # fmt: skip
+                            got = (manifest.model, manifest.first_block, manifest.stop_block,
+                                   manifest.run_key)  # fmt: skip
+                            if got != expected:
+                                raise CheckpointError(f"copy from {where}: it is of {got}, "
+                                                      f"not {expected}")  # fmt: skip
+                            if manifest.bytes > bound:
+                                raise CheckpointError(
+                                    f"copy from {where}: {manifest.bytes} bytes, at most "
+                                    f"{bound} expected"
+                                )
+                        elif chunk.manifest:
+                            raise CheckpointError(f"copy from {where}: a second manifest")
+                        if (not chunk.data or chunk.offset != size
+                                or size + len(chunk.data) > manifest.bytes):  # fmt: skip
+                            raise CheckpointError(f"copy from {where}: a chunk at {chunk.offset} "
+                                                  f"of {len(chunk.data)} bytes does not follow "
+                                                  f"{size} of {manifest.bytes}")  # fmt: skip
+                        parts.append(chunk.data)
+                        size += len(chunk.data)
+                finally:
+                    call.cancel()
+            if manifest is None:
+                raise CheckpointError(f"copy from {where}: no manifest came")
+            await asyncio.to_thread(
+                self._copies.store, manifest, b"".join(parts), generation, model
+            )
+        except (CheckpointError, OSError) as exc:
+            log.warning("checkpoint copy of step %d not kept: %s", step, exc)
+            return
+        except TimeoutError:
+            log.warning("checkpoint copy of step %d from %s: too slow (each chunk must come "
+                        "within %g s, all of it within %.0f s)", step, where, limit,
+                        whole)  # fmt: skip
+            return
+        except PeerError as exc:
+            log.warning("checkpoint copy of step %d from %s: %s", step, where, exc)
+            return
+        except grpc.aio.AioRpcError as exc:
+            self._reraise_cancel(exc)
+            log.warning("checkpoint copy of step %d from %s: %s: %s", step, where,
+                        exc.code().name, exc.details())  # fmt: skip
+            return
+        log.info("kept a copy of %s's checkpoint of blocks [%d, %d) at step %d (%.1f MB)",
+                 source.node_id, manifest.first_block, manifest.stop_block, step,
+                 manifest.bytes / 1e6)  # fmt: skip
+
+    async def fetch_checkpoint(
+        self, request: pb.CheckpointRequest
+    ) -> AsyncIterator[pb.CheckpointChunk]:
+        """Node.FetchCheckpoint: a member of this node's plan copies its checkpoint at
+        `request.step`, waited for (within twice the connect timeout) if it is being written;
+        Refusal (before any chunk) otherwise."""
+        store = self._checkpoints
+        if store is None:
+            raise Refusal(grpc.StatusCode.NOT_FOUND, "this node keeps no checkpoints")
+        plan = self.plan
+        if plan is None or plan.epoch != request.plan_epoch:
+            raise Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this node does not train under plan epoch {request.plan_epoch}",
+            )
+        if request.node_id != self._copier(plan):
+            raise Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"peer {request.node_id[:80]!r} does not keep this node's checkpoint copies "
+                f"under plan epoch {plan.epoch}",
+            )
+        if request.node_id in self._serving_copy:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "a copy to this peer is under way")
+        await self._wait(
+            lambda: self.checkpoint_step >= request.step,
+            f"no checkpoint at step {request.step} yet",
+            timeout_s=2 * self._transport.connect_timeout_s,
+        )
+        self._serving_copy.add(request.node_id)
+        try:
+            try:
+                manifest = await asyncio.to_thread(store.manifest, request.step)
+                f = await asyncio.to_thread(store.open_tensors, manifest)
+            except CheckpointError as exc:
+                raise Refusal(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+            with f:  # read as it goes: a stage's checkpoint is never all in memory here
+                chunk_bytes = min(CHUNK_BYTES, self._transport.max_message_bytes // 2)
+                offset = 0
+                head = json.dumps(asdict(manifest)).encode()
+                while data := await asyncio.to_thread(f.read, chunk_bytes):
+                    yield pb.CheckpointChunk(manifest=head, offset=offset, data=data)
+                    head, offset = b"", offset + len(data)
+        finally:
+            self._serving_copy.discard(request.node_id)
+
+    def _copier(self, plan: pb.Plan) -> str:
+        """The node that keeps copies of this node's checkpoints under `plan`: the next stage's
+        (the first stage's for the last), with one pipeline and two stages or more; "" if
+        none."""
+        stages = len(plan.stages) // max(1, plan.run.pipelines)
+        me = next((s for s in plan.stages if s.node_id == self.node_id), None)
+        if me is None or plan.run.pipelines > 1 or stages < 2:
+            return ""
+        copier = stage_at(plan, me.pipeline, (me.index + 1) % stages)
+        return "" if copier is None else copier.node_id
+
     def _written(self, task: asyncio.Task[Manifest]) -> None:
         if task.cancelled():
             return
@@ -614,6 +870,8 @@ class Worker:
             return
         manifest = task.result()
         self.checkpoint_step = max(self.checkpoint_step, manifest.step)
+        # A copy may be waiting for it (FetchCheckpoint).
+        self._notifying = asyncio.ensure_future(self._notify())
         log.info("checkpoint of blocks [%d, %d) at step %d written (%.1f MB)",
                  manifest.first_block, manifest.stop_block, manifest.step,
                  manifest.bytes / 1e6)  # fmt: skip
@@ -866,8 +1124,10 @@ class Worker:
             while True:
                 await asyncio.sleep(interval)  # the heartbeat's period, not a wait for an event
                 try:
+                    offers = await asyncio.to_thread(self.checkpoint_offers)
                     await stub.Heartbeat(
-                        pb.HeartbeatRequest(node_id=self.node_id), timeout=interval
+                        pb.HeartbeatRequest(node_id=self.node_id, checkpoints=offers),
+                        timeout=interval,
                     )
                 except grpc.aio.AioRpcError as exc:
                     log.warning(
@@ -954,9 +1214,11 @@ class Worker:
         try:
             restore = await self._gather_blocks(plan, me, blocks)
         except* (PeerUnavailable, PeerRefused) as group:
-            raise RunFailed(
-                f"plan epoch {plan.epoch}: cannot gather its blocks: {group.exceptions[0]}"
-            ) from None
+            # A holder lost meanwhile: a peer fault, so the node waits for the coordinator's
+            # plan without it (_after_break) rather than failing.
+            first = group.exceptions[0]
+            fault = PeerRefused if isinstance(first, PeerRefused) else PeerUnavailable
+            raise fault(f"plan epoch {plan.epoch}: cannot gather its blocks: {first}") from None
         averaging = self._averaging(plan, me, run, blocks)
         build = partial(
             StageRuntime,
@@ -970,7 +1232,7 @@ class Worker:
             start_step=plan.start_step,
             restore=restore,
             block_delay_s=self.block_delay_s,
-            checkpoint=partial(self._write_checkpoint, plan=plan),
+            checkpoint=partial(self._stage_checkpoint, plan=plan, me=me),
         )
         try:
             runtime = await asyncio.get_running_loop().run_in_executor(self._compute, build)

@@ -86,6 +86,26 @@ class BlockRequest(_message.Message):
     block: int
     def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., block: _Optional[int] = ...) -> None: ...
 
+class CheckpointRequest(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "step")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    step: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CheckpointChunk(_message.Message):
+    __slots__ = ("manifest", "offset", "data")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    manifest: bytes
+    offset: int
+    data: bytes
+    def __init__(self, manifest: _Optional[bytes] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class BlockChunk(_message.Message):
     __slots__ = ("block", "version", "optimizer_step", "name", "role", "dtype", "shape", "offset", "data")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -135,42 +155,48 @@ class Capabilities(_message.Message):
     def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ...) -> None: ...
 
 class CheckpointOffer(_message.Message):
-    __slots__ = ("step", "first_block", "stop_block", "run_key", "pipeline", "stage")
+    __slots__ = ("step", "first_block", "stop_block", "run_key", "pipeline", "stage", "plan_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     STOP_BLOCK_FIELD_NUMBER: _ClassVar[int]
     RUN_KEY_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     first_block: int
     stop_block: int
     run_key: str
     pipeline: int
     stage: int
-    def __init__(self, step: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., run_key: _Optional[str] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
+    plan_epoch: int
+    def __init__(self, step: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., run_key: _Optional[str] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("swarm_id", "member_index", "swarm_size", "model", "microbatch", "lease_s")
+    __slots__ = ("swarm_id", "member_index", "swarm_size", "model", "microbatch", "lease_s", "started_epoch")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_INDEX_FIELD_NUMBER: _ClassVar[int]
     SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    STARTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     member_index: int
     swarm_size: int
     model: str
     microbatch: int
     lease_s: float
-    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    started_epoch: int
+    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ..., lease_s: _Optional[float] = ..., started_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "checkpoints")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointOffer]
+    def __init__(self, node_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("lease_s",)
@@ -271,7 +297,7 @@ class StageAssignment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "swarm_id", "run", "stages", "start_step", "pending", "previous")
+    __slots__ = ("epoch", "swarm_id", "run", "stages", "start_step", "pending", "previous", "restore")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +305,7 @@ class Plan(_message.Message):
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     swarm_id: str
     run: RunSpec
@@ -286,7 +313,8 @@ class Plan(_message.Message):
     start_step: int
     pending: bool
     previous: _containers.RepeatedCompositeFieldContainer[StageAssignment]
-    def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
+    restore: bool
+    def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., restore: _Optional[bool] = ...) -> None: ...
 
 class StageReport(_message.Message):
     __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps", "checkpoint_step")

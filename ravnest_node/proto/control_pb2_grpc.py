@@ -512,6 +512,11 @@ class NodeStub:
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.BlockRequest.SerializeToString,
                 response_deserializer=ravnest__node_dot_proto_dot_control__pb2.BlockChunk.FromString,
                 _registered_method=True)
+        self.FetchCheckpoint = channel.unary_stream(
+                '/ravnest.v1.Node/FetchCheckpoint',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.CheckpointChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -532,6 +537,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchCheckpoint(self, request, context):
+        """The node of the next stage (a ring: the first stage for the last) copies this node's
+        checkpoint at `step` to its own disk, so that a stage without a replica can be restored
+        from it when this node is lost (docs/operations.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -544,6 +558,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.FetchBlock,
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.BlockRequest.FromString,
                     response_serializer=ravnest__node_dot_proto_dot_control__pb2.BlockChunk.SerializeToString,
+            ),
+            'FetchCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchCheckpoint,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.CheckpointRequest.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.CheckpointChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -601,6 +620,33 @@ class Node:
             '/ravnest.v1.Node/FetchBlock',
             ravnest__node_dot_proto_dot_control__pb2.BlockRequest.SerializeToString,
             ravnest__node_dot_proto_dot_control__pb2.BlockChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ravnest.v1.Node/FetchCheckpoint',
+            ravnest__node_dot_proto_dot_control__pb2.CheckpointRequest.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.CheckpointChunk.FromString,
             options,
             channel_credentials,
             insecure,
