@@ -15,14 +15,14 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from ravnest_node.checkpoint import run_key
-from ravnest_node.coordination.membership import DEFAULT_LEASE_S, Leases
+from ravnest_node.coordination.membership import DEFAULT_LEASE_S, Leases, RoundTrips
 from ravnest_node.coordination.negotiate import (
     check_capabilities,
     check_offers,
@@ -49,6 +49,7 @@ PROTOCOL = "ravnest.v1"
 MAX_MEMBERS = 1024
 LOST_AFTER_LEASES = 2
 """A member with a stage silent for this many leases is lost (one late heartbeat is not)."""
+MAX_SUSPECTS = 8
 RESTORE_RETRY_LEASES = 3
 """A restore from checkpoints that finds no step at once is tried again on each heartbeat for
 this many leases (a member's offers may come with its next heartbeat)."""
@@ -99,6 +100,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         epoch: int = 1,
         lease_s: float = DEFAULT_LEASE_S,
         store: CoordinatorStore | None = None,
+        probe: Callable[[str, float], Awaitable[bool]] | None = None,
     ) -> None:
         self._train = train
         self._epoch = epoch
@@ -112,6 +114,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._members: list[Member] = []
         self._capabilities: dict[str, pb.Capabilities] = {}
         self._leases = Leases(lease_s)
+        self._rtts = RoundTrips()
+        self._probe = probe
+        """Asks the node at an address whether it is alive, within a timeout (Suspect)."""
+        self._probing: set[str] = set()
         self._plan: pb.Plan | None = None
         self._next: pb.Plan | None = None
         """A newer plan, announced (pending) while the current one's pipelines drain."""
@@ -134,6 +140,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._resumed_at = 0
         """The step the run (re)started at: 0, or where the members' checkpoints were."""
         self._crashes: list[dict[str, Any]] = []
+        self._lost: set[str] = set()
+        """Members counted lost: in no plan until they join again (a restart)."""
         """Members with a stage whose lease ran out mid-run: who, where, when."""
         self._broken: set[int] = set()
         """Pipelines of the current plan that lost a member: they are not waited for."""
@@ -254,12 +262,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         for index, member in enumerate(self._members):
             if member.node_id == request.node_id:
                 if member.address != request.address:
-                    if not self._leases.expired(request.node_id, now):
+                    gone = request.node_id in self._lost or self._leases.expired(
+                        request.node_id, now
+                    )
+                    if not gone:
                         await context.abort(
                             grpc.StatusCode.ALREADY_EXISTS,
                             f"node {request.node_id} already joined from {member.address}",
                         )
-                    # Its lease ran out: the node came back (restarted, or its address changed).
+                    # Lost, or its lease ran out: the node came back (restarted, or its address
+                    # changed).
                     log.info("node %s rejoins from %s (it was at %s)", request.node_id,
                              request.address, member.address)  # fmt: skip
                     self._members[index] = Member(request.node_id, request.address)
@@ -271,6 +283,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     # lease has run out yet. Count it lost now; this run of it is a newcomer.
                     self._restarted(request.node_id, now)
                     in_plan = False
+                self._lost.discard(request.node_id)  # back: a newcomer
                 self._leases = self._leases.renew(request.node_id, now)
                 if request.HasField("capabilities") and not in_plan:
                     self._capabilities[request.node_id] = request.capabilities
@@ -339,6 +352,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "not a member of this swarm: join first")
         if request.node_id not in self._leases.left:  # a leaving node stays left
             self._leases = self._leases.renew(request.node_id, self._clock())
+        self._rtts.add(request.node_id, request.rtt_s)
         try:
             check_offers(request.checkpoints, self._model.num_blocks())
             self._offers[request.node_id] = list(request.checkpoints)
@@ -368,6 +382,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             _, lost_before, since = self._unrestored
             if now - since > RESTORE_RETRY_LEASES * self._leases.lease_s:
                 self._unrestored = None
+                log.error("no replica holds the blocks of %s and no checkpoints restore them: "
+                          "the run cannot go on; restart the swarm with --resume to carry on "
+                          "from its checkpoints",
+                          ", ".join(s.node_id for s in lost_before))  # fmt: skip
             elif self._restore_from_checkpoints(plan, lost_before):
                 return True
         known = {(c["node_id"], c["plan_epoch"]) for c in self._crashes}
@@ -392,16 +410,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             log.warning("node %s joined again: it restarted, and its stage is lost", node_id)
             self._lose(plan, [s for s in plan.stages if s.node_id == node_id], now)
 
-    def _lose(self, plan: pb.Plan, lost: list[pb.StageAssignment], now: float) -> None:
+    def _lose(
+        self, plan: pb.Plan, lost: list[pb.StageAssignment], now: float, why: str = ""
+    ) -> None:
         """The owners of `lost` stages of `plan` are gone: count them, and carry on without
         them (see _check_lost)."""
         step = max(self._losses, default=self._resumed_at)
+        self._lost |= {s.node_id for s in lost}
         for s in lost:
             self._crashes.append({"node_id": s.node_id, "pipeline": s.pipeline, "stage": s.index,
                                   "plan_epoch": plan.epoch, "after_step": step})  # fmt: skip
-            log.warning("node %s (pipeline %d stage %d) is lost: no heartbeat for %.1f s",
-                        s.node_id, s.pipeline, s.index,
-                        self._leases.silent_s(s.node_id, now))  # fmt: skip
+            log.warning("node %s (pipeline %d stage %d) is lost: %s", s.node_id, s.pipeline,
+                        s.index, why or "no heartbeat for "
+                        f"{self._leases.silent_s(s.node_id, now):.1f} s")  # fmt: skip
         if self._replans_closed:  # the run ends without a newer plan: its stages are not awaited
             self._finish_if_done(plan)
             return
@@ -414,10 +435,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._finish_if_done(plan)
             elif not self._restore_from_checkpoints(plan, lost):
                 self._unrestored = (plan.epoch, lost, now)
-                log.error("no replica holds the blocks of %s and no checkpoints restore them "
-                          "yet: unless they come, the run cannot go on; restart the swarm with "
-                          "--resume to carry on from its checkpoints",
-                          ", ".join(s.node_id for s in lost))  # fmt: skip
+                log.warning("no replica holds the blocks of %s and the members' checkpoints "
+                            "do not restore them yet: tried again on each heartbeat for %g s",
+                            ", ".join(s.node_id for s in lost),
+                            RESTORE_RETRY_LEASES * self._leases.lease_s)  # fmt: skip
             return
         self._broken = broken
         self._broken_in[plan.epoch] = set(broken)
@@ -442,8 +463,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         checkpoints and copies of checkpoints hold every block (`plan.restore`). Every stage
         drops what it trained after that step; those steps are trained again (counted as
         redone). False if the members left cannot (no such step, or no plan fits them)."""
-        gone = {s.node_id for s in lost}
-        staying = self._plan_members(plan, gone)
+        staying = self._plan_members(plan)
         completed = max(self._losses, default=self._resumed_at)
         point = resume_point(
             staying,
@@ -481,8 +501,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._checkpoints = {k: v for k, v in self._checkpoints.items() if v[1] <= step}
         self._redone += redone
         self._restores.append({
-            "plan_epoch": new.epoch, "lost": sorted(gone), "after_step": completed,
-            "restored_step": step, "redone_microbatches": redone,
+            "plan_epoch": new.epoch, "lost": sorted({s.node_id for s in lost}),
+            "after_step": completed, "restored_step": step, "redone_microbatches": redone,
             "holders": [[h.first_block, h.stop_block, h.node_id] for h in point.holders],
         })  # fmt: skip
         log.warning("restoring the run at step %d from %d checkpoints and copies: steps %d to "
@@ -503,6 +523,48 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             o for o in offers
             if not any(o.plan_epoch < epoch and o.step > step for epoch, step in rolled)
         ]  # fmt: skip
+
+    async def Suspect(
+        self, request: pb.SuspectRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SuspectReply:
+        """A member's stream to a neighbour broke: probe the neighbours it names (members with
+        a stage of the current plan, not yet lost or leaving, not being probed already), each
+        within a deadline from its measured round trips; count those that do not answer as
+        lost now. One that answers stays: a broken stream alone proves nothing (its own
+        neighbour may have broken it)."""
+        if not self._is_member(request.node_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, "not a member of this swarm")
+        plan = self._plan
+        if plan is None or request.plan_epoch != plan.epoch or self._probe is None:
+            return pb.SuspectReply()
+        named = set(request.suspects[:MAX_SUSPECTS])
+        known = {c["node_id"] for c in self._crashes if c["plan_epoch"] == plan.epoch}
+        targets = {
+            s.node_id: s.address for s in plan.stages
+            if s.node_id in named and s.node_id != request.node_id and s.node_id not in known
+            and s.node_id not in self._leases.left and s.node_id not in self._probing
+        }  # fmt: skip
+        if not targets:
+            return pb.SuspectReply()
+        self._probing |= set(targets)
+        timeouts = {n: self._rtts.probe_timeout(n, self._leases.lease_s) for n in targets}
+        try:
+            answers = await asyncio.gather(
+                *(self._probe(address, timeouts[n]) for n, address in targets.items())
+            )
+        finally:
+            self._probing -= set(targets)
+        known = {c["node_id"] for c in self._crashes if c["plan_epoch"] == plan.epoch}
+        dead = [n for n, alive in zip(targets, answers, strict=True)
+                if not alive and n not in known]  # fmt: skip
+        if not dead or self._plan is not plan:  # a newer plan came meanwhile
+            return pb.SuspectReply()
+        for n in dead:
+            why = (f"its neighbour {request.node_id} lost its stream ({request.reason[:200]}) "
+                   f"and it did not answer a probe within {timeouts[n]:.2f} s")  # fmt: skip
+            self._lose(plan, [s for s in plan.stages if s.node_id == n], self._clock(), why)
+        await self._notify()
+        return pb.SuspectReply(lost=dead)
 
     async def Leave(
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -603,15 +665,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         copy.CopyFrom(plan)
         self._announcements.append(copy)
 
-    def _plan_members(self, plan: pb.Plan, gone: set[str] | None = None) -> list[Member]:
+    def _plan_members(self, plan: pb.Plan) -> list[Member]:
         """Who a plan after `plan` has: members that have said what they measured, are alive
-        and stay (none of `gone`), `plan`'s first, then newcomers, each in join order; as many
-        as the swarm's shape allows (a multiple of the pipelines, at most one stage a block)."""
+        (not lost) and stay, `plan`'s first, then newcomers, each in join order; as many as the
+        swarm's shape allows (a multiple of the pipelines, at most one stage a block)."""
         now = self._clock()
         in_plan = {s.node_id for s in plan.stages}
         staying = [
             m for m in self._members
-            if m.node_id in self._capabilities and m.node_id not in (gone or ())
+            if m.node_id in self._capabilities and m.node_id not in self._lost
             and not self._leases.expired(m.node_id, now) and m.node_id not in self._leases.left
         ]  # fmt: skip
         staying.sort(key=lambda m: m.node_id not in in_plan)

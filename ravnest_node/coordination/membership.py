@@ -12,14 +12,44 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_LEASE_S", "Leases", "heartbeat_interval"]
+__all__ = ["DEFAULT_LEASE_S", "Leases", "RoundTrips", "heartbeat_interval"]
 
 DEFAULT_LEASE_S = 6.0
+PROBE_MIN_S = 1.0
+"""A probe of a suspected member waits at least this long for its answer (a busy machine's
+event loop may take that long to answer; a killed process refuses the connection at once)."""
+PROBE_RTTS = 10
+"""... and at least this many of its measured round trips (a slow or far link)."""
+RTT_WEIGHT = 0.2
+"""Weight of a new sample in a member's round-trip average (exponential)."""
 
 
 def heartbeat_interval(lease_s: float) -> float:
     """How often a member sends a heartbeat for a lease of `lease_s`."""
     return lease_s / 3
+
+
+@dataclass
+class RoundTrips:
+    """Each member's round trip to the coordinator, an exponential average of what its
+    heartbeats measured; what a probe's deadline is made of."""
+
+    rtt_s: dict[str, float] = field(default_factory=dict)
+
+    def add(self, node_id: str, sample_s: float) -> None:
+        """One measured round trip (ignored unless finite and in (0, 60] s)."""
+        if not 0 < sample_s <= 60:  # also false for NaN
+            return
+        old = self.rtt_s.get(node_id)
+        self.rtt_s[node_id] = sample_s if old is None else old + RTT_WEIGHT * (sample_s - old)
+
+    def probe_timeout(self, node_id: str, ceiling_s: float) -> float:
+        """How long a direct probe of `node_id` may take: PROBE_RTTS of its round trips, at
+        least PROBE_MIN_S, at most `ceiling_s` (also before anything is measured)."""
+        rtt = self.rtt_s.get(node_id)
+        if rtt is None:
+            return ceiling_s
+        return min(ceiling_s, max(PROBE_MIN_S, PROBE_RTTS * rtt))
 
 
 @dataclass(frozen=True)

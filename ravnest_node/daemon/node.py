@@ -278,6 +278,21 @@ class NodeService(pb_grpc.NodeServicer):
             raise  # not reached: abort raises
 
 
+async def probe_node(address: str, timeout_s: float) -> bool:
+    """Is the node at `address` alive? It answers Node.Status (with anything but UNAVAILABLE)
+    within `timeout_s`, on the first or a second try (Coordinator.Suspect)."""
+    for _ in range(2):
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                await pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
+                return True
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.DEADLINE_EXCEEDED):  # fmt: skip
+                    return True  # it answered, if only to refuse
+    return False
+
+
 class CoordinatorGate(pb_grpc.CoordinatorServicer):
     """`ravnest.v1.Coordinator` on a node that is, or may become, the coordinator: calls go to
     its coordinator service once there is one, and are UNAVAILABLE before."""
@@ -309,6 +324,9 @@ class CoordinatorGate(pb_grpc.CoordinatorServicer):
 
     async def Drain(self, request: Any, context: Any) -> pb.DrainReply:
         return await (await self._service(context)).Drain(request, context)
+
+    async def Suspect(self, request: Any, context: Any) -> pb.SuspectReply:
+        return await (await self._service(context)).Suspect(request, context)
 
     async def WatchPlan(self, request: Any, context: Any) -> AsyncIterator[pb.Plan]:
         async for plan in (await self._service(context)).WatchPlan(request, context):
@@ -469,6 +487,7 @@ class NodeDaemon:
             epoch=epoch,
             lease_s=cfg.lease_s,
             store=store,
+            probe=probe_node,
         )
 
     def _ballot(self) -> Ballot:

@@ -181,6 +181,7 @@ class Worker:
         self._model_name = ""
         self._joined_epoch = 0
         self._notifying: asyncio.Future[None] | None = None
+        self._suspecting: asyncio.Task[None] | None = None
         """The copy being fetched (one at a time; a copy due meanwhile is skipped)."""
         self._resume = resume
         self._writing: asyncio.Task[Manifest] | None = None
@@ -502,6 +503,7 @@ class Worker:
             return False
         log.warning("plan epoch %d broke: %s; this node waits for the coordinator's plan "
                     "without the lost member", plan.epoch, error)  # fmt: skip
+        self._suspecting = asyncio.create_task(self._suspect(plan, error))
         # The stage upstream learns it at once (it may be waiting for this stage's gradients),
         # and so on up the pipeline. Blocks kept from the plan before stay: a slow member of
         # this plan may still fetch them.
@@ -526,6 +528,31 @@ class Worker:
         except TimeoutError:
             return False
         return not self.stopping
+
+    async def _suspect(self, plan: pb.Plan, error: BaseException) -> None:
+        """Name this stage's neighbours under `plan` to the coordinator (Coordinator.Suspect):
+        one that is gone is counted lost at once, not after its lease. Best effort: without an
+        answer, the lease rule still finds it."""
+        me = next((s for s in plan.stages if s.node_id == self.node_id), None)
+        if me is None:
+            return
+        neighbours = [stage_at(plan, me.pipeline, me.index + d) for d in (-1, 1)]
+        request = pb.SuspectRequest(
+            node_id=self.node_id,
+            plan_epoch=plan.epoch,
+            suspects=[n.node_id for n in neighbours if n is not None],
+            reason=str(error)[:200],
+        )
+        try:
+            async with open_channel(self.coordinator, self._transport) as channel:
+                reply = await pb_grpc.CoordinatorStub(channel).Suspect(
+                    request, timeout=self._transport.connect_timeout_s + self._lease_s
+                )
+        except (grpc.aio.AioRpcError, PeerError) as exc:
+            log.info("could not name the suspects to the coordinator: %s", exc)
+            return
+        if reply.lost:
+            log.info("the coordinator counts %s as lost", ", ".join(reply.lost))
 
     async def _next_plan(self, after_epoch: int) -> pb.Plan:
         """The newest started plan above `after_epoch`. Waits as long as it takes (a spare
@@ -1120,15 +1147,18 @@ class Worker:
         channel = grpc.aio.insecure_channel(coordinator, options=channel_options(self._transport))
         stub = pb_grpc.CoordinatorStub(channel)
         interval = heartbeat_interval(self._lease_s)
+        loop = asyncio.get_running_loop()
+        rtt_s = 0.0
         try:
             while True:
                 await asyncio.sleep(interval)  # the heartbeat's period, not a wait for an event
                 try:
                     offers = await asyncio.to_thread(self.checkpoint_offers)
-                    await stub.Heartbeat(
-                        pb.HeartbeatRequest(node_id=self.node_id, checkpoints=offers),
-                        timeout=interval,
-                    )
+                    sent = loop.time()
+                    beat = pb.HeartbeatRequest(node_id=self.node_id, rtt_s=rtt_s)
+                    beat.checkpoints.extend(offers)
+                    await stub.Heartbeat(beat, timeout=interval)
+                    rtt_s = loop.time() - sent
                 except grpc.aio.AioRpcError as exc:
                     log.warning(
                         "heartbeat to coordinator %s failed: %s", coordinator, exc.code().name

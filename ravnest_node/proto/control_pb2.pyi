@@ -38,6 +38,24 @@ FOUND_VIA_MDNS: FoundVia
 FOUND_VIA_PEER: FoundVia
 FOUND_VIA_ELECTION: FoundVia
 
+class SuspectRequest(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "suspects", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    suspects: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SuspectReply(_message.Message):
+    __slots__ = ("lost",)
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lost: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class VoteRequest(_message.Message):
     __slots__ = ("swarm_name", "term", "candidate_id")
     SWARM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -191,12 +209,14 @@ class JoinReply(_message.Message):
     def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ..., lease_s: _Optional[float] = ..., started_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "checkpoints")
+    __slots__ = ("node_id", "checkpoints", "rtt_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointOffer]
-    def __init__(self, node_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ...) -> None: ...
+    rtt_s: float
+    def __init__(self, node_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ..., rtt_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("lease_s",)

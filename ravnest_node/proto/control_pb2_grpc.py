@@ -76,6 +76,11 @@ class CoordinatorStub:
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.DrainRequest.SerializeToString,
                 response_deserializer=ravnest__node_dot_proto_dot_control__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.Suspect = channel.unary_unary(
+                '/ravnest.v1.Coordinator/Suspect',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.SuspectRequest.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.SuspectReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -142,6 +147,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Suspect(self, request, context):
+        """A member whose stream to a neighbour broke names the neighbours it suspects; the
+        coordinator asks each directly (Node.Status, within a deadline from its measured round
+        trips) and counts one that does not answer as lost at once, without waiting for its lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -184,6 +198,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.DrainRequest.FromString,
                     response_serializer=ravnest__node_dot_proto_dot_control__pb2.DrainReply.SerializeToString,
+            ),
+            'Suspect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Suspect,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.SuspectRequest.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.SuspectReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +423,33 @@ class Coordinator:
             '/ravnest.v1.Coordinator/Drain',
             ravnest__node_dot_proto_dot_control__pb2.DrainRequest.SerializeToString,
             ravnest__node_dot_proto_dot_control__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Suspect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravnest.v1.Coordinator/Suspect',
+            ravnest__node_dot_proto_dot_control__pb2.SuspectRequest.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.SuspectReply.FromString,
             options,
             channel_credentials,
             insecure,
