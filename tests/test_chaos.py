@@ -170,12 +170,12 @@ def test_a_node_without_a_replica_killed_mid_run_is_restored_from_its_copied_che
 def tiny_swarm(
     clock: Clock,
     size: int,
-    probe: Callable[[str, float], Awaitable[bool]] | None = None,
+    probe: Callable[[str, str, float], Awaitable[bool]] | None = None,
     **train: Any,
 ) -> CoordinatorService:
     return CoordinatorService(
         train=TrainConfig(model="tiny", batch_size=16, **train), swarm_size=size,
-        swarm_id="test/tiny", summary_path=None, clock=clock, probe=probe,
+        swarm_id="test/tiny", summary_path=None, clock=clock, probe=probe, node_id="a",
     )  # fmt: skip
 
 
@@ -386,15 +386,18 @@ async def test_a_node_lost_after_the_last_step_ends_the_run(tmp_path: Path) -> N
 
 async def test_a_suspect_that_does_not_answer_a_probe_is_lost_at_once(tmp_path: Path) -> None:
     """A stream broke: the coordinator probes the neighbours named, each within a deadline of
-    ten of its measured round trips (at least 1 s, at most a lease), and counts the one that
-    does not answer as lost without waiting for its lease; one that answers stays."""
+    ten of its measured round trips (at least 2 s, at most a lease), and counts the one that
+    does not answer as lost without waiting for its lease; one that answers stays. Its own
+    node (a) is never probed. Heard from a lease later, a lost member may have a stage
+    again."""
     clock = Clock()
     alive = {"a": True, "b": True, "c": True, "d": False}
     probed: list[tuple[str, float]] = []
 
-    async def probe(address: str, timeout_s: float) -> bool:
+    async def probe(node_id: str, address: str, timeout_s: float) -> bool:
+        assert address == f"{node_id}:1"
         probed.append((address, timeout_s))
-        return alive[address.split(":")[0]]
+        return alive[node_id]
 
     svc = tiny_swarm(clock, 4, probe, steps=50, pipelines=2)
     ctx: Any = FakeContext()
@@ -411,15 +414,19 @@ async def test_a_suspect_that_does_not_answer_a_probe_is_lost_at_once(tmp_path: 
     await svc.Suspect(pb.SuspectRequest(node_id="a", plan_epoch=7, suspects=["d"]), ctx)
     assert probed == []
     reply = await svc.Suspect(
-        pb.SuspectRequest(node_id="a", plan_epoch=1, suspects=["b", "d", "a", "nobody"],
+        pb.SuspectRequest(node_id="c", plan_epoch=1, suspects=["b", "d", "a", "c", "nobody"],
                           reason="stream removed"), ctx,
     )  # fmt: skip
     assert list(reply.lost) == ["d"] and [c["node_id"] for c in svc._crashes] == ["d"]
-    assert sorted(probed) == [("b:1", 3.0), ("d:1", 1.0)]  # 10 x 0.3 s; 10 x 2 ms -> 1 s floor
+    assert sorted(probed) == [("b:1", 3.0), ("d:1", 2.0)]  # 10 x 0.3 s; 10 x 2 ms -> 2 s floor
     assert svc._next is not None and "d" not in {s.node_id for s in svc._next.stages}
     # Named again: it is lost already, and not probed twice.
     await svc.Suspect(pb.SuspectRequest(node_id="b", plan_epoch=1, suspects=["d"]), ctx)
     assert len(probed) == 2
+    # It was alive after all (its heartbeats come back a lease later): it may be planned again.
+    clock.now += 7.0
+    await svc.Heartbeat(pb.HeartbeatRequest(node_id="d"), ctx)
+    assert "d" not in svc._lost
 
 
 def test_round_trips_average_what_heartbeats_measured() -> None:
@@ -428,6 +435,34 @@ def test_round_trips_average_what_heartbeats_measured() -> None:
     for sample in (0.5, float("nan"), -1.0, 1e9, 0.0):
         rtts.add("a", sample)  # only the first counts
     assert rtts.probe_timeout("a", 6.0) == 5.0
+    rtts.add("b", 0.01)
+    assert rtts.probe_timeout("b", 6.0) == 2.0  # the floor
     rtts.add("a", 1.0)
     assert rtts.rtt_s["a"] == pytest.approx(0.6)
     assert rtts.probe_timeout("a", 6.0) == 6.0  # 10 x 0.6 s, capped at the lease
+
+
+async def test_two_suspects_lost_at_once_make_one_new_plan(tmp_path: Path) -> None:
+    """Both neighbours of a stage are gone: one plan without both, not two of one epoch."""
+    clock = Clock()
+    ctx: Any = FakeContext()
+    svc = tiny_swarm(clock, 6, None, steps=50, pipelines=2)
+    for node in "abcdef":
+        await _join(svc, node, caps=_caps(blocks=4))
+    plan = svc.plan
+    assert plan is not None
+    middle = next(s for s in plan.stages if (s.pipeline, s.index) == (1, 1))
+    neighbours = [s.node_id for s in plan.stages if s.pipeline == 1 and s.index != 1]
+
+    async def probe(node_id: str, address: str, timeout_s: float) -> bool:
+        return node_id not in neighbours
+
+    svc._probe = probe
+    reply = await svc.Suspect(
+        pb.SuspectRequest(node_id=middle.node_id, plan_epoch=1, suspects=neighbours), ctx
+    )
+    assert sorted(reply.lost) == sorted(neighbours)
+    assert sorted(c["node_id"] for c in svc._crashes) == sorted(neighbours)
+    announced = [(p.epoch, p.pending) for p in svc._announcements]
+    assert len(announced) == len(set(announced)) and svc._next is not None
+    assert not set(neighbours) & {s.node_id for s in svc._next.stages}

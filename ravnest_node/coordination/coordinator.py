@@ -100,7 +100,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         epoch: int = 1,
         lease_s: float = DEFAULT_LEASE_S,
         store: CoordinatorStore | None = None,
-        probe: Callable[[str, float], Awaitable[bool]] | None = None,
+        probe: Callable[[str, str, float], Awaitable[bool]] | None = None,
+        node_id: str = "",
     ) -> None:
         self._train = train
         self._epoch = epoch
@@ -116,7 +117,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._leases = Leases(lease_s)
         self._rtts = RoundTrips()
         self._probe = probe
-        """Asks the node at an address whether it is alive, within a timeout (Suspect)."""
+        """Asks (node id, address) whether it is alive, within a timeout (Suspect)."""
+        self._node_id = node_id
+        """This coordinator's own node: alive while it answers, never probed."""
         self._probing: set[str] = set()
         self._plan: pb.Plan | None = None
         self._next: pb.Plan | None = None
@@ -140,8 +143,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._resumed_at = 0
         """The step the run (re)started at: 0, or where the members' checkpoints were."""
         self._crashes: list[dict[str, Any]] = []
-        self._lost: set[str] = set()
-        """Members counted lost: in no plan until they join again (a restart)."""
+        self._lost: dict[str, float] = {}
+        """Members counted lost, and when: in no plan until they join again (a restart), or
+        send a heartbeat more than a lease after (they were alive after all)."""
         """Members with a stage whose lease ran out mid-run: who, where, when."""
         self._broken: set[int] = set()
         """Pipelines of the current plan that lost a member: they are not waited for."""
@@ -276,14 +280,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                              request.address, member.address)  # fmt: skip
                     self._members[index] = Member(request.node_id, request.address)
                     self._save_members()
-                in_plan = self._plan is not None and has_node(self._plan.stages, request.node_id)
+                plan = self._plan
+                in_plan = (
+                    plan is not None
+                    and has_node(plan.stages, request.node_id)
+                    and not any(
+                        c["node_id"] == request.node_id and c["plan_epoch"] == plan.epoch
+                        for c in self._crashes
+                    )
+                )  # its stage there was counted lost: it is no longer in that plan
                 if in_plan and not request.HasField("capabilities"):
                     # A node starting up finds itself in the plan: an earlier run of it had a
                     # stage and is gone (a crash and a quick restart), whether or not its
                     # lease has run out yet. Count it lost now; this run of it is a newcomer.
                     self._restarted(request.node_id, now)
                     in_plan = False
-                self._lost.discard(request.node_id)  # back: a newcomer
+                self._lost.pop(request.node_id, None)  # back: a newcomer
                 self._leases = self._leases.renew(request.node_id, now)
                 if request.HasField("capabilities") and not in_plan:
                     self._capabilities[request.node_id] = request.capabilities
@@ -353,6 +365,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if request.node_id not in self._leases.left:  # a leaving node stays left
             self._leases = self._leases.renew(request.node_id, self._clock())
         self._rtts.add(request.node_id, request.rtt_s)
+        lost_at = self._lost.get(request.node_id)
+        if lost_at is not None and self._clock() - lost_at > self._leases.lease_s:
+            # Heard from a lease after it was counted lost: alive after all (a stall, a cut
+            # link). It may have a stage in a later plan again.
+            del self._lost[request.node_id]
+            log.warning("node %s, counted lost, is heard from again: it may have a stage again",
+                        request.node_id)  # fmt: skip
+            self._maybe_replan()
         try:
             check_offers(request.checkpoints, self._model.num_blocks())
             self._offers[request.node_id] = list(request.checkpoints)
@@ -416,7 +436,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The owners of `lost` stages of `plan` are gone: count them, and carry on without
         them (see _check_lost)."""
         step = max(self._losses, default=self._resumed_at)
-        self._lost |= {s.node_id for s in lost}
+        self._lost.update((s.node_id, now) for s in lost)
         for s in lost:
             self._crashes.append({"node_id": s.node_id, "pipeline": s.pipeline, "stage": s.index,
                                   "plan_epoch": plan.epoch, "after_step": step})  # fmt: skip
@@ -539,10 +559,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return pb.SuspectReply()
         named = set(request.suspects[:MAX_SUSPECTS])
         known = {c["node_id"] for c in self._crashes if c["plan_epoch"] == plan.epoch}
+        # A member that left but still has a stage may be killed before its hand-over: it is
+        # probed too. This coordinator's own node is alive: it is answering.
         targets = {
             s.node_id: s.address for s in plan.stages
-            if s.node_id in named and s.node_id != request.node_id and s.node_id not in known
-            and s.node_id not in self._leases.left and s.node_id not in self._probing
+            if s.node_id in named and s.node_id not in (request.node_id, self._node_id)
+            and s.node_id not in known and s.node_id not in self._probing
         }  # fmt: skip
         if not targets:
             return pb.SuspectReply()
@@ -550,7 +572,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         timeouts = {n: self._rtts.probe_timeout(n, self._leases.lease_s) for n in targets}
         try:
             answers = await asyncio.gather(
-                *(self._probe(address, timeouts[n]) for n, address in targets.items())
+                *(self._probe(n, address, timeouts[n]) for n, address in targets.items())
             )
         finally:
             self._probing -= set(targets)
@@ -559,10 +581,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 if not alive and n not in known]  # fmt: skip
         if not dead or self._plan is not plan:  # a newer plan came meanwhile
             return pb.SuspectReply()
-        for n in dead:
-            why = (f"its neighbour {request.node_id} lost its stream ({request.reason[:200]}) "
-                   f"and it did not answer a probe within {timeouts[n]:.2f} s")  # fmt: skip
-            self._lose(plan, [s for s in plan.stages if s.node_id == n], self._clock(), why)
+        why = (f"its neighbour {request.node_id} lost its stream ({request.reason[:200]}) and it "
+               f"did not answer a probe within {max(timeouts[n] for n in dead):.2f} s")  # fmt: skip
+        self._lose(plan, [s for s in plan.stages if s.node_id in dead], self._clock(), why)
         await self._notify()
         return pb.SuspectReply(lost=dead)
 

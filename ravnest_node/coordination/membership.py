@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 __all__ = ["DEFAULT_LEASE_S", "Leases", "RoundTrips", "heartbeat_interval"]
 
 DEFAULT_LEASE_S = 6.0
-PROBE_MIN_S = 1.0
+PROBE_MIN_S = 2.0
 """A probe of a suspected member waits at least this long for its answer (a busy machine's
 event loop may take that long to answer; a killed process refuses the connection at once)."""
 PROBE_RTTS = 10

@@ -246,7 +246,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.NodeStatus:
-        return await self._daemon.status()
+        return await self._daemon.status(brief=request.brief)
 
     async def FetchBlock(
         self, request: pb.BlockRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -278,18 +278,22 @@ class NodeService(pb_grpc.NodeServicer):
             raise  # not reached: abort raises
 
 
-async def probe_node(address: str, timeout_s: float) -> bool:
-    """Is the node at `address` alive? It answers Node.Status (with anything but UNAVAILABLE)
-    within `timeout_s`, on the first or a second try (Coordinator.Suspect)."""
+async def probe_node(node_id: str, address: str, timeout_s: float) -> bool:
+    """Is node `node_id` alive at `address`? It answers a brief Node.Status (no compute)
+    within `timeout_s` with its id, on the first or a second try (Coordinator.Suspect).
+    Another node at that address is not it. (The node started again there is: its Join tells
+    the coordinator of the restart.)"""
     for _ in range(2):
         async with grpc.aio.insecure_channel(address) as channel:
             try:
-                await pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
-                return True
+                status = await pb_grpc.NodeStub(channel).Status(
+                    pb.StatusRequest(brief=True), timeout=timeout_s
+                )
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE,
-                                      grpc.StatusCode.DEADLINE_EXCEEDED):  # fmt: skip
-                    return True  # it answered, if only to refuse
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    continue
+                return True  # it answered, if only to refuse
+            return bool(status.node_id == node_id)
     return False
 
 
@@ -488,6 +492,7 @@ class NodeDaemon:
             lease_s=cfg.lease_s,
             store=store,
             probe=probe_node,
+            node_id=self.node_id,
         )
 
     def _ballot(self) -> Ballot:
@@ -627,7 +632,7 @@ class NodeDaemon:
                 log.info("stopping: ending this node's calls so %d task(s) can end", len(lingering))
                 await server.stop(0)
 
-    async def status(self) -> pb.NodeStatus:
+    async def status(self, brief: bool = False) -> pb.NodeStatus:
         worker = self._worker
         runtime = worker.runtime if worker else None
         status = pb.NodeStatus(
@@ -658,7 +663,8 @@ class NodeDaemon:
             status.microbatches_in_flight = runtime.in_flight
             status.frames_accepted = runtime.frames_accepted
             status.run_done = runtime.done
-            status.params_sha256 = await runtime.params_digest()
+            if not brief:  # the digest waits for the compute thread
+                status.params_sha256 = await runtime.params_digest()
         return status
 
 

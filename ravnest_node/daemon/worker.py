@@ -181,7 +181,8 @@ class Worker:
         self._model_name = ""
         self._joined_epoch = 0
         self._notifying: asyncio.Future[None] | None = None
-        self._suspecting: asyncio.Task[None] | None = None
+        self._suspecting: set[asyncio.Task[None]] = set()
+        """Suspect calls in flight (kept: the loop holds only weak references to tasks)."""
         """The copy being fetched (one at a time; a copy due meanwhile is skipped)."""
         self._resume = resume
         self._writing: asyncio.Task[Manifest] | None = None
@@ -255,6 +256,8 @@ class Worker:
         self.stopping = True
         if self._copying is not None:
             self._copying.cancel()
+        for task in self._suspecting:
+            task.cancel()
         await self._notify()
 
     async def _notify(self) -> None:
@@ -503,7 +506,9 @@ class Worker:
             return False
         log.warning("plan epoch %d broke: %s; this node waits for the coordinator's plan "
                     "without the lost member", plan.epoch, error)  # fmt: skip
-        self._suspecting = asyncio.create_task(self._suspect(plan, error))
+        task = asyncio.create_task(self._suspect(plan, error))
+        self._suspecting.add(task)
+        task.add_done_callback(self._suspecting.discard)
         # The stage upstream learns it at once (it may be waiting for this stage's gradients),
         # and so on up the pipeline. Blocks kept from the plan before stay: a slow member of
         # this plan may still fetch them.
@@ -545,8 +550,9 @@ class Worker:
         )
         try:
             async with open_channel(self.coordinator, self._transport) as channel:
+                # The coordinator may probe twice, each for up to a lease.
                 reply = await pb_grpc.CoordinatorStub(channel).Suspect(
-                    request, timeout=self._transport.connect_timeout_s + self._lease_s
+                    request, timeout=self._transport.connect_timeout_s + 2 * self._lease_s
                 )
         except (grpc.aio.AioRpcError, PeerError) as exc:
             log.info("could not name the suspects to the coordinator: %s", exc)
@@ -1157,6 +1163,7 @@ class Worker:
                     sent = loop.time()
                     beat = pb.HeartbeatRequest(node_id=self.node_id, rtt_s=rtt_s)
                     beat.checkpoints.extend(offers)
+                    rtt_s = 0.0  # a heartbeat that fails measures nothing
                     await stub.Heartbeat(beat, timeout=interval)
                     rtt_s = loop.time() - sent
                 except grpc.aio.AioRpcError as exc:

@@ -445,8 +445,10 @@ class Progress(_message.Message):
     def __init__(self, step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., wall_s: _Optional[float] = ..., bytes_on_wire: _Optional[int] = ..., done: _Optional[bool] = ..., summary_json: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("brief",)
+    BRIEF_FIELD_NUMBER: _ClassVar[int]
+    brief: bool
+    def __init__(self, brief: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term")
