@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ravnest_node.bench.planner import run_planner_bench
@@ -135,6 +135,15 @@ def test_small_instances_match_brute_force(
 
 @given(instances())
 @settings(max_examples=60, deadline=None)
+@example(  # the fast, small nodes hold the stage with the big block: no single swap helps
+    instance=(
+        [Block(0.0, 0, 4), Block(0.0, 0, 1), Block(0.0, 0, 1)],
+        [NodeCaps("n0", 0.5, 4), NodeCaps("n1", 1.0, 2), NodeCaps("n2", 1.0, 2),
+         NodeCaps("n3", 0.5, 4)],
+        Links(default=Link(1e9, 1e-3), codec_ratio=0.125, in_flight=4),
+        2,
+    )
+)  # fmt: skip
 def test_the_local_search_gives_a_valid_plan_no_worse_than_the_speed_sorted_start(
     instance: tuple[list[Block], list[NodeCaps], Links, int],
 ) -> None:

@@ -17,8 +17,8 @@ are *spare*. Ties go to fewer stages, fewer hops for every microbatch.
 
 For a fixed order of owners the best cut is exact (a min-max dynamic programme over blocks, done
 on whole cost matrices with torch). Which node goes where is exact for small swarms (every
-ordered choice of owners is tried) and a local search of pairwise swaps from a speed-sorted
-start beyond that; `SwarmPlan.exact` says which.
+ordered choice of owners is tried) and a local search of pairwise swaps (and swaps of two
+stages' whole replica groups) from a speed-sorted start beyond that; `SwarmPlan.exact` says which.
 """
 
 from __future__ import annotations
@@ -266,20 +266,33 @@ def _start_order(nodes: Sequence[NodeCaps], stages: int, pipelines: int) -> list
 
 
 def _local_search(inst: _Instance, order: list[int], stages: int, pipelines: int) -> float:
-    """Improve `order` in place by pairwise swaps (at least one side used) until none helps."""
+    """Improve `order` in place by pairwise swaps (at least one side used), and by swapping
+    two stages' whole replica groups, until none helps. (A group swap is many node swaps at
+    once: a group of small-memory nodes holding the stage with the largest block cannot get
+    out of it one node at a time, since every single swap still leaves one of them there.)"""
     used = stages * pipelines
+
+    def positions(stage: int) -> list[int]:
+        return [p * stages + stage for p in range(pipelines)]
+
+    def swap(a: list[int], b: list[int]) -> None:
+        for i, j in zip(a, b, strict=True):
+            order[i], order[j] = order[j], order[i]
+
     value = inst.value(order, stages, pipelines)
+    moves = [([a], [b]) for a in range(used) for b in range(a + 1, len(order))]
+    if pipelines > 1:
+        moves += [(positions(x), positions(y)) for x in range(stages) for y in range(x + 1, stages)]
     improved = True
     while improved:
         improved = False
-        for a in range(used):
-            for b in range(a + 1, len(order)):
-                order[a], order[b] = order[b], order[a]
-                candidate = inst.value(order, stages, pipelines)
-                if candidate < value * (1 - TIE):
-                    value, improved = candidate, True
-                else:
-                    order[a], order[b] = order[b], order[a]
+        for a, b in moves:
+            swap(a, b)
+            candidate = inst.value(order, stages, pipelines)
+            if candidate < value * (1 - TIE):
+                value, improved = candidate, True
+            else:
+                swap(a, b)
     return value
 
 
