@@ -167,6 +167,17 @@ def test_a_node_without_a_replica_killed_mid_run_is_restored_from_its_copied_che
 
 
 # ----- the coordinator's side, without processes --------------------------------------------
+async def planned_swarm(
+    clock: Clock, nodes: str, **train: Any
+) -> tuple[CoordinatorService, pb.Plan]:
+    """A tiny-model swarm of one node per letter of `nodes`, all joined: its first plan."""
+    svc = tiny_swarm(clock, len(nodes), **train)
+    for node in nodes:
+        await _join(svc, node, caps=_caps(blocks=4))
+    assert svc.plan is not None
+    return svc, svc.plan
+
+
 def tiny_swarm(
     clock: Clock,
     size: int,
@@ -249,12 +260,8 @@ async def test_without_a_replica_the_run_is_restored_from_checkpoints_and_copies
     run at step 10 (the newest step every block has, and no later than the last reported),
     and the steps after it are rolled back and counted as redone."""
     clock = Clock()
-    svc = tiny_swarm(clock, 3, steps=50, microbatches=4)
+    svc, plan = await planned_swarm(clock, "abc", steps=50, microbatches=4)
     ctx: Any = FakeContext()
-    for node in "abc":
-        await _join(svc, node, caps=_caps(blocks=4))
-    plan = svc.plan
-    assert plan is not None
     stage = {s.index: s for s in plan.stages}
     key = run_key(plan.run)
 
@@ -321,12 +328,8 @@ async def test_a_node_that_restarts_while_in_the_plan_is_lost_at_once_and_rejoin
     its lease to run out. Its earlier run's stage is lost (here restored from checkpoints);
     this run of it is a newcomer that trains no plan up to the one started when it joined."""
     clock = Clock()
-    svc = tiny_swarm(clock, 3, steps=50, microbatches=4)
+    svc, plan = await planned_swarm(clock, "abc", steps=50, microbatches=4)
     ctx: Any = FakeContext()
-    for node in "abc":
-        await _join(svc, node, caps=_caps(blocks=4))
-    plan = svc.plan
-    assert plan is not None
     key = run_key(plan.run)
     for s in plan.stages:  # every block checkpointed at step 4 by its owner and copied by c
         offers = [pb.CheckpointOffer(step=4, first_block=t.first_block, stop_block=t.stop_block,
