@@ -143,16 +143,14 @@ def bytes_bound(model: BlockModel, first_block: int, stop_block: int) -> int:
     return 3 * 4 * sum(p.numel() for p in params) + 1024 * (3 * len(params) + 1)
 
 
-def parse_manifest(raw: bytes, step: int | None = None, where: str = "manifest") -> Manifest:
-    """A manifest from its JSON (at most MAX_MANIFEST_BYTES), checked for form, and for
-    `step` if given; CheckpointError naming `where` otherwise."""
+def parse_manifest(raw: bytes, step: int, where: str = "manifest") -> Manifest:
+    """A manifest of the checkpoint at `step` from its JSON (at most MAX_MANIFEST_BYTES),
+    checked for form; CheckpointError naming `where` otherwise."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
     try:
-        obj = json.loads(raw)
-        return _parse_manifest(obj, obj.get("step") if step is None else step)
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError,
-            OverflowError) as exc:  # fmt: skip
+        return _parse_manifest(json.loads(raw), step)
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as exc:
         raise CheckpointError(f"{where}: not a valid manifest: {exc!s:.200}") from None
 
 
@@ -313,11 +311,6 @@ class CheckpointDir:
             with contextlib.suppress(CheckpointError):
                 found.append(self.manifest(step))
         return found
-
-    def tensor_bytes(self, manifest: Manifest) -> bytes:
-        """The tensor file `manifest` names, as it is on disk (to copy; the copy is checked)."""
-        with self.open_tensors(manifest) as f:
-            return f.read()
 
     def open_tensors(self, manifest: Manifest) -> BinaryIO:
         """The tensor file `manifest` names, open for reading; CheckpointError."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import math
 import signal
+import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,24 @@ def swarm_view(address: str) -> pb.SwarmView:
     return view
 
 
+def swarm_at_step(
+    procs: Procs, tmp_path: Path, size: int, run: tuple[str, ...], step: int
+) -> tuple[str, dict[str, subprocess.Popen[bytes]], Iterator[pb.Progress]]:
+    """`size` nodes (n0 the coordinator) training `run`, followed until `step`: the
+    coordinator's address, the processes by node id, and the rest of the progress stream."""
+    coord, ready = procs.start_node(tmp_path / "n0", "--swarm-size", str(size), *run)
+    address = ready["address"]
+    nodes = {ready["node_id"]: coord}
+    for i in range(1, size):
+        proc, info = procs.start_node(tmp_path / f"n{i}", "--join", address)
+        nodes[info["node_id"]] = proc
+    events = progress_events(address, timeout_s=600)
+    for event in events:
+        if event.step >= step:
+            break
+    return address, nodes, events
+
+
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The same run with nobody killed."""
@@ -51,16 +70,7 @@ def test_a_node_killed_mid_run_is_replaced_by_its_replica(
     """Killing the middle stage breaks both its neighbours' streams; killing the last one, the
     first stage two hops away learns it when the coordinator refuses its drain."""
 
-    coord, ready = procs.start_node(tmp_path / "n0", "--swarm-size", "6", *RUN)
-    address = ready["address"]
-    nodes = {ready["node_id"]: coord}
-    for i in range(1, 6):
-        proc, info = procs.start_node(tmp_path / f"n{i}", "--join", address)
-        nodes[info["node_id"]] = proc
-    events = progress_events(address, timeout_s=600)
-    for event in events:
-        if event.step >= 30:
-            break
+    address, nodes, events = swarm_at_step(procs, tmp_path, 6, RUN, 30)
     # The node owning that stage of pipeline 1 dies without a word.
     victim = next(
         s.node_id
@@ -116,16 +126,7 @@ def test_a_node_without_a_replica_killed_mid_run_is_restored_from_its_copied_che
     on another node, the run goes back to that step, and the steps trained again are counted.
     Started again on its state directory, the node rejoins under its id and gets a stage of a
     later plan, whose blocks it fetches (it trains nothing of the plan it crashed in)."""
-    coord, ready = procs.start_node(tmp_path / "n0", "--swarm-size", "3", *ALONE)
-    address = ready["address"]
-    nodes = {ready["node_id"]: coord}
-    for i in (1, 2):
-        proc, info = procs.start_node(tmp_path / f"n{i}", "--join", address)
-        nodes[info["node_id"]] = proc
-    events = progress_events(address, timeout_s=600)
-    for event in events:
-        if event.step >= 35:
-            break
+    address, nodes, events = swarm_at_step(procs, tmp_path, 3, ALONE, 35)
     stages = {s.index: s for s in swarm_view(address).plan.stages}
     victim, keeper = stages[1].node_id, stages[2]
     held = next(p for p in (tmp_path / "n2").glob("checkpoint-copies/blocks-*"))
