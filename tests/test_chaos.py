@@ -191,6 +191,23 @@ def tiny_swarm(
     )  # fmt: skip
 
 
+def offer(plan: pb.Plan, step: int, s: pb.StageAssignment) -> pb.CheckpointOffer:
+    """A checkpoint of stage `s` of `plan` at `step`, as a heartbeat offers it."""
+    return pb.CheckpointOffer(step=step, first_block=s.first_block, stop_block=s.stop_block,
+                              run_key=run_key(plan.run), stage=s.index)  # fmt: skip
+
+
+def ring_offers(plan: pb.Plan, steps: tuple[int, ...]) -> dict[str, list[pb.CheckpointOffer]]:
+    """Each stage's own checkpoints at `steps`, and its copies of its upstream stage's (the
+    first stage keeps the last's), by node id: what the members of one pipeline offer."""
+    stage = {s.index: s for s in plan.stages}
+    return {
+        s.node_id: [offer(plan, st, s) for st in steps]
+        + [offer(plan, st, stage[(s.index - 1) % len(stage)]) for st in steps]
+        for s in plan.stages
+    }
+
+
 async def test_a_lost_member_breaks_its_pipeline_and_the_healthy_one_carries_on(
     tmp_path: Path,
 ) -> None:
@@ -264,18 +281,8 @@ async def test_without_a_replica_the_run_is_restored_from_checkpoints_and_copies
     svc, plan = await planned_swarm(clock, "abc", steps=50, microbatches=4)
     ctx: Any = FakeContext()
     stage = {s.index: s for s in plan.stages}
-    key = run_key(plan.run)
-
-    def offer(step: int, s: pb.StageAssignment) -> pb.CheckpointOffer:
-        return pb.CheckpointOffer(step=step, first_block=s.first_block, stop_block=s.stop_block,
-                                  run_key=key, stage=s.index)  # fmt: skip
-
-    offers = {  # every stage's own checkpoints, and each a copy of its upstream's
-        s.node_id: [offer(st, s) for st in (10, 5)] + [offer(st, stage[(s.index - 1) % 3])
-                                                       for st in (10, 5)]
-        for s in plan.stages
-    }  # fmt: skip
-    offers[stage[2].node_id].insert(0, offer(15, stage[2]))  # past the last reported step
+    offers = ring_offers(plan, (10, 5))
+    offers[stage[2].node_id].insert(0, offer(plan, 15, stage[2]))  # past the last reported step
     for step in range(1, 13):
         report = pb.StageReport(node_id=stage[2].node_id, stage=2, pipeline=0, plan_epoch=1,
                                 step=step, loss=5.0 - step / 10)  # fmt: skip
@@ -306,6 +313,70 @@ async def test_without_a_replica_the_run_is_restored_from_checkpoints_and_copies
     summary = svc.summary(new)
     assert summary["redone_microbatches"] == 8
     assert summary["restores"][0]["restored_step"] == 10
+
+
+async def test_a_coordinator_elected_in_a_failover_takes_the_run_over(tmp_path: Path) -> None:
+    """a, coordinator of plan epoch 1, is lost; b won the failover election (term 2). Its new
+    coordinator service takes plan 1 over and waits for the members to come back (Join with
+    what they measured and the newest plan epoch they know, then a heartbeat with their
+    checkpoint offers); then it counts a lost and restores the run from b's and c's
+    checkpoints and copies, in a plan above every epoch a member knew (c saw a pending 3; b's
+    999 is not believed)."""
+    clock = Clock()
+    _, plan = await planned_swarm(clock, "abc", steps=50, microbatches=4)
+    ctx: Any = FakeContext()
+    stage = {s.index: s for s in plan.stages}
+    offers = ring_offers(plan, (20, 10))
+    svc = tiny_swarm(clock, 3, steps=50, microbatches=4)
+    svc.take_over(plan, {"a"}, term=2, known_epoch=1)
+    assert svc.plan is not None and svc.plan.epoch == 1
+
+    async def back(node: str, epoch: int) -> None:
+        request = pb.JoinRequest(node_id=node, address=f"{node}:1", protocol=PROTOCOL,
+                                 capabilities=_caps(blocks=4), plan_epoch=epoch)  # fmt: skip
+        await svc.Join(request, ctx)
+
+    await back("b", 999)  # far past the plan taken over: not believed
+    await svc.Heartbeat(pb.HeartbeatRequest(node_id="b", checkpoints=offers["b"]), ctx)
+    await back("c", 3)
+    assert svc.plan.epoch == 1 and not svc._crashes  # c has not sent its offers yet
+    clock.now += 2
+    await svc.Heartbeat(pb.HeartbeatRequest(node_id="c", checkpoints=offers["c"]), ctx)
+    new = svc.plan
+    assert new.epoch == 4 and new.restore and new.start_step == 20
+    assert {s.node_id for s in new.stages} == {"b", "c"}
+    assert [c["node_id"] for c in svc._crashes] == ["a"]
+    summary = svc.summary(new)
+    assert summary["takeover"] == {"term": 2, "plan_epoch": 1, "lost_coordinator": ["a"]}
+    assert summary["resumed_at"] == 20 and summary["restores"][0]["after_step"] is None
+    # The plan taken over is rolled back: its late reports are refused; the new one reports
+    # from the step after the restore.
+    late = pb.StageReport(node_id=stage[2].node_id, stage=2, pipeline=0, plan_epoch=1, step=25)
+    with pytest.raises(Aborted):
+        await svc.Report(late, ctx)
+    last = new.stages[-1]
+    await svc.Report(pb.StageReport(node_id=last.node_id, stage=last.index, pipeline=0,
+                                    plan_epoch=4, step=21, loss=3.0), ctx)  # fmt: skip
+    assert svc._losses == {21: 3.0}
+
+
+async def test_a_takeover_does_not_wait_for_a_member_that_stays_silent(tmp_path: Path) -> None:
+    """c never comes back to the coordinator that took over: after two leases it is counted
+    lost with the old coordinator, and without their blocks the run cannot be restored (said,
+    not planned)."""
+    clock = Clock()
+    _, plan = await planned_swarm(clock, "abc", steps=50)
+    ctx: Any = FakeContext()
+    svc = tiny_swarm(clock, 3, steps=50)
+    svc.take_over(plan, {"a"}, term=2)
+    request = pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL,
+                             capabilities=_caps(blocks=4), plan_epoch=1)  # fmt: skip
+    await svc.Join(request, ctx)
+    for _ in range(4):
+        clock.now += 3.5
+        await svc.Heartbeat(pb.HeartbeatRequest(node_id="b"), ctx)
+    assert sorted(c["node_id"] for c in svc._crashes) == ["a", "c"]
+    assert svc.plan is not None and svc.plan.epoch == 1 and svc._next is None
 
 
 async def test_a_heartbeat_with_malformed_offers_counts_without_them(tmp_path: Path) -> None:

@@ -218,7 +218,19 @@ async def test_an_mdns_record_is_used_once_its_node_confirms_it() -> None:
     found = await locate_coordinator(
         swarm=SWARM, discovery=hints, peers=[], ask=_asker({"c:1": COORDINATOR}), timeout_s=5
     )
-    assert found == Found("c:1", pb.FOUND_VIA_MDNS, "boss")
+    assert found == Found("c:1", pb.FOUND_VIA_MDNS, "boss", node_id="boss")
+
+
+async def test_of_two_coordinators_the_one_of_the_higher_term_is_followed() -> None:
+    """A deposed coordinator that came back still says it is one until it steps down."""
+    stale = pb.NodeStatus(node_id="a", swarm_name=SWARM, role=pb.NODE_ROLE_COORDINATOR, term=1)
+    new = pb.NodeStatus(node_id="b", swarm_name=SWARM, role=pb.NODE_ROLE_COORDINATOR, term=2)
+    hints = StaticDiscovery(
+        [_record("a", "coordinator", "a:1"), _record("b", "coordinator", "b:1")]
+    )
+    ask = _asker({"a:1": stale, "b:1": new})
+    found = await locate_coordinator(swarm=SWARM, discovery=hints, peers=[], ask=ask, timeout_s=5)
+    assert found == Found("b:1", pb.FOUND_VIA_MDNS, "b", term=2, node_id="b")
 
 
 async def test_a_record_its_node_contradicts_is_not_used() -> None:
@@ -246,11 +258,11 @@ async def test_a_worker_peer_names_the_coordinator() -> None:
     found = await locate_coordinator(
         swarm=SWARM, discovery=None, peers=["gone:1", "w:1"], ask=ask, timeout_s=5
     )
-    assert found == Found("c:1", pb.FOUND_VIA_PEER, "w:1")
+    assert found == Found("c:1", pb.FOUND_VIA_PEER, "w:1", node_id="boss")
     direct = await locate_coordinator(
         swarm=SWARM, discovery=None, peers=["c:1"], ask=ask, timeout_s=5
     )
-    assert direct == Found("c:1", pb.FOUND_VIA_PEER, "c:1")
+    assert direct == Found("c:1", pb.FOUND_VIA_PEER, "c:1", node_id="boss")
 
 
 async def test_the_error_names_every_peer_tried() -> None:

@@ -4,6 +4,7 @@ started alike that choose one among themselves over mDNS on loopback."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -51,6 +52,32 @@ def test_vote_rules(
     new, ok, why = grant_vote(state, term, candidate, voter)
     assert ok is granted and reason in why
     assert new == (VoteState(term, candidate) if ok else state)
+
+
+def after_plan(following: str = "") -> Ballot:
+    """A voter of a failover: it trained plan epoch 3 and lost coordinator a; it sees nobody
+    over mDNS (its cache may still hold a's record: it does not count)."""
+    return Ballot(own_id="b", seen=frozenset(), following=following, plan_epoch=3,
+                  lost=frozenset("a"))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("candidate", "epoch", "voter", "granted", "reason"),
+    [
+        ("c", 3, after_plan(), True, ""),  # neither seen over mDNS nor the smallest id
+        ("c", 4, after_plan(), True, ""),
+        ("c", 2, after_plan(), False, "knows plan epoch 2, this node 3"),
+        ("c", 0, after_plan(), False, "knows plan epoch 0"),  # restarted, knows no plan
+        ("a", 9, after_plan(), False, "the coordinator this node lost"),
+        ("c", 3, after_plan(following="x:1"), False, "follows coordinator"),
+    ],
+)
+def test_failover_vote_rules(
+    candidate: str, epoch: int, voter: Ballot, granted: bool, reason: str
+) -> None:
+    new, ok, why = grant_vote(VoteState(1, "a"), 2, candidate, voter, epoch)
+    assert ok is granted and reason in why
+    assert new == (VoteState(2, candidate) if ok else VoteState(1, "a"))
 
 
 def test_a_majority_is_more_than_half() -> None:
@@ -203,3 +230,102 @@ def test_three_hosts_on_a_bridge_elect_over_multicast(procs: Procs, tmp_path: Pa
         for proc, _ in nodes:
             proc.send_signal(signal.SIGTERM)
         assert [proc.wait(10) for proc, _ in nodes] == [0, 0, 0]
+
+
+def test_the_elected_coordinator_killed_mid_run_is_replaced_by_a_new_election(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Three nodes started alike elect a coordinator, which also trains a stage. Killed with
+    SIGKILL mid-run, the other two elect one of themselves in a later term; it takes the run
+    over from the plan they trained (a plan epoch above every earlier one), restores the lost
+    stage from the copy of its checkpoint, and the run trains to its end."""
+    swarm = f"failover-{os.getpid()}-{tmp_path.name}"
+    same = ("--mdns", "--mdns-interface", "127.0.0.1", "--swarm-name", swarm, "--swarm-size",
+            "3", "--join", "elect", "--model", "tiny", "--steps", "100", "--seed", "0",
+            "--checkpoint-every", "10")  # fmt: skip
+    nodes = [procs.start_node(tmp_path / f"n{i}", *same) for i in range(3)]
+    by_id = {ready["node_id"]: (proc, ready) for proc, ready in nodes}
+    poll_until(lambda: all(node_status(r["address"]).plan_epoch for _, r in nodes), 60)
+    old = next(s for s in (node_status(r["address"]) for _, r in nodes)
+               if s.role == pb.NODE_ROLE_COORDINATOR)  # fmt: skip
+    old_epoch = old.plan_epoch
+    for event in progress_events(old.address, timeout_s=300):
+        if event.step >= 35:
+            break
+    by_id[old.node_id][0].send_signal(signal.SIGKILL)
+    survivors = [r["address"] for n, (_, r) in by_id.items() if n != old.node_id]
+
+    def leader() -> pb.NodeStatus | None:
+        statuses = [node_status(a) for a in survivors]
+        leaders = [s for s in statuses if s.role == pb.NODE_ROLE_COORDINATOR]
+        return leaders[0] if len(leaders) == 1 else None
+
+    poll_until(lambda: leader() is not None, 90)
+    new = leader()
+    assert new is not None and new.term > old.term
+    assert new.coordinator_found_via == pb.FOUND_VIA_ELECTION
+    poll_until(lambda: all(node_status(a).coordinator_address == new.address
+                           for a in survivors), 30)  # fmt: skip
+    done = [e for e in progress_events(new.address, timeout_s=300) if e.done]
+    assert len(done) == 1 and not done[0].error
+    summary = json.loads(done[0].summary_json)
+    assert summary["takeover"] == {"term": new.term, "plan_epoch": old_epoch,
+                                   "lost_coordinator": [old.node_id]}  # fmt: skip
+    (restore,) = summary["restores"]
+    # Killed after step 35 with a checkpoint every 10 steps: restored at 30 or later.
+    assert 30 <= restore["restored_step"] == summary["resumed_at"] < 100
+    assert [c["node_id"] for c in summary["crashes"]] == [old.node_id]
+    assert all(p["epoch"] > old_epoch for p in summary["plans"][1:])
+    assert old.node_id not in summary["plans"][-1]["stages"].__repr__()
+    losses = summary["loss_history"]
+    assert len(losses) == 100 - restore["restored_step"] and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 3.5  # still learning after the takeover (tiny starts near ln 256)
+    print(f"term {old.term} -> {new.term}; restored at step {restore['restored_step']} in plan "
+          f"epoch {restore['plan_epoch']}; final loss {losses[-1]:.3f}")  # fmt: skip
+    for address in survivors:
+        proc, _ = next(v for v in by_id.values() if v[1]["address"] == address)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_a_stale_coordinator_that_comes_back_steps_down(procs: Procs, tmp_path: Path) -> None:
+    """The elected coordinator is paused (SIGSTOP: its sockets stay open, it answers nothing)
+    until the others have elected a successor, then resumed. It still holds its term's plan
+    and calls itself the coordinator; nobody follows it, it learns of the higher term from
+    the members and steps down (exit status 1, saying so), and the run ends under the new
+    coordinator."""
+    swarm = f"stale-{os.getpid()}-{tmp_path.name}"
+    same = ("--mdns", "--mdns-interface", "127.0.0.1", "--swarm-name", swarm, "--swarm-size",
+            "3", "--join", "elect", "--model", "tiny", "--steps", "120", "--seed", "0",
+            "--checkpoint-every", "10")  # fmt: skip
+    nodes = [procs.start_node(tmp_path / f"n{i}", *same) for i in range(3)]
+    poll_until(lambda: all(node_status(r["address"]).plan_epoch for _, r in nodes), 60)
+    old = next(s for s in (node_status(r["address"]) for _, r in nodes)
+               if s.role == pb.NODE_ROLE_COORDINATOR)  # fmt: skip
+    for event in progress_events(old.address, timeout_s=300):
+        if event.step >= 25:
+            break
+    index = next(i for i, (_, r) in enumerate(nodes) if r["node_id"] == old.node_id)
+    stale = nodes[index][0]
+    survivors = [r["address"] for i, (_, r) in enumerate(nodes) if i != index]
+    stale.send_signal(signal.SIGSTOP)
+    try:
+        poll_until(lambda: any(node_status(a).role == pb.NODE_ROLE_COORDINATOR
+                               for a in survivors), 120)  # fmt: skip
+    finally:
+        stale.send_signal(signal.SIGCONT)
+    new = next(s for s in map(node_status, survivors) if s.role == pb.NODE_ROLE_COORDINATOR)
+    assert new.term > old.term
+    assert stale.wait(60) == 1
+    log = (tmp_path / f"n{index}" / "node.log").read_text()
+    assert f"this node led term {old.term} as coordinator" in log and "steps down" in log
+    done = [e for e in progress_events(new.address, timeout_s=300) if e.done]
+    assert len(done) == 1 and not done[0].error
+    summary = json.loads(done[0].summary_json)
+    assert summary["takeover"]["lost_coordinator"] == [old.node_id]
+    assert old.node_id not in {s[4] for p in summary["plans"][1:] for s in p["stages"]}
+    assert all(node_status(a).coordinator_address == new.address for a in survivors)
+    for i, (proc, _) in enumerate(nodes):
+        if i != index:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0

@@ -223,7 +223,8 @@ async def test_a_worker_never_goes_back_to_an_older_plan() -> None:
             await notify()
 
         worker._notify = record  # type: ignore[method-assign]
-        watcher = asyncio.create_task(worker._watch_plans(Stub()))  # type: ignore[arg-type]
+        worker._stub = Stub  # type: ignore[assignment]
+        watcher = asyncio.create_task(worker._watch_plans())
         latest = await worker._next_plan(3)  # the first stream ended: it reconnects
         watcher.cancel()
     assert latest.epoch == 4 and not latest.pending

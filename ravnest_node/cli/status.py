@@ -40,6 +40,8 @@ def status_dict(status: pb.NodeStatus) -> dict[str, Any]:
         if field.name in _ENUMS:
             prefix, enum = _ENUMS[field.name]
             value = "" if value == 0 else enum.Name(value).removeprefix(prefix).lower()
+        elif field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value = dict(value)
         out[field.name] = value
     return out
 
@@ -62,6 +64,11 @@ def describe(status: pb.NodeStatus) -> str:
         lines.append(f"coordinator: {s['coordinator_address']}" + (f", {how}" if how else ""))
     if s["mdns_peers"]:
         lines.append(f"mDNS: sees {s['mdns_peers']} other nodes of the swarm")
+    if s["relay"]:
+        lines.append(f"reached through relay {s['relay']} (it accepts no connections itself)")
+    if s["relay_address"]:
+        lines.append(f"relay on {s['relay_address']} for {len(s['relayed'])} nodes")
+        lines += [f"  {n} at {a}" for n, a in sorted(s["relayed"].items())]
     if s["stage"] < 0:
         lines.append("stage: none yet")
     else:
@@ -137,6 +144,9 @@ def swarm_dict(
             "lease_expired": member.lease_expired,
             "left": member.left,
             "checkpoint_step": member.checkpoint_step,
+            # The relay it is reached through ("": it accepts connections itself, or did not
+            # answer).
+            "relay": "",
         }
         if isinstance(status, pb.NodeStatus):
             entry.update(
@@ -144,6 +154,7 @@ def swarm_dict(
                 version=status.version,
                 bytes_sent=status.bytes_sent,
                 run_done=status.run_done,
+                relay=status.relay,
             )
         members.append(entry)
     return {
@@ -184,6 +195,8 @@ def describe_swarm(s: dict[str, Any]) -> str:
             else "no stage"
         )
         answer = f"version {m['version']}" if m["reachable"] else f"no answer ({m['error']})"
+        if m["relay"]:
+            answer += f", reached through relay {m['relay']}"
         if m["checkpoint_step"]:
             answer += f", checkpoint at step {m['checkpoint_step']}"
         if m["left"]:

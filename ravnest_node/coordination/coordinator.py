@@ -50,6 +50,12 @@ MAX_MEMBERS = 1024
 LOST_AFTER_LEASES = 2
 """A member with a stage silent for this many leases is lost (one late heartbeat is not)."""
 MAX_SUSPECTS = 8
+REACH_TIMEOUT_S = 3.0
+"""How long the coordinator waits for a joining node to answer at its address."""
+MAX_REACHING = 4
+"""Joining nodes the coordinator checks at once (the others wait for a turn)."""
+MAX_EPOCH_AHEAD = 16
+"""How far past the plan it took over a member's newest plan epoch may be (JoinRequest)."""
 RESTORE_RETRY_LEASES = 3
 """A restore from checkpoints that finds no step at once is tried again on each heartbeat for
 this many leases (a member's offers may come with its next heartbeat)."""
@@ -102,6 +108,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         store: CoordinatorStore | None = None,
         probe: Callable[[str, str, float], Awaitable[bool]] | None = None,
         node_id: str = "",
+        reach: Callable[[str, str, float], Awaitable[bool]] | None = None,
     ) -> None:
         self._train = train
         self._epoch = epoch
@@ -120,6 +127,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Asks (node id, address) whether it is alive, within a timeout (Suspect)."""
         self._node_id = node_id
         """This coordinator's own node: alive while it answers, never probed."""
+        self._reach = reach
+        """Asks (node id, address) whether it answers there (the first Join of a node)."""
+        self._reaching = asyncio.Semaphore(MAX_REACHING)
         self._probing: set[str] = set()
         self._plan: pb.Plan | None = None
         self._next: pb.Plan | None = None
@@ -163,6 +173,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Microbatches trained again after a restore rolled the run back."""
         self._unrestored: tuple[int, list[pb.StageAssignment], float] | None = None
         """(plan epoch, lost stages, when) of a restore that found no step yet: tried again."""
+        self._takeover: dict[str, Any] | None = None
+        """After a failover election (take_over): the term, the lost coordinator, and the
+        members of the plan taken over not yet back (rejoined, then a heartbeat)."""
+        self._rejoined: set[str] = set()
+        self._epoch_floor = 0
+        """Plan epochs at or below this are taken (known to members of a taken-over run)."""
         data = StdlibBytes(seq_len=self._model.input_spec(1).shape[1], seed=train.seed)
         self._fingerprint = data.fingerprint
         self._store = store
@@ -225,6 +241,90 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             len(self._losses),
         )
 
+    def take_over(self, plan: pb.Plan, lost: set[str], term: int, known_epoch: int = 0) -> None:
+        """This node won failover election `term` after the coordinator (node ids `lost`) of
+        `plan`, the newest plan it knows, was lost: carry the run on from that plan. Its
+        members get a lease to come back (Join again with what they measured, then a
+        heartbeat with their checkpoint offers); once every one has (or its lease has run
+        out), the lost coordinator's stages are counted lost, and the run goes on as after
+        any lost member: from a replica, or restored from checkpoints and copies. Progress
+        before the takeover stayed with the lost coordinator: this one's summary starts at the
+        step it restores (`resumed_at`). `known_epoch`: the newest plan epoch this node knows
+        (a pending plan's): the plans it makes start above it."""
+        assert self._plan is None and self._store is None
+        now = self._clock()
+        copy = pb.Plan()
+        copy.CopyFrom(plan)
+        copy.pending = False
+        seen: set[str] = set()
+        for s in copy.stages:
+            if s.node_id not in seen:
+                seen.add(s.node_id)
+                self._members.append(Member(s.node_id, s.address))
+                self._leases = self._leases.renew(s.node_id, now)
+        self._plan, self._epoch = copy, copy.epoch
+        self._epoch_floor = max(copy.epoch, known_epoch)
+        self._announce(copy)
+        self._started_at, self._started_unix = now, time.time()
+        self._resumed_at = copy.start_step
+        self._takeover = {
+            "term": term,
+            "plan_epoch": copy.epoch,
+            "lost_coordinator": sorted(lost),
+            "waiting": seen - lost,
+            "restarted": set(),
+        }
+        log.warning("taking the run over from plan epoch %d (term %d): waiting for %d members "
+                    "to come back", copy.epoch, term, len(seen - lost))  # fmt: skip
+
+    def _takeover_ready(self) -> bool:
+        """A takeover whose members are all back (or silent for LOST_AFTER_LEASES leases):
+        count the old coordinator and the silent ones lost, and restore the run from the
+        newest step the members' checkpoints and copies hold, every pipeline included (the
+        progress of the steps after it died with the old coordinator, so every pipeline goes
+        back to one step this coordinator knows)."""
+        takeover = self._takeover
+        plan = self._plan
+        if takeover is None or takeover.get("done") or plan is None:
+            return False
+        now = self._clock()
+        silent = {
+            n for n in takeover["waiting"]
+            if self._leases.silent_s(n, now) > LOST_AFTER_LEASES * self._leases.lease_s
+        }  # fmt: skip
+        if takeover["waiting"] - silent:
+            return False
+        takeover["done"] = True
+        gone = set(takeover["lost_coordinator"]) | takeover["restarted"] | silent
+        lost = [s for s in plan.stages if s.node_id in gone]
+        self._count_lost(plan, lost, now, f"term {takeover['term']} took over from it")
+        self._restore_or_wait(plan, lost, now)
+        return True
+
+    def _raise_floor(self, node_id: str, epoch: int) -> None:
+        """A member of the run taken over knew plan `epoch` (a pending plan the old
+        coordinator announced, say): this coordinator's plans start above it. An epoch far
+        beyond the plan taken over is not believed (a confused or hostile member)."""
+        assert self._takeover is not None
+        ceiling = self._takeover["plan_epoch"] + MAX_EPOCH_AHEAD
+        if epoch > ceiling:
+            log.warning("node %s says it knew plan epoch %d, more than %d past the plan taken "
+                        "over: not believed", node_id, epoch, MAX_EPOCH_AHEAD)  # fmt: skip
+            return
+        self._epoch_floor = max(self._epoch_floor, epoch)
+
+    def _next_epoch(self, plan: pb.Plan) -> int:
+        """The epoch of a plan after `plan` (and after a pending one, and any a member of a
+        taken-over run knew)."""
+        return max(plan.epoch, self._next.epoch if self._next else 0, self._epoch_floor) + 1
+
+    async def _reachable(self, node_id: str, address: str) -> bool:
+        """Does `node_id` answer at `address`? A few at a time: joins from strangers cannot
+        hold all of this server's calls."""
+        assert self._reach is not None
+        async with self._reaching:
+            return await self._reach(node_id, address, REACH_TIMEOUT_S)
+
     def _save_members(self) -> None:
         if self._store is not None:
             self._store.save_members(self._members, self._capabilities)
@@ -260,6 +360,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 check_capabilities(request.capabilities, self._model.num_blocks())
             except ConfigError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if (
+            self._reach is not None
+            and not request.HasField("capabilities")
+            and request.node_id != self._node_id
+            and not any(m.node_id == request.node_id and m.address == request.address
+                        for m in self._members)  # a member asking again was checked then
+            and not await self._reachable(request.node_id, request.address)
+        ):  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this coordinator cannot reach node {request.node_id} at {request.address}: "
+                "its neighbours could not either. Behind NAT, start it with --no-inbound "
+                "--relay HOST:PORT (a reachable node started with --relay-listen); otherwise "
+                "check --advertise and the firewall",
+            )
         now = self._clock()
         if self._plan is None:
             self._evict_gone(now)
@@ -288,15 +403,33 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         c["node_id"] == request.node_id and c["plan_epoch"] == plan.epoch
                         for c in self._crashes
                     )
+                    and not (
+                        self._takeover is not None
+                        and request.node_id in self._takeover["restarted"]
+                    )
                 )  # its stage there was counted lost: it is no longer in that plan
                 if in_plan and not request.HasField("capabilities"):
                     # A node starting up finds itself in the plan: an earlier run of it had a
                     # stage and is gone (a crash and a quick restart), whether or not its
-                    # lease has run out yet. Count it lost now; this run of it is a newcomer.
-                    self._restarted(request.node_id, now)
+                    # lease has run out yet. Count it lost now (a takeover still waiting for
+                    # its members counts it then); this run of it is a newcomer.
+                    if self._takeover is None or self._takeover.get("done"):
+                        self._restarted(request.node_id, now)
+                    else:
+                        self._takeover["waiting"].discard(request.node_id)
+                        self._takeover["restarted"].add(request.node_id)
                     in_plan = False
                 self._lost.pop(request.node_id, None)  # back: a newcomer
                 self._leases = self._leases.renew(request.node_id, now)
+                if (
+                    request.HasField("capabilities")
+                    and in_plan
+                    and self._takeover is not None
+                    and request.node_id in self._takeover["waiting"]
+                ):  # a member of the run taken over is back
+                    self._capabilities[request.node_id] = request.capabilities
+                    self._rejoined.add(request.node_id)
+                    self._raise_floor(request.node_id, request.plan_epoch)
                 if request.HasField("capabilities") and not in_plan:
                     self._capabilities[request.node_id] = request.capabilities
                     self._save_members()
@@ -379,7 +512,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except ConfigError as exc:  # still a heartbeat: its checkpoints are not counted on
             self._offers.pop(request.node_id, None)
             log.warning("node %s: its checkpoint offers are ignored: %s", request.node_id, exc)
-        if self._check_lost():
+        if request.node_id in self._rejoined and self._takeover is not None:
+            self._takeover["waiting"].discard(request.node_id)  # back, offers and all
+        if self._takeover_ready() | self._check_lost():
             await self._notify()
         return pb.HeartbeatReply(lease_s=self._leases.lease_s)
 
@@ -393,8 +528,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         which the members left hold a checkpoint (or a copy) of every block
         (`_restore_from_checkpoints`); if they do not, say so."""
         plan = self._plan
-        if plan is None:
-            return False
+        if plan is None or (self._takeover is not None and not self._takeover.get("done")):
+            return False  # a takeover counts its members lost itself (_takeover_ready)
         now = self._clock()
         if self._unrestored and self._unrestored[0] == plan.epoch:
             # A restore that found no step yet (offers not in): try again on every heartbeat
@@ -435,14 +570,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> None:
         """The owners of `lost` stages of `plan` are gone: count them, and carry on without
         them (see _check_lost)."""
-        step = max(self._losses, default=self._resumed_at)
-        self._lost.update((s.node_id, now) for s in lost)
-        for s in lost:
-            self._crashes.append({"node_id": s.node_id, "pipeline": s.pipeline, "stage": s.index,
-                                  "plan_epoch": plan.epoch, "after_step": step})  # fmt: skip
-            log.warning("node %s (pipeline %d stage %d) is lost: %s", s.node_id, s.pipeline,
-                        s.index, why or "no heartbeat for "
-                        f"{self._leases.silent_s(s.node_id, now):.1f} s")  # fmt: skip
+        self._count_lost(plan, lost, now, why)
         if self._replans_closed:  # the run ends without a newer plan: its stages are not awaited
             self._finish_if_done(plan)
             return
@@ -453,12 +581,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 # without the lost stages' ones.
                 self._replans_closed = True
                 self._finish_if_done(plan)
-            elif not self._restore_from_checkpoints(plan, lost):
-                self._unrestored = (plan.epoch, lost, now)
-                log.warning("no replica holds the blocks of %s and the members' checkpoints "
-                            "do not restore them yet: tried again on each heartbeat for %g s",
-                            ", ".join(s.node_id for s in lost),
-                            RESTORE_RETRY_LEASES * self._leases.lease_s)  # fmt: skip
+            else:
+                self._restore_or_wait(plan, lost, now)
             return
         self._broken = broken
         self._broken_in[plan.epoch] = set(broken)
@@ -477,6 +601,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         elif self._drained():
             self._switch(plan)
 
+    def _count_lost(
+        self, plan: pb.Plan, lost: list[pb.StageAssignment], now: float, why: str
+    ) -> None:
+        step = max(self._losses, default=self._resumed_at)
+        self._lost.update((s.node_id, now) for s in lost)
+        for s in lost:
+            self._crashes.append({"node_id": s.node_id, "pipeline": s.pipeline, "stage": s.index,
+                                  "plan_epoch": plan.epoch, "after_step": step})  # fmt: skip
+            log.warning("node %s (pipeline %d stage %d) is lost: %s", s.node_id, s.pipeline,
+                        s.index, why or "no heartbeat for "
+                        f"{self._leases.silent_s(s.node_id, now):.1f} s")  # fmt: skip
+
+    def _restore_or_wait(self, plan: pb.Plan, lost: list[pb.StageAssignment], now: float) -> None:
+        """Restore from checkpoints, or if the members' offers do not make a step yet, try
+        again on each heartbeat (`_check_lost`)."""
+        if not self._restore_from_checkpoints(plan, lost):
+            self._unrestored = (plan.epoch, lost, now)
+            log.warning("no replica holds the blocks of %s and the members' checkpoints "
+                        "do not restore them yet: tried again on each heartbeat for %g s",
+                        ", ".join(s.node_id for s in lost),
+                        RESTORE_RETRY_LEASES * self._leases.lease_s)  # fmt: skip
+
     def _restore_from_checkpoints(self, plan: pb.Plan, lost: list[pb.StageAssignment]) -> bool:
         """No replica holds the `lost` members' blocks: start a plan of the members left at
         the newest step, no later than the last step every pipeline completed, at which their
@@ -484,7 +630,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         drops what it trained after that step; those steps are trained again (counted as
         redone). False if the members left cannot (no such step, or no plan fits them)."""
         staying = self._plan_members(plan)
-        completed = max(self._losses, default=self._resumed_at)
+        # A run taken over knows no step's loss yet: any step its checkpoints hold will do.
+        taken_over = self._takeover is not None and not self._losses
+        completed = self._train.steps if taken_over else max(self._losses, default=self._resumed_at)
         point = resume_point(
             staying,
             {node: self._timeline(offers) for node, offers in self._offers.items()},
@@ -495,8 +643,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if not point.holders or point.step < self._resumed_at:
             return False
         try:
-            epoch = max(plan.epoch, self._next.epoch if self._next else 0) + 1
-            new, placed = self._negotiate(epoch, staying, plan.run)
+            new, placed = self._negotiate(self._next_epoch(plan), staying, plan.run)
         except ConfigError as exc:
             log.error("restore: no plan fits the members left: %s", exc)
             return False
@@ -520,14 +667,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             del self._losses[s]
         self._checkpoints = {k: v for k, v in self._checkpoints.items() if v[1] <= step}
         self._redone += redone
+        if taken_over:  # this coordinator's progress starts here
+            self._resumed_at = step
         self._restores.append({
             "plan_epoch": new.epoch, "lost": sorted({s.node_id for s in lost}),
-            "after_step": completed, "restored_step": step, "redone_microbatches": redone,
+            "after_step": None if taken_over else completed, "restored_step": step,
+            "redone_microbatches": redone,
             "holders": [[h.first_block, h.stop_block, h.node_id] for h in point.holders],
         })  # fmt: skip
-        log.warning("restoring the run at step %d from %d checkpoints and copies: steps %d to "
-                    "%d are trained again (%d microbatches redone)", step, len(point.holders),
-                    step + 1, completed, redone)  # fmt: skip
+        if taken_over:
+            log.warning("restoring the run taken over at step %d from %d checkpoints and "
+                        "copies", step, len(point.holders))  # fmt: skip
+        else:
+            log.warning("restoring the run at step %d from %d checkpoints and copies: steps %d "
+                        "to %d are trained again (%d microbatches redone)", step,
+                        len(point.holders), step + 1, completed, redone)  # fmt: skip
         self._previous = plan
         if self._store is not None:
             self._store.roll_back(step, new, self._started_unix)
@@ -557,6 +711,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         plan = self._plan
         if plan is None or request.plan_epoch != plan.epoch or self._probe is None:
             return pb.SuspectReply()
+        if self._takeover is not None and not self._takeover.get("done"):
+            return pb.SuspectReply()  # the takeover counts who is lost (_takeover_ready)
         named = set(request.suspects[:MAX_SUSPECTS])
         known = {c["node_id"] for c in self._crashes if c["plan_epoch"] == plan.epoch}
         # A member that left but still has a stage may be killed before its hand-over: it is
@@ -723,6 +879,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         plan = self._plan
         if plan is None or self._next is not None or self._replans_closed:
             return
+        if self._takeover is not None and not self._takeover.get("done"):
+            return  # the takeover's restore plans first
         if max(self._losses, default=self._resumed_at) >= self._train.steps and not force:
             return  # the run is over
         in_plan = {s.node_id for s in plan.stages}
@@ -731,7 +889,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return
         current = [m for m in members if m.node_id in in_plan]
         try:
-            new, placed = self._negotiate(plan.epoch + 1, members, plan.run)
+            new, placed = self._negotiate(self._next_epoch(plan), members, plan.run)
         except ConfigError as exc:
             log.warning("no plan with the new members: %s", exc)
             return
@@ -1060,6 +1218,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # of the steps rolled back and trained again.
             "restores": self._restores,
             "redone_microbatches": self._redone,
+            # This coordinator won a failover election and took the run over: the term, the
+            # plan it took over and the coordinator lost (progress before it is not known
+            # here: loss_history starts at `resumed_at`, the step the run was restored at).
+            "takeover": None
+            if self._takeover is None
+            else {k: self._takeover[k] for k in ("term", "plan_epoch", "lost_coordinator")},
             # The newest checkpoint each stage's owner reported writing.
             "checkpoints": [
                 {"pipeline": p, "stage": i, "node_id": node, "step": step}

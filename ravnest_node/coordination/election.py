@@ -13,8 +13,13 @@ and only to the smallest node id it sees (its own included), so a node that has 
 smallest one cannot win votes from those that have. The rules are pure functions (`grant_vote`);
 the service and the candidate's round wrap them.
 
-What is not built yet: a new election when the coordinator dies (it needs heartbeats and
-re-planning) and stepping down for a higher term.
+When an elected coordinator is lost after the first plan (its plan stream unreachable), the
+members of the newest plan elect another among themselves (a failover, `NodeDaemon._fail_over`):
+the electorate is that plan's nodes, the majority is over all of them (the lost one included),
+and a voter grants its vote to a candidate that knows a plan at least as new as its own and is
+not the coordinator it lost (Raft's "at least as up to date" rule: a node restarted with no plan
+cannot win and start the run over). The winner takes the run over from that plan
+(`CoordinatorService.take_over`); a coordinator that learns of a higher term steps down.
 """
 
 from __future__ import annotations
@@ -59,23 +64,40 @@ class Ballot:
     seen: frozenset[str]
     """Node ids of its swarm it sees now (over mDNS), not its own."""
     following: str
-    """The coordinator it follows ("" if none)."""
+    """The coordinator it follows ("" if none, or if it has lost it)."""
+    plan_epoch: int = 0
+    """The newest plan epoch it knows: 0 before the first plan (the first election)."""
+    lost: frozenset[str] = frozenset()
+    """Coordinators (node ids) it has lost: never voted for again."""
 
 
 def grant_vote(
-    state: VoteState, term: int, candidate: str, ballot: Ballot
+    state: VoteState, term: int, candidate: str, ballot: Ballot, candidate_epoch: int = 0
 ) -> tuple[VoteState, bool, str]:
-    """The voter's new state, whether it grants `candidate` its vote in `term`, and why not.
-    Pure."""
+    """The voter's new state, whether it grants `candidate` (which knows plan epoch
+    `candidate_epoch`) its vote in `term`, and why not. Pure."""
     if term < state.term:
         return state, False, f"term {term} is behind this node's term {state.term}"
     if ballot.following:
         return state, False, f"this node follows coordinator {ballot.following}"
-    if candidate != ballot.own_id and candidate not in ballot.seen:
-        return state, False, "this node does not see the candidate over mDNS yet"
-    smallest = min(ballot.seen | {ballot.own_id})
-    if candidate != smallest:
-        return state, False, f"this node sees a smaller node id ({smallest})"
+    if ballot.plan_epoch:  # a failover: the electorate is the plan's members
+        if candidate in ballot.lost:
+            return state, False, "the candidate is the coordinator this node lost"
+        if candidate_epoch < ballot.plan_epoch:
+            return (
+                state,
+                False,
+                (
+                    f"the candidate knows plan epoch {candidate_epoch}, this node "
+                    f"{ballot.plan_epoch}"
+                ),
+            )
+    else:
+        if candidate != ballot.own_id and candidate not in ballot.seen:
+            return state, False, "this node does not see the candidate over mDNS yet"
+        smallest = min(ballot.seen | {ballot.own_id})
+        if candidate != smallest:
+            return state, False, f"this node sees a smaller node id ({smallest})"
     if term == state.term and state.voted_for not in ("", candidate):
         return state, False, f"this node voted for {state.voted_for} in term {term}"
     return VoteState(term=term, voted_for=candidate), True, ""
@@ -131,7 +153,11 @@ class ElectionService(pb_grpc.ElectionServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "candidate_id is not a node id")
         async with self._lock:
             state, granted, reason = grant_vote(
-                self._book.state, request.term, request.candidate_id, self._ballot()
+                self._book.state,
+                request.term,
+                request.candidate_id,
+                self._ballot(),
+                request.plan_epoch,
             )
             self._book.record(state)  # before the answer leaves
         log.info(
@@ -155,12 +181,16 @@ async def stand(
     swarm_size: int,
     voters: Sequence[tuple[str, str]],
     ask: AskVote,
+    plan_epoch: int = 0,
 ) -> int | None:
     """One round as candidate: a new term, this node's own vote, then the others'. Returns the
-    term won with a majority, or None (the caller waits and tries again)."""
+    term won with a majority of `swarm_size`, or None (the caller waits and tries again).
+    `plan_epoch`: the newest plan this node knows (a failover; 0 before the first plan)."""
     term = book.state.term + 1
     book.record(replace(book.state, term=term, voted_for=own_id))
-    request = pb.VoteRequest(swarm_name=swarm, term=term, candidate_id=own_id)
+    request = pb.VoteRequest(
+        swarm_name=swarm, term=term, candidate_id=own_id, plan_epoch=plan_epoch
+    )
 
     async def one(node_id: str, address: str) -> bool:
         try:

@@ -47,6 +47,10 @@ class Found:
     via: pb.FoundVia
     source: str = ""
     """The mDNS record's node id, or the bootstrap peer's address."""
+    term: int = 0
+    """The election term the coordinator said it leads (0: not elected)."""
+    node_id: str = ""
+    """The coordinator's node id, as its Node.Status said ("" if not asked)."""
 
     @property
     def via_name(self) -> str:
@@ -126,13 +130,14 @@ async def locate_coordinator(
     retry_s = FIRST_RETRY_S
     warned: set[str] = set()
 
-    async def verify(address: str, node_id: str = "") -> str | None:
+    async def verify(address: str, node_id: str = "") -> tuple[str | None, pb.NodeStatus]:
+        """Why the node at `address` is not the coordinator (None if it is), and its status."""
         budget = min(ATTEMPT_TIMEOUT_S, max(0.05, deadline - loop.time()))
         try:
             status = await ask(address, budget)
         except PeerError as exc:
-            return str(exc)
-        return check_coordinator(status, swarm, node_id)
+            return str(exc), pb.NodeStatus()
+        return check_coordinator(status, swarm, node_id), status
 
     while True:
         generation = discovery.generation if discovery is not None else 0
@@ -145,12 +150,19 @@ async def locate_coordinator(
                     "%d coordinators advertise swarm %r over mDNS (%s); trying them in order",
                     len(coordinators), swarm, ", ".join(r.txt.node_id for r in coordinators),
                 )  # fmt: skip
+            # Of several that check out (a deposed coordinator that came back still says it
+            # is one until it learns of its successor), the one of the highest term.
+            checked: list[Found] = []
             for record in coordinators:
                 for address in record.addresses:
-                    why = await verify(address, record.txt.node_id)
+                    why, status = await verify(address, record.txt.node_id)
                     if why is None:
-                        return Found(address, pb.FOUND_VIA_MDNS, record.txt.node_id)
+                        checked.append(Found(address, pb.FOUND_VIA_MDNS, record.txt.node_id,
+                                             status.term, status.node_id))  # fmt: skip
+                        break
                     tried[f"mDNS coordinator {record.txt.node_id} at {address}"] = why
+            if checked:
+                return max(checked, key=lambda f: f.term)
         for peer in peers:
             found = await _ask_peer(peer, swarm, ask, verify, deadline, tried)
             if found is not None:
@@ -179,7 +191,7 @@ async def _ask_peer(
     peer: str,
     swarm: str,
     ask: AskStatus,
-    verify: Callable[[str, str], Awaitable[str | None]],
+    verify: Callable[[str, str], Awaitable[tuple[str | None, pb.NodeStatus]]],
     deadline: float,
     tried: dict[str, str],
 ) -> Found | None:
@@ -195,13 +207,13 @@ async def _ask_peer(
         tried[hint] = f"it is in swarm {status.swarm_name[:64]!r}, not {swarm!r}"
         return None
     if status.role == pb.NODE_ROLE_COORDINATOR:
-        return Found(peer, pb.FOUND_VIA_PEER, peer)
+        return Found(peer, pb.FOUND_VIA_PEER, peer, status.term, status.node_id)
     named = status.coordinator_address
     if not named:
         tried[hint] = "it knows no coordinator yet"
         return None
-    why = await verify(named, "")
+    why, named_status = await verify(named, "")
     if why is None:
-        return Found(named, pb.FOUND_VIA_PEER, peer)
+        return Found(named, pb.FOUND_VIA_PEER, peer, named_status.term, named_status.node_id)
     tried[f"coordinator {named[:80]} named by {hint}"] = why
     return None

@@ -20,6 +20,7 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -31,7 +32,9 @@ from ravnest_node.checkpoint import CheckpointDir
 from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
 from ravnest_node.coordination.election import Ballot, ElectionService, VoteBook, stand
 from ravnest_node.coordination.locate import (
+    AskStatus,
     Found,
+    check_coordinator,
     grpc_status_asker,
     grpc_vote_asker,
     locate_coordinator,
@@ -48,6 +51,7 @@ from ravnest_node.discovery import (
 )
 from ravnest_node.errors import (
     ConfigError,
+    PeerError,
     PeerRefused,
     PeerUnavailable,
     RavnestError,
@@ -61,6 +65,7 @@ from ravnest_node.state import load_or_create_node_id, write_atomic
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters, Refusal
 from ravnest_node.transport.options import TransportConfig, server_options, split_host_port
 from ravnest_node.transport.probe import ProbeServer
+from ravnest_node.transport.tunnel import RelayServer, TunnelClient
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -77,6 +82,11 @@ STOP_TASKS_S = 1.0
 # bounds the whole stop).
 STOP_DRAIN_S = 3.0
 STOP_PAUSE_S = 1.0
+FAILOVER_STAND_S = 1.0
+"""In a failover election the plan's members stand in the order of their node ids, this many
+seconds apart: the first at once, each next one only if no coordinator has come up by then."""
+FAILOVER_STATUS_S = 2.0
+"""How long a failover waits for a member's Node.Status when looking for the new coordinator."""
 JOIN_AUTO = "auto"
 JOIN_ELECT = "elect"
 MAX_PEERS = 64
@@ -130,6 +140,17 @@ class NodeConfig:
     checkpoint_keep: int = 3
     """Checkpoints a node keeps in --state-dir/checkpoints (the newest; older ones are removed
     once a newer one is complete)."""
+    relay: str | None = None
+    """Reach this node through a relay, HOST:PORT of a node started with --relay-listen: for a
+    node behind NAT, which cannot accept connections. It opens every connection itself, and its
+    address for the others is the port the relay opens for it (--advertise is not used)."""
+    no_inbound: bool = False
+    """This node cannot accept connections (behind NAT). It only states what --relay implies
+    (and requires one); a coordinator refuses a node it cannot reach, with that advice."""
+    relay_listen: str | None = None
+    """Serve as a relay on HOST:PORT for nodes that cannot accept connections (--relay). The
+    ports it opens for them are on this node's advertised (or listen) host, and their traffic
+    crosses this node's link twice."""
     lease_s: float = DEFAULT_LEASE_S
     """On the coordinator: seconds a member stays a member without a heartbeat (members send
     one every third of it); before the plan, a member silent longer loses its place."""
@@ -209,9 +230,39 @@ class NodeConfig:
             raise ConfigError(f"swarm_size={self.swarm_size}: must be between 1 and 1024")
         if self.compute_threads < 0:
             raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
+        self._check_relay()
         if self.is_coordinator or self.elects:
             check_frame_limit(self.train, self.transport.max_message_bytes)
             check_swarm_shape(self.swarm_size, self.train)
+
+    def _check_relay(self) -> None:
+        if self.no_inbound and self.relay is None:
+            raise ConfigError(
+                "no_inbound: a node that cannot accept connections is reached through a relay: "
+                "add --relay HOST:PORT (a reachable node started with --relay-listen)"
+            )
+        if self.relay is not None:
+            split_host_port(self.relay)
+            if self.advertise is not None:
+                raise ConfigError("relay: the relay gives this node its address: drop --advertise")
+            if self.is_coordinator or self.elects or self.coordinator_only:
+                raise ConfigError(
+                    "relay: a coordinator must accept connections: start it on a reachable node "
+                    "(a worker may use --relay)"
+                )
+            if self.mdns:
+                raise ConfigError("relay: mDNS would advertise this node's own address: drop "
+                                  "--mdns (a LAN needs no relay)")  # fmt: skip
+            if self.relay_listen is not None:
+                raise ConfigError("relay: a node reached through a relay cannot be one")
+        if self.relay_listen is not None:
+            host, _ = split_host_port(self.relay_listen)
+            public = split_host_port(self.advertise)[0] if self.advertise else host
+            if ipaddress_is_wildcard(public):
+                raise ConfigError(
+                    f"relay_listen={self.relay_listen!r}: on a wildcard address, give --advertise "
+                    "so the relay knows the host its ports are reached at"
+                )
 
     @property
     def is_coordinator(self) -> bool:
@@ -278,12 +329,12 @@ class NodeService(pb_grpc.NodeServicer):
             raise  # not reached: abort raises
 
 
-async def probe_node(node_id: str, address: str, timeout_s: float) -> bool:
+async def probe_node(node_id: str, address: str, timeout_s: float, tries: int = 2) -> bool:
     """Is node `node_id` alive at `address`? It answers a brief Node.Status (no compute)
-    within `timeout_s` with its id, on the first or a second try (Coordinator.Suspect).
+    within `timeout_s` with its id, on the first or a later try (Coordinator.Suspect).
     Another node at that address is not it. (The node started again there is: its Join tells
     the coordinator of the restart.)"""
-    for _ in range(2):
+    for _ in range(tries):
         async with grpc.aio.insecure_channel(address) as channel:
             try:
                 status = await pb_grpc.NodeStub(channel).Status(
@@ -359,6 +410,14 @@ class NodeDaemon:
         self.coordinator: CoordinatorService | None = None
         """This node's coordinator service: from the start, after an election, or never."""
         self._votes = VoteBook(config.state_dir) if config.elects else None
+        self._tunnel: TunnelClient | None = None
+        """This node's tunnel through its relay (--relay)."""
+        self._relay: RelayServer | None = None
+        """The relay this node serves (--relay-listen)."""
+        self.led_term = 0
+        """The election term this node won and leads as coordinator (0: none)."""
+        self._lost_coordinators: set[str] = set()
+        """Coordinators (node ids) this node lost: it never votes for them again."""
         self._leaving: asyncio.Task[None] | None = None
 
     @property
@@ -418,6 +477,7 @@ class NodeDaemon:
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {cfg.listen}: {_bind_reason(exc)}") from None
         self.address = cfg.advertise or f"{host}:{port}"
+        await self._open_relays(host, port)
         if cfg.is_coordinator:
             self.found = Found(self.address, pb.FOUND_VIA_CONFIG)
         elif cfg.join is not None and not cfg.finds_coordinator and not cfg.elects:
@@ -472,10 +532,45 @@ class NodeDaemon:
         finally:
             # After a failed run, end open streams at once so neighbours learn of it now.
             await server.stop(0 if self.run_error else cfg.transport.stop_grace_s)
+            await worker.close_channels()
+            if self._tunnel is not None:
+                self._tunnel.close()
+            if self._relay is not None:
+                await self._relay.close()
             # Wait for the torch op in progress (if any); nothing new is submitted after stop.
             await asyncio.to_thread(self._compute.shutdown, wait=True, cancel_futures=True)
         if self.run_error is not None:
             raise RunFailed(str(self.run_error)) from self.run_error
+
+    async def _open_relays(self, host: str, port: int) -> None:
+        """--relay: open this node's tunnel (its address is then the relay's port for it).
+        --relay-listen: start serving as a relay. StartupError if either cannot."""
+        cfg = self.config
+        if cfg.relay is not None:
+            local = f"{'127.0.0.1' if ipaddress_is_wildcard(host) else host}:{port}"
+            self._tunnel = TunnelClient(
+                cfg.relay, self.node_id, local, connect_timeout_s=cfg.transport.connect_timeout_s
+            )
+            try:
+                self.address = await self._tunnel.open()
+            except PeerError as exc:
+                raise StartupError(f"cannot be reached through relay {cfg.relay}: {exc}") from None
+        if cfg.relay_listen is not None:
+            public = split_host_port(cfg.advertise or cfg.relay_listen)[0]
+            relay = RelayServer(cfg.relay_listen, public)
+            try:
+                await relay.start()
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot serve as a relay on {cfg.relay_listen}: {exc.strerror or exc}"
+                ) from None
+            self._relay = relay
+
+    async def _keep_tunnel(self, tunnel: TunnelClient) -> None:
+        try:
+            await tunnel.run()
+        except PeerError as exc:
+            self._fail(exc)
 
     def _coordinator_service(self, epoch: int) -> CoordinatorService:
         cfg = self.config
@@ -492,15 +587,20 @@ class NodeDaemon:
             lease_s=cfg.lease_s,
             store=store,
             probe=probe_node,
+            reach=partial(probe_node, tries=1),
             node_id=self.node_id,
         )
 
     def _ballot(self) -> Ballot:
         records = self._mdns.records() if self._mdns is not None else []
+        worker = self._worker
+        latest = worker.latest_plan if worker is not None else None
         return Ballot(
             own_id=self.node_id,
             seen=frozenset(r.txt.node_id for r in records),
             following=self.found.address if self.found is not None else "",
+            plan_epoch=latest.epoch if latest is not None else 0,
+            lost=frozenset(self._lost_coordinators),
         )
 
     async def _elect(self, worker: Worker) -> None:
@@ -534,8 +634,10 @@ class NodeDaemon:
                     ask=ask,
                 )
                 if term is not None:
-                    self.coordinator = self._coordinator_service(epoch=term)
-                    self.found = Found(self.address, pb.FOUND_VIA_ELECTION, f"term {term}")
+                    self.coordinator, self.led_term = self._coordinator_service(epoch=term), term
+                    self.found = Found(
+                        self.address, pb.FOUND_VIA_ELECTION, f"term {term}", term, self.node_id
+                    )
                     worker.coordinator = self.address
                     await mdns.set_role("coordinator")
                     return
@@ -548,6 +650,189 @@ class NodeDaemon:
                 )
             # A new record ends the wait at once; otherwise retry after a jittered back-off.
             await mdns.wait_newer(generation, min(left, random.uniform(0.3, 0.9)))
+
+    async def _keep_coordinator(self, worker: Worker) -> None:
+        """--join elect, once the swarm has a plan: while this node follows an elected
+        coordinator, wait for its loss and elect another (`_fail_over`); while this node is
+        the coordinator, watch for one of a higher term, and step down if there is one."""
+        while True:
+            if self.coordinator is None:
+                await worker.wait_until(
+                    lambda: (
+                        self.coordinator is not None
+                        or (
+                            worker.coordinator_lost
+                            and worker.started_plan is not None
+                            and not worker.run_finished
+                        )
+                    )
+                )
+                if self.coordinator is not None:  # elected meanwhile (the first election)
+                    continue
+                if self._leaving is not None or self._stop.is_set():
+                    return  # a node on its way out does not stand
+                try:
+                    await self._fail_over(worker)
+                except PeerError as exc:
+                    self._fail(exc)
+                    return
+            elif self.led_term:
+                successor = await self._successor(worker, self.led_term, {self.node_id})
+                if successor is not None or self._votes_for_later_term():
+                    self._step_down(successor)
+                    return
+                # Each new mDNS record ends the wait (a successor's, say); otherwise a lease.
+                lease_s = self.config.lease_s
+                if self._mdns is not None:
+                    await self._mdns.wait_newer(self._mdns.generation, lease_s)
+                else:
+                    await asyncio.sleep(lease_s)  # the period of a check, not a wait for one
+            else:
+                return  # a coordinator by configuration: nobody takes over from it
+
+    def _votes_for_later_term(self) -> bool:
+        """This coordinator voted in a term after the one it leads: another node won it."""
+        return self._votes is not None and self._votes.state.term > self.led_term
+
+    def _fail(self, error: BaseException) -> None:
+        log.error("training stopped: %s", error)
+        self.run_error = error
+        self._stop.set()
+
+    def _step_down(self, successor: Found | None) -> None:
+        """A coordinator of a later term leads the swarm: stop acting as one (its calls are
+        refused from now on) and stop this node, whose stage is of a run the swarm has left."""
+        voted = self._votes.state.term if self._votes is not None else 0
+        who = (f"node at {successor.address} leads term {successor.term}" if successor
+               else f"this node voted in term {voted}")  # fmt: skip
+        self.coordinator = None
+        self._fail(RunFailed(
+            f"this node led term {self.led_term} as coordinator, but the swarm has elected "
+            f"another ({who}): it steps down and stops; start it again to rejoin the swarm"
+        ))  # fmt: skip
+
+    async def _successor(
+        self, worker: Worker, above_term: int, lost: set[str], ask: AskStatus | None = None
+    ) -> Found | None:
+        """The coordinator of the highest term above `above_term` among the members of this
+        node's newest plan and the coordinators advertised over mDNS (not `lost`, not this
+        node), checked with Node.Status; None if there is none."""
+        ask = ask or grpc_status_asker(self.config.transport)
+        plan = worker.latest_plan
+        hints = {s.node_id: s.address for s in plan.stages} if plan is not None else {}
+        if self._mdns is not None:
+            for r in self._mdns.records():
+                if r.txt.role == "coordinator" and r.addresses:
+                    hints.setdefault(r.txt.node_id, r.addresses[0])
+        hints = {n: a for n, a in hints.items() if n not in lost and n != self.node_id}
+
+        async def check(node_id: str, address: str) -> Found | None:
+            try:
+                status = await ask(address, FAILOVER_STATUS_S)
+            except PeerError:
+                return None
+            if check_coordinator(status, self.config.swarm_name, node_id) is not None:
+                return None
+            if status.term <= above_term:
+                return None
+            return Found(address, pb.FOUND_VIA_ELECTION, f"term {status.term}", status.term,
+                         status.node_id)  # fmt: skip
+
+        found = [f for f in await asyncio.gather(*(check(n, a) for n, a in hints.items())) if f]
+        return max(found, key=lambda f: f.term) if found else None
+
+    async def _fail_over(self, worker: Worker) -> None:
+        """The elected coordinator this node followed is lost (its plan stream unreachable, or
+        its heartbeats failing): elect another among the members of the newest plan this node
+        trained, and follow it, or take the run over if this node wins. If the old coordinator
+        answers after all (only this node lost it), follow it again. PeerUnavailable if no
+        coordinator comes up within the connect timeout plus two leases (a spare, which cannot
+        stand, waits as long as it takes)."""
+        cfg, votes, plan = self.config, self._votes, worker.started_plan
+        assert votes is not None and plan is not None
+        old, before = worker.coordinator, self.found
+        lost_id = before.node_id if before is not None else ""
+        lost = {s.node_id for s in plan.stages if s.node_id == lost_id or s.address == old}
+        lost_term = before.term if before is not None else 0
+        self._lost_coordinators |= lost
+        self.found = None  # following nobody now: this node may vote
+        members: dict[str, str] = {}
+        for s in plan.stages:
+            if s.node_id not in lost:
+                members.setdefault(s.node_id, s.address)
+        electorate = len({s.node_id for s in plan.stages})
+        voters = [(n, a) for n, a in sorted(members.items()) if n != self.node_id]
+        order = sorted(members)
+        rank = order.index(self.node_id) if self.node_id in members else len(order)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        wait_s = cfg.transport.connect_timeout_s + 2 * cfg.lease_s
+        log.warning("coordinator %s (%s, term %d) is lost: electing another among the %d "
+                    "members of plan epoch %d", old, ", ".join(sorted(lost)) or "no member",
+                    lost_term, len(members), plan.epoch)  # fmt: skip
+        ask_vote = grpc_vote_asker(cfg.transport)
+        ask_status = grpc_status_asker(cfg.transport)
+        while True:
+            found, alive = await asyncio.gather(
+                self._successor(worker, lost_term, lost, ask_status),
+                self._still_leads(old, lost, lost_term, ask_status),
+            )
+            if found is not None:
+                self.found = found
+                log.info("coordinator %s of term %d found after the failover", found.address,
+                         found.term)  # fmt: skip
+                await worker.follow(found.address)
+                return
+            if alive and before is not None:
+                log.warning("coordinator %s answers after all: following it again", old)
+                self.found = before
+                self._lost_coordinators -= lost
+                await worker.coordinator_back()
+                return
+            latest = worker.latest_plan or plan
+            if self.node_id in members and loop.time() >= start + rank * FAILOVER_STAND_S:
+                term = await stand(
+                    book=votes,
+                    own_id=self.node_id,
+                    swarm=cfg.swarm_name,
+                    swarm_size=electorate,
+                    voters=voters,
+                    ask=ask_vote,
+                    plan_epoch=latest.epoch,
+                )
+                if term is not None:
+                    service = self._coordinator_service(epoch=term)
+                    service.take_over(plan, lost, term, known_epoch=latest.epoch)
+                    self.coordinator, self.led_term = service, term
+                    self.found = Found(
+                        self.address, pb.FOUND_VIA_ELECTION, f"term {term}", term, self.node_id
+                    )
+                    if self._mdns is not None:
+                        await self._mdns.set_role("coordinator")
+                    await worker.follow(self.address)
+                    return
+            if loop.time() - start >= wait_s and self.node_id in members:
+                raise PeerUnavailable(
+                    f"coordinator {old} was lost and no other was elected within {wait_s:g} s "
+                    f"(term {votes.state.term}; {len(members)} members of plan epoch "
+                    f"{plan.epoch} left, {electorate // 2 + 1} votes needed)"
+                )
+            # A jittered back-off between rounds (two candidates must not keep colliding).
+            await asyncio.sleep(random.uniform(0.3, 0.9))
+
+    async def _still_leads(
+        self, address: str, node_ids: set[str], term: int, ask: AskStatus
+    ) -> bool:
+        """The coordinator at `address` (one of `node_ids`) answers, and still leads `term`."""
+        try:
+            status = await ask(address, FAILOVER_STATUS_S)
+        except PeerError:
+            return False
+        return (
+            check_coordinator(status, self.config.swarm_name) is None
+            and status.node_id in node_ids
+            and status.term == term
+        )
 
     async def _mdns_discovery(self) -> MdnsDiscovery:
         """This node's mDNS advertisement and browser (entered by the caller)."""
@@ -614,6 +899,10 @@ class NodeDaemon:
             tasks = []
             if not self.config.coordinator_only:  # a lab coordinator holds no stage
                 tasks += [tg.create_task(train()), tg.create_task(worker.keep_membership())]
+            if self.config.elects:
+                tasks.append(tg.create_task(self._keep_coordinator(worker)))
+            if self._tunnel is not None:
+                tasks.append(tg.create_task(self._keep_tunnel(self._tunnel)))
             if self._mdns is not None:
                 tasks.append(tg.create_task(self._mdns.run()))
             await self._stop.wait()
@@ -642,8 +931,18 @@ class NodeDaemon:
             bytes_sent=self._counters.total_bytes,
             role=pb.NODE_ROLE_COORDINATOR if self.coordinator else pb.NODE_ROLE_WORKER,
             swarm_name=self.config.swarm_name,
-            term=self._votes.state.term if self._votes is not None else 0,
+            # A coordinator: the term it leads; any other node: the last it voted in.
+            term=self.led_term
+            if self.coordinator is not None and self.led_term
+            else self._votes.state.term
+            if self._votes is not None
+            else 0,
         )
+        if self.config.relay is not None:
+            status.relay = self.config.relay
+        if self._relay is not None:
+            status.relay_address = self._relay.address
+            status.relayed.update(self._relay.tunnels())
         if self.found is not None:
             status.coordinator_address = self.found.address
             status.coordinator_found_via = self.found.via
@@ -666,6 +965,10 @@ class NodeDaemon:
             if not brief:  # the digest waits for the compute thread
                 status.params_sha256 = await runtime.params_digest()
         return status
+
+
+def ipaddress_is_wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "::", "")
 
 
 def _check_bindable(host: str, port: int, listen: str) -> None:

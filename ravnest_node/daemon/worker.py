@@ -39,7 +39,7 @@ from ravnest_node.checkpoint import (
     parse_manifest,
     run_key,
 )
-from ravnest_node.coordination.coordinator import PROTOCOL
+from ravnest_node.coordination.coordinator import LOST_AFTER_LEASES, PROTOCOL
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S, heartbeat_interval
 from ravnest_node.coordination.negotiate import MAX_OFFERS
 from ravnest_node.coordination.static_plan import check_plan, has_node, replica_group, stage_at
@@ -117,14 +117,6 @@ async def open_channel(address: str, transport: TransportConfig) -> AsyncIterato
 
 
 T = TypeVar("T")
-
-
-async def call_with_timeout(
-    method: Callable[..., Awaitable[T]], request: Any, deadline_s: float
-) -> T:
-    """`await method(request, timeout=deadline_s)`: a unary gRPC call (gRPC's own deadline) in
-    the shape `Worker._call_coordinator` retries."""
-    return await method(request, timeout=deadline_s)
 
 
 @contextmanager
@@ -227,7 +219,22 @@ class Worker:
         self.stopping = False
         """Set by the daemon when it stops: retry loops end instead of trying again."""
         self.coordinator_lost = False
-        """The coordinator's plan stream has been unreachable for COORDINATOR_LOST_S."""
+        """The coordinator's plan stream has been unreachable for COORDINATOR_LOST_S, or its
+        heartbeats have failed for LOST_AFTER_LEASES leases (a coordinator that hangs keeps
+        its connections open: only keepalive, tens of seconds later, would end them)."""
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        """A channel per coordinator address this node has followed (one, but for failovers)."""
+        self._switched = asyncio.Event()
+        """Set when `follow` moves this node to another coordinator (the plan stream moves)."""
+        self._caps: pb.Capabilities | None = None
+        """What this node measured for the swarm's model (sent again to a new coordinator)."""
+        self.run_finished = False
+        """This node's stage trained the run's last step."""
+        self._heartbeats_failing_since: float | None = None
+        """When heartbeats to the coordinator followed now began to fail (None: they do not)."""
+        self._left_behind: set[asyncio.Task[None]] = set()
+        """Plan streams from a coordinator left behind that did not end at once when cancelled
+        (awaited when the node stops)."""
 
     @property
     def runtime(self) -> StageRuntime | None:
@@ -258,6 +265,75 @@ class Worker:
             self._copying.cancel()
         for task in self._suspecting:
             task.cancel()
+        await self._notify()
+
+    async def _send_report(self, report: pb.StageReport, timeout_s: float) -> pb.ReportReply:
+        reply: pb.ReportReply = await self._stub().Report(report, timeout=timeout_s)
+        return reply
+
+    async def wait_until(self, condition: Callable[[], bool]) -> None:
+        """Wait until `condition` (about this worker's state) holds."""
+        async with self._changed:
+            await self._changed.wait_for(condition)
+
+    async def close_channels(self) -> None:
+        """Close the channels to coordinators (after the run's tasks have ended)."""
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:  # ends the calls left behind on them, too
+            await channel.close(grace=None)
+        if self._left_behind:
+            await asyncio.wait(self._left_behind, timeout=REPORT_RETRY_S)
+
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        """A stub for the coordinator this node follows now: calls made through it reach a
+        new coordinator after a failover (`follow`), retries included."""
+        channel = self._channels.get(self.coordinator)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(
+                self.coordinator, options=channel_options(self._transport)
+            )
+            self._channels[self.coordinator] = channel
+        return pb_grpc.CoordinatorStub(channel)
+
+    async def follow(self, address: str) -> None:
+        """A failover election made the node at `address` this swarm's coordinator: send
+        everything there from now on (the plan stream, heartbeats, reports), and join it again
+        with what this node measured and the newest plan epoch it knows, so that it can plan
+        with this node. Raises PeerUnavailable / PeerRefused if it cannot join."""
+        if address == self.coordinator and not self.coordinator_lost:
+            return
+        log.warning("following coordinator %s from now on (it was %s)", address,
+                    self.coordinator)  # fmt: skip
+        self.coordinator = address
+        self.coordinator_lost = False
+        self._heartbeats_failing_since = None
+        self._switched.set()
+        await self._notify()
+        latest = self.latest_plan
+        join = pb.JoinRequest(
+            node_id=self.node_id,
+            address=self._address,
+            compute_threads=self._threads,
+            protocol=PROTOCOL,
+            plan_epoch=latest.epoch if latest is not None else 0,
+        )
+        if self._caps is not None:
+            join.capabilities.CopyFrom(self._caps)
+        await self._call_coordinator(
+            lambda t: self._stub().Join(join, timeout=t),
+            "the join waits",
+            grace_s=self._transport.connect_timeout_s + LOST_AFTER_LEASES * self._lease_s,
+        )
+
+    def _ended_behind(self, task: asyncio.Task[None]) -> None:
+        self._left_behind.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("a plan stream left behind ended: %s", task.exception())
+
+    async def coordinator_back(self) -> None:
+        """The coordinator counted lost answers after all (only this node lost it)."""
+        self.coordinator_lost = False
+        self._heartbeats_failing_since = None
         await self._notify()
 
     async def _notify(self) -> None:
@@ -407,8 +483,8 @@ class Worker:
         """Join, wait for the plan, train the stage; returns when this stage's run is done."""
         if not self.coordinator:
             raise RuntimeError("Worker.run() before the coordinator's address is known")
-        async with open_channel(self.coordinator, self._transport) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
+        async with open_channel(self.coordinator, self._transport):  # answers within the timeout
+            stub = self._stub()
             join = pb.JoinRequest(
                 node_id=self.node_id,
                 address=self._address,
@@ -447,15 +523,16 @@ class Worker:
                 caps.checkpoints.extend(m.offer() for m in found[:MAX_OFFERS])
                 log.info("--resume: offering checkpoints at steps %s",
                          [m.step for m in found] or "(none)")  # fmt: skip
+            self._caps = caps
             join.capabilities.CopyFrom(caps)
             with coordinator_errors(self.coordinator):
                 await stub.Join(join, timeout=self._transport.connect_timeout_s)
             async with asyncio.TaskGroup() as tg:
-                watcher = tg.create_task(self._watch_plans(stub))
-                await self._follow_plans(stub)
+                watcher = tg.create_task(self._watch_plans())
+                await self._follow_plans()
                 watcher.cancel()
 
-    async def _follow_plans(self, stub: pb_grpc.CoordinatorStub) -> None:
+    async def _follow_plans(self) -> None:
         """Train a stage of each plan this node is in, one after another, to the run's end.
         Never a plan that had started before this node joined: a stage for it there was an
         earlier run's of this node (JoinReply.started_epoch)."""
@@ -477,13 +554,14 @@ class Worker:
                     f"last plan ended at step {self._held_step}"
                 )
             try:
-                runtime = await self._train(plan, stub)
+                runtime = await self._train(plan)
             except BaseException as exc:
                 broke = _peer_fault(exc)
                 if broke is None or not await self._after_break(plan, broke):
                     raise
                 continue
             if runtime.run_done:
+                self.run_finished = True
                 await self._notify()  # a leaving node need not wait for a hand-over now
                 return
             # Keep this stage's blocks as they are now: the next plan's members fetch them.
@@ -575,44 +653,69 @@ class Worker:
         assert self.started_plan is not None
         return self.started_plan
 
-    async def _watch_plans(self, stub: pb_grpc.CoordinatorStub) -> None:
+    async def _watch_plans(self) -> None:
         """Keep `latest_plan` up to date from the coordinator's plan stream, opening it again
-        whenever it ends (a coordinator restarting). Only a newer plan replaces the one this
-        node has (a higher epoch, or the same epoch no longer pending): an old coordinator
-        that comes back cannot impose an older plan."""
+        whenever it ends (a coordinator restarting), and at once on the new coordinator after
+        a failover (`follow`). Only a newer plan replaces the one this node has (a higher
+        epoch, or the same epoch no longer pending): an old coordinator that comes back cannot
+        impose an older plan."""
         unreachable_since: float | None = None
         while True:
+            self._switched.clear()
+            address = self.coordinator
+            watch = asyncio.create_task(self._watch_plans_from(address))
+            switched = asyncio.create_task(self._switched.wait())
             try:
-                # Not wait_for_ready: a call waiting for a channel that never comes back cannot
-                # always be cancelled (grpc.aio); an unreachable coordinator fails fast here and
-                # is tried again after a pause.
-                watch = stub.WatchPlan(pb.WatchPlanRequest(node_id=self.node_id))
-                async for plan in watch:
-                    unreachable_since = None
-                    self.coordinator_lost = False
-                    latest = self.latest_plan
-                    if latest is not None and (plan.epoch, not plan.pending) <= (
-                        latest.epoch,
-                        not latest.pending,
-                    ):
-                        if plan.epoch < latest.epoch:
-                            log.warning("ignoring plan epoch %d: this node has epoch %d",
-                                        plan.epoch, latest.epoch)  # fmt: skip
-                        continue
-                    self.latest_plan = plan
-                    if not plan.pending:
-                        self.started_plan = plan
-                    await self._notify()
-            except grpc.aio.AioRpcError as exc:
-                self._reraise_cancel(exc)
-                log.info("plan stream from %s ended: %s", self.coordinator, exc.code().name)
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                await asyncio.wait({watch, switched}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                switched.cancel()
+                if not watch.done():  # a call to a coordinator left behind ends here
+                    watch.cancel()
+                    await asyncio.wait({watch}, timeout=REPORT_RETRY_S)
+                    if not watch.done():
+                        self._left_behind.add(watch)
+                        watch.add_done_callback(self._ended_behind)
+            if self.coordinator != address:
+                unreachable_since = None
+                continue
+            error = watch.exception() if watch.done() and not watch.cancelled() else None
+            if isinstance(error, grpc.aio.AioRpcError):
+                log.info("plan stream from %s ended: %s", address, error.code().name)
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
                     now = asyncio.get_running_loop().time()
                     unreachable_since = unreachable_since or now
                     if now - unreachable_since >= COORDINATOR_LOST_S and not self.coordinator_lost:
                         self.coordinator_lost = True
                         await self._notify()
+            elif error is not None:
+                raise error
+            else:
+                unreachable_since = None
             await asyncio.sleep(REPORT_RETRY_S)  # a retry's pause before opening it again
+
+    async def _watch_plans_from(self, address: str) -> None:
+        """One plan stream from the coordinator at `address`, until it ends."""
+        # Not wait_for_ready: a call waiting for a channel that never comes back cannot
+        # always be cancelled (grpc.aio); an unreachable coordinator fails fast here and
+        # is tried again after a pause.
+        watch = self._stub().WatchPlan(pb.WatchPlanRequest(node_id=self.node_id))
+        async for plan in watch:
+            if self.coordinator != address:
+                return
+            self.coordinator_lost = False
+            latest = self.latest_plan
+            if latest is not None and (plan.epoch, not plan.pending) <= (
+                latest.epoch,
+                not latest.pending,
+            ):
+                if plan.epoch < latest.epoch:
+                    log.warning("ignoring plan epoch %d: this node has epoch %d",
+                                plan.epoch, latest.epoch)  # fmt: skip
+                continue
+            self.latest_plan = plan
+            if not plan.pending:
+                self.started_plan = plan
+            await self._notify()
 
     # ----- checkpoints ------------------------------------------------------------------------
     async def _checkpoints_for(self, plan: pb.Plan) -> None:
@@ -1109,7 +1212,10 @@ class Worker:
         return kept | {b: t.result() for b, t in tasks.items()}
 
     async def _call_coordinator(
-        self, call: Callable[[float], Awaitable[T]], what: str = "reports wait"
+        self,
+        call: Callable[[float], Awaitable[T]],
+        what: str = "reports wait",
+        grace_s: float | None = None,
     ) -> T:
         """Make one call to the coordinator (`call(timeout_s)`). While the coordinator does
         not answer (a lab coordinator being restarted) the stage trains on and the call is
@@ -1118,7 +1224,8 @@ class Worker:
         No wait_for_ready: a call queued for a channel that never comes back cannot always be
         cancelled (grpc.aio), and the node's stop must not wait for it."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._coordinator_grace_s
+        grace_s = self._coordinator_grace_s if grace_s is None else grace_s
+        deadline = loop.time() + grace_s
         lost_at: float | None = None
         while True:
             attempt = loop.time()
@@ -1129,9 +1236,7 @@ class Worker:
             except PeerUnavailable as exc:
                 self._reraise_cancel(exc)
                 if loop.time() >= deadline:
-                    raise PeerUnavailable(
-                        f"{exc} (no answer for {self._coordinator_grace_s:g} s)"
-                    ) from None
+                    raise PeerUnavailable(f"{exc} (no answer for {grace_s:g} s)") from None
                 if lost_at is None:
                     lost_at = attempt
                     log.warning("%s; training on, %s for it", exc, what)
@@ -1148,34 +1253,44 @@ class Worker:
         runs; when cancelled (the node stops), a last `Leave`. A missed heartbeat is logged
         and the next one tried: the coordinator forgives two."""
         await self._joined.wait()
-        coordinator = self.coordinator
-        # No wait for the channel to be ready: a stop at any moment from here must still leave.
-        channel = grpc.aio.insecure_channel(coordinator, options=channel_options(self._transport))
-        stub = pb_grpc.CoordinatorStub(channel)
         interval = heartbeat_interval(self._lease_s)
         loop = asyncio.get_running_loop()
         rtt_s = 0.0
+        # No wait for a channel to be ready: a stop at any moment from here must still leave.
         try:
             while True:
                 await asyncio.sleep(interval)  # the heartbeat's period, not a wait for an event
+                coordinator = self.coordinator  # a failover may move it
                 try:
                     offers = await asyncio.to_thread(self.checkpoint_offers)
                     sent = loop.time()
                     beat = pb.HeartbeatRequest(node_id=self.node_id, rtt_s=rtt_s)
                     beat.checkpoints.extend(offers)
                     rtt_s = 0.0  # a heartbeat that fails measures nothing
-                    await stub.Heartbeat(beat, timeout=interval)
+                    await self._stub().Heartbeat(beat, timeout=interval)
                     rtt_s = loop.time() - sent
+                    if coordinator == self.coordinator:
+                        self._heartbeats_failing_since = None
                 except grpc.aio.AioRpcError as exc:
                     log.warning(
                         "heartbeat to coordinator %s failed: %s", coordinator, exc.code().name
                     )
+                    if coordinator != self.coordinator:  # a failover moved it meanwhile
+                        continue
+                    if self._heartbeats_failing_since is None:
+                        self._heartbeats_failing_since = sent
+                    silent_s = loop.time() - self._heartbeats_failing_since
+                    if silent_s >= LOST_AFTER_LEASES * self._lease_s and not self.coordinator_lost:
+                        log.warning("coordinator %s has not answered a heartbeat for %.1f s: "
+                                    "counted lost", coordinator, silent_s)  # fmt: skip
+                        self.coordinator_lost = True
+                        await self._notify()
         except asyncio.CancelledError:
             with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                await stub.Leave(pb.LeaveRequest(node_id=self.node_id), timeout=LEAVE_TIMEOUT_S)
+                await self._stub().Leave(
+                    pb.LeaveRequest(node_id=self.node_id), timeout=LEAVE_TIMEOUT_S
+                )
             raise
-        finally:
-            await channel.close(grace=None)
 
     def _averaging(
         self,
@@ -1223,7 +1338,7 @@ class Worker:
         )
         return Averaging(config=config, averager=averager)
 
-    async def _train(self, plan: pb.Plan, stub: pb_grpc.CoordinatorStub) -> StageRuntime:
+    async def _train(self, plan: pb.Plan) -> StageRuntime:
         """Train this node's stage of `plan` until the plan or the run ends."""
         try:
             run = TrainConfig.from_proto(plan.run)
@@ -1343,7 +1458,7 @@ class Worker:
                     upstream_bandwidth_bps=r.metrics.upstream_bandwidth_bps,
                     checkpoint_step=self.checkpoint_step,
                 )
-                await self._call_coordinator(partial(call_with_timeout, stub.Report, report))
+                await self._call_coordinator(partial(self._send_report, report))
                 if r.done:
                     return
 
@@ -1365,7 +1480,7 @@ class Worker:
                 node_id=self.node_id, plan_epoch=plan.epoch, pipeline=me.pipeline, stop_step=stop
             )
             reply = await self._call_coordinator(
-                partial(call_with_timeout, stub.Drain, request), "the drain waits"
+                lambda t: self._stub().Drain(request, timeout=t), "the drain waits"
             )
             try:
                 runtime.stop_at(reply.stop_step)

@@ -57,14 +57,16 @@ class SuspectReply(_message.Message):
     def __init__(self, lost: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VoteRequest(_message.Message):
-    __slots__ = ("swarm_name", "term", "candidate_id")
+    __slots__ = ("swarm_name", "term", "candidate_id", "plan_epoch")
     SWARM_NAME_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     swarm_name: str
     term: int
     candidate_id: str
-    def __init__(self, swarm_name: _Optional[str] = ..., term: _Optional[int] = ..., candidate_id: _Optional[str] = ...) -> None: ...
+    plan_epoch: int
+    def __init__(self, swarm_name: _Optional[str] = ..., term: _Optional[int] = ..., candidate_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class VoteReply(_message.Message):
     __slots__ = ("term", "granted", "reason")
@@ -147,18 +149,20 @@ class BlockChunk(_message.Message):
     def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., optimizer_step: _Optional[float] = ..., name: _Optional[str] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "address", "compute_threads", "protocol", "capabilities")
+    __slots__ = ("node_id", "address", "compute_threads", "protocol", "capabilities", "plan_epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_THREADS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     compute_threads: int
     protocol: str
     capabilities: Capabilities
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+    plan_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class Capabilities(_message.Message):
     __slots__ = ("block_s", "memory_bytes", "device", "checkpoints")
@@ -451,7 +455,14 @@ class StatusRequest(_message.Message):
     def __init__(self, brief: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term")
+    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term", "relay", "relay_address", "relayed")
+    class RelayedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +484,9 @@ class NodeStatus(_message.Message):
     COORDINATOR_FOUND_FROM_FIELD_NUMBER: _ClassVar[int]
     MDNS_PEERS_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     plan_epoch: int
@@ -494,7 +508,10 @@ class NodeStatus(_message.Message):
     coordinator_found_from: str
     mdns_peers: int
     term: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ...) -> None: ...
+    relay: str
+    relay_address: str
+    relayed: _containers.ScalarMap[str, str]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., relayed: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SwarmRequest(_message.Message):
     __slots__ = ()

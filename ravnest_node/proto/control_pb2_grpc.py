@@ -484,7 +484,9 @@ class ElectionServicer:
 
     def Vote(self, request, context):
         """A candidate asks for this node's vote in `term`. A node grants at most one vote per term,
-        and only while it follows no coordinator, to the smallest node id of the swarm it sees.
+        and only while it follows no coordinator: before the first plan, to the smallest node id
+        of the swarm it sees; after it (a failover), to a candidate that knows a plan at least as
+        new as the voter's and is not the coordinator the voter lost.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
