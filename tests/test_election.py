@@ -295,9 +295,10 @@ def test_a_stale_coordinator_that_comes_back_steps_down(procs: Procs, tmp_path: 
     the members and steps down (exit status 1, saying so), and the run ends under the new
     coordinator."""
     swarm = f"stale-{os.getpid()}-{tmp_path.name}"
+    # A lease of 3 s: the hang is noticed after 6 s of failed heartbeats, not 12.
     same = ("--mdns", "--mdns-interface", "127.0.0.1", "--swarm-name", swarm, "--swarm-size",
             "3", "--join", "elect", "--model", "tiny", "--steps", "120", "--seed", "0",
-            "--checkpoint-every", "10")  # fmt: skip
+            "--checkpoint-every", "10", "--lease-s", "3")  # fmt: skip
     nodes = [procs.start_node(tmp_path / f"n{i}", *same) for i in range(3)]
     poll_until(lambda: all(node_status(r["address"]).plan_epoch for _, r in nodes), 60)
     old = next(s for s in (node_status(r["address"]) for _, r in nodes)

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from ravnest_node.coordination.negotiate import negotiated_plan, node_speeds
+from ravnest_node.coordination.negotiate import (
+    DEFAULT_LINK,
+    check_capabilities,
+    measured_links,
+    negotiated_plan,
+    node_speeds,
+    wire_ratio,
+)
 from ravnest_node.coordination.static_plan import Member, check_plan, static_plan
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
@@ -57,6 +64,65 @@ def test_a_node_without_memory_for_any_stage_is_refused_clearly() -> None:
         negotiated_plan(
             epoch=1, swarm_id="s", model=model, members=members, capabilities=caps, run=run
         )
+
+
+def test_measured_links_bound_the_plan_and_a_relay_counts() -> None:
+    """b measured a 10 Mbit/s uplink, c is behind NAT and reached through a (100 Mbit/s), the
+    coordinator's own node d measured nothing. A boundary gets the slower uplink of its two ends
+    (an unmeasured end counts as the default), and half the relay's uplink for a relayed end;
+    the round trip is the longer of the two."""
+    members = [Member(n, f"{n}:1") for n in "abcd"]
+    caps = [
+        pb.Capabilities(uplink_bps=100e6, rtt_s=0.002),
+        pb.Capabilities(uplink_bps=10e6, rtt_s=0.05),
+        pb.Capabilities(uplink_bps=40e6, rtt_s=0.02, relay_node_id="a"),
+        pb.Capabilities(),
+    ]
+    links = measured_links(members, caps, "int8-block")
+    assert links.link("a", "b").bandwidth_bps == 10e6 and links.link("a", "b").rtt_s == 0.05
+    assert links.link("a", "c").bandwidth_bps == 40e6  # its own uplink is slower than 50
+    assert links.link("d", "c").bandwidth_bps == 40e6
+    assert links.link("a", "d") == DEFAULT_LINK.__class__(100e6, 0.002)
+    assert measured_links(members[3:], caps[3:], "none").link("d", "x") == DEFAULT_LINK
+    slow_relay = [pb.Capabilities(uplink_bps=20e6), *caps[1:]]
+    assert measured_links(members, slow_relay, "none").link("d", "c").bandwidth_bps == 10e6
+    assert links.codec_ratio == wire_ratio("int8-block") and 0.25 < links.codec_ratio < 0.3
+    assert wire_ratio("none") == wire_ratio("auto") == 1.0 and wire_ratio("bf16") == 0.5
+
+
+def test_a_slow_uplink_becomes_the_plans_bottleneck() -> None:
+    """Three like nodes: with fast links compute bounds the step; with a 2 Mbit/s uplink on
+    one of them, fp32 activations of bench-small across its boundary do, and the plan says so."""
+    model = get_model("bench-small")
+    run = TrainConfig(model="bench-small", codec="none").to_proto("0" * 16)
+    members = [Member(n, f"{n}:1") for n in "abc"]
+
+    def plan(uplinks: list[float]) -> str:
+        caps = [pb.Capabilities(block_s=[0.01] * 8, memory_bytes=2**34, uplink_bps=u,
+                                rtt_s=0.01) for u in uplinks]  # fmt: skip
+        _, placed = negotiated_plan(
+            epoch=1, swarm_id="s", model=model, members=members, capabilities=caps, run=run
+        )
+        return placed.bottleneck
+
+    assert plan([1e9, 1e9, 1e9]).startswith("compute")
+    assert plan([1e9, 2e6, 1e9]).startswith("the link after stage")
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"uplink_bps": float("nan")}, "uplink_bps"),
+        ({"uplink_bps": -1.0}, "uplink_bps"),
+        ({"uplink_bps": 1e20}, "uplink_bps"),
+        ({"rtt_s": float("inf")}, "rtt_s"),
+        ({"relay_node_id": "../etc"}, "relay_node_id"),
+    ],
+)
+def test_malformed_link_measurements_are_refused(changes: dict[str, object], needle: str) -> None:
+    caps = pb.Capabilities(block_s=[0.01] * 4, **changes)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=needle):
+        check_capabilities(caps, 4)
 
 
 def test_a_node_that_measures_faster_gets_more_of_the_model_across_processes(

@@ -20,6 +20,8 @@ import pytest
 from ravnest_node.bench.links import LinkSpec, NetnsSwarm, netns_available
 from ravnest_node.daemon.node import NodeConfig
 from ravnest_node.errors import ConfigError, PeerRefused
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.options import split_host_port
 from ravnest_node.transport.tunnel import (
     MAX_HEADER_BYTES,
@@ -244,6 +246,8 @@ def test_a_node_reached_only_through_a_relay_trains_with_the_swarm(
     ).stdout)  # fmt: skip
     relays = {m["node_id"]: m["relay"] for m in view["members"]}
     assert relays[hidden["node_id"]] == relay and relays[ready["node_id"]] == ""
+    # On one machine nobody measures a link to the coordinator: loopback is not a network.
+    assert all(m["uplink_bps"] == 0 for m in view["members"])
     for proc in procs.started:
         proc.send_signal(signal.SIGTERM)
     assert [proc.wait(30) for proc in procs.started] == [0, 0, 0]
@@ -303,9 +307,9 @@ def test_a_node_in_a_namespace_nobody_can_reach_trains_through_a_relay(
             return ready
 
         coordinator = f"{hosts[0]}:7070"
-        start(0, "--listen", coordinator, "--swarm-size", "3", "--model", "tiny", "--steps",
-              "10", "--relay-listen", f"{hosts[0]}:7071")  # fmt: skip
-        start(1, "--listen", f"{hosts[1]}:7070", "--join", coordinator)
+        n0 = start(0, "--listen", coordinator, "--swarm-size", "3", "--model", "tiny", "--steps",
+                   "10", "--relay-listen", f"{hosts[0]}:7071")  # fmt: skip
+        n1 = start(1, "--listen", f"{hosts[1]}:7070", "--join", coordinator)
         hidden = start(2, "--listen", "127.0.0.1:7070", "--join", coordinator, "--no-inbound",
                        "--relay", f"{hosts[0]}:7071")  # fmt: skip
         assert hidden["address"].startswith(f"{hosts[0]}:")  # a port of the relay's host
@@ -313,6 +317,16 @@ def test_a_node_in_a_namespace_nobody_can_reach_trains_through_a_relay(
         assert len(done) == 1 and not done[0].error
         summary = json.loads(done[0].summary_json)
         assert hidden["address"] in {s["address"] for s in summary["stages"]}
+        # Each worker measured its link to the coordinator before the plan (capped at 1 Gbit/s
+        # here; the coordinator's own node has none), and n2 named its relay to the planner.
+        with grpc.insecure_channel(coordinator) as channel:
+            view = pb_grpc.CoordinatorStub(channel).Swarm(pb.SwarmRequest(), timeout=30)
+        members = {m.node_id: m for m in view.members}
+        assert members[n0["node_id"]].uplink_bps == 0
+        for node in (n1, hidden):
+            assert 1e6 < members[node["node_id"]].uplink_bps < 2e9
+            assert members[node["node_id"]].rtt_s > 0
+        assert members[hidden["node_id"]].relay_node_id == n0["node_id"]
         for proc in procs.started:
             proc.send_signal(signal.SIGTERM)
         assert [proc.wait(30) for proc in procs.started] == [0, 0, 0]

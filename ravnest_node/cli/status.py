@@ -144,6 +144,9 @@ def swarm_dict(
             "lease_expired": member.lease_expired,
             "left": member.left,
             "checkpoint_step": member.checkpoint_step,
+            # Its link to the coordinator, as it measured it before the plan (0: not measured).
+            "uplink_bps": member.uplink_bps,
+            "rtt_s": member.rtt_s,
             # The relay it is reached through ("": it accepts connections itself, or did not
             # answer).
             "relay": "",
@@ -195,6 +198,8 @@ def describe_swarm(s: dict[str, Any]) -> str:
             else "no stage"
         )
         answer = f"version {m['version']}" if m["reachable"] else f"no answer ({m['error']})"
+        if m["uplink_bps"]:
+            answer += f", link {m['uplink_bps'] / 1e6:.0f} Mbit/s, {m['rtt_s'] * 1e3:.1f} ms"
         if m["relay"]:
             answer += f", reached through relay {m['relay']}"
         if m["checkpoint_step"]:

@@ -40,7 +40,9 @@ from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import MAX_NODE_ID_LEN, valid_node_id, write_atomic
+from ravnest_node.transport.boundary import Refusal
 from ravnest_node.transport.options import split_host_port
+from ravnest_node.transport.probe import PROBE_BUDGET_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._reach = reach
         """Asks (node id, address) whether it answers there (the first Join of a node)."""
         self._reaching = asyncio.Semaphore(MAX_REACHING)
+        self._probe_bytes: dict[str, int] = {}
+        """Link-probe bytes each member has sent this coordinator (check_link_probe)."""
         self._probing: set[str] = set()
         self._plan: pb.Plan | None = None
         self._next: pb.Plan | None = None
@@ -324,6 +328,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         assert self._reach is not None
         async with self._reaching:
             return await self._reach(node_id, address, REACH_TIMEOUT_S)
+
+    def check_link_probe(self, node_id: str, nbytes: int) -> None:
+        """A member measures its link to this coordinator before the plan (link probes under
+        epoch 0): only members, within PROBE_BUDGET_BYTES each; Refusal otherwise."""
+        if not self._is_member(node_id):
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{node_id[:80]!r} is not a member: join first")  # fmt: skip
+        total = self._probe_bytes.get(node_id, 0) + nbytes
+        if total > PROBE_BUDGET_BYTES:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{node_id} has sent {PROBE_BUDGET_BYTES} bytes of probes")  # fmt: skip
+        self._probe_bytes[node_id] = total
 
     def _save_members(self) -> None:
         if self._store is not None:
@@ -1272,6 +1288,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         (step for node, step in self._checkpoints.values() if node == m.node_id),
                         default=0,
                     ),
+                    uplink_bps=c.uplink_bps if c else 0.0,
+                    rtt_s=c.rtt_s if c else 0.0,
+                    relay_node_id=c.relay_node_id if c else "",
                 )
                 for m, c, speed in zip(self._members, caps, speeds, strict=True)
             ],

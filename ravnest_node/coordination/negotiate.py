@@ -15,8 +15,13 @@
   per stashed weight version (`max_staleness`), and the block's output for every microbatch of
   a step, kept for the backward pass. An estimate: the planner keeps a stage within the
   smallest of its owners' memory by it.
-* **Links** are not measured yet when the plan is made: every pair gets `DEFAULT_LINK`, so links
-  decide nothing between nodes of one swarm today (see docs/discovery.md).
+* **Links.** Each node measures its link to the coordinator after its first Join (link probes:
+  `Capabilities.uplink_bps` and `rtt_s`). A home PC's bottleneck is its own uplink, so a
+  boundary between two nodes gets the slower of their two uplinks and the longer round trip
+  (`measured_links`); a node not measured (the coordinator's own) counts as `DEFAULT_LINK`.
+  A node behind NAT is reached through its relay, whose uplink carries that traffic in and out:
+  a boundary of a relayed node gets at most half the relay's uplink. Activation bytes are
+  scaled by the run's activation codec (`wire_ratio`; `auto` counts as fp32, its worst case).
 """
 
 from __future__ import annotations
@@ -25,21 +30,25 @@ import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ravnest_node.compression.codecs import get_codec
 from ravnest_node.coordination.placement import Block, Link, Links, NodeCaps, SwarmPlan, plan_swarm
 from ravnest_node.coordination.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import BlockModel
 from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.state import valid_node_id
 from ravnest_node.transport.options import split_host_port
 
 __all__ = [
     "check_capabilities",
     "check_offers",
+    "measured_links",
     "member_speeds",
     "model_blocks",
     "negotiated_plan",
     "node_speeds",
     "resume_point",
+    "wire_ratio",
 ]
 
 SPEED_GROUP = 1.3
@@ -48,6 +57,41 @@ ADAM_BYTES_PER_PARAM = 16
 STASH_BYTES_PER_PARAM = 4
 MAX_OFFERS = 64
 MAX_PIPELINES = 1024  # a swarm has at most 1024 members
+MAX_LINK_BPS = 1e13
+MAX_RTT_S = 60.0
+
+
+def wire_ratio(codec: str) -> float:
+    """Bytes on the wire per byte of fp32 activation with `codec` (1.0 for `none` and for
+    `auto`, whose choice depends on the links: the planner takes its worst case)."""
+    try:
+        bits = getattr(get_codec(codec), "bits_per_element", None)
+    except ConfigError:
+        return 1.0
+    if bits is None:
+        return {"fp16": 0.5, "bf16": 0.5}.get(codec, 1.0)
+    return min(1.0, float(bits) / 32)
+
+
+def measured_links(
+    members: Sequence[Member], capabilities: Sequence[pb.Capabilities], codec: str
+) -> Links:
+    """What the members measured, as the planner's links (see the module doc)."""
+    up = {m.node_id: c.uplink_bps for m, c in zip(members, capabilities, strict=True)
+          if c.uplink_bps > 0}  # fmt: skip
+    rtt = {m.node_id: c.rtt_s for m, c in zip(members, capabilities, strict=True) if c.rtt_s > 0}
+    relay = {m.node_id: c.relay_node_id for m, c in zip(members, capabilities, strict=True)
+             if c.relay_node_id}  # fmt: skip
+
+    def link(a: str, b: str) -> Link:
+        rates = [up.get(a, DEFAULT_LINK.bandwidth_bps), up.get(b, DEFAULT_LINK.bandwidth_bps)]
+        rates += [up.get(relay[n], DEFAULT_LINK.bandwidth_bps) / 2 for n in (a, b) if n in relay]
+        return Link(min(rates), max(rtt.get(a, 0.0), rtt.get(b, 0.0)) or DEFAULT_LINK.rtt_s)
+
+    ids = [m.node_id for m in members]
+    pairs = {(a, b): link(a, b) for a in ids for b in ids if a != b and (a in up or b in up
+             or a in relay or b in relay)}  # fmt: skip
+    return Links(default=DEFAULT_LINK, pairs=pairs, codec_ratio=wire_ratio(codec))
 
 
 def check_capabilities(caps: pb.Capabilities, num_blocks: int) -> None:
@@ -57,6 +101,12 @@ def check_capabilities(caps: pb.Capabilities, num_blocks: int) -> None:
         raise ConfigError(f"capabilities give {len(caps.block_s)} block times for {num_blocks}")
     if not all(math.isfinite(t) and t > 0 for t in caps.block_s):
         raise ConfigError("capabilities: every block time must be finite and > 0")
+    if not (math.isfinite(caps.uplink_bps) and 0 <= caps.uplink_bps <= MAX_LINK_BPS):
+        raise ConfigError(f"capabilities: uplink_bps must be 0 to {MAX_LINK_BPS:g}")
+    if not (math.isfinite(caps.rtt_s) and 0 <= caps.rtt_s <= MAX_RTT_S):
+        raise ConfigError(f"capabilities: rtt_s must be 0 to {MAX_RTT_S:g} seconds")
+    if caps.relay_node_id and not valid_node_id(caps.relay_node_id):
+        raise ConfigError("capabilities: relay_node_id is not a node id")
     check_offers(caps.checkpoints, num_blocks)
 
 
@@ -206,7 +256,7 @@ def negotiated_plan(
     placed = plan_swarm(
         blocks,
         nodes,
-        Links(default=DEFAULT_LINK),
+        measured_links(members, capabilities, run.activation_codec),
         pipelines=pipelines,
         stages=len(members) // pipelines,
     )

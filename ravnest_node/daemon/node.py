@@ -410,6 +410,7 @@ class NodeDaemon:
         self.coordinator: CoordinatorService | None = None
         """This node's coordinator service: from the start, after an election, or never."""
         self._votes = VoteBook(config.state_dir) if config.elects else None
+        self._relay_node_id = ""
         self._tunnel: TunnelClient | None = None
         """This node's tunnel through its relay (--relay)."""
         self._relay: RelayServer | None = None
@@ -500,6 +501,7 @@ class NodeDaemon:
             ),
             resume=cfg.resume,
         )
+        worker.relay_node_id = self._relay_node_id
         worker.compute_scale = cfg.fault_compute_scale
         worker.block_delay_s = cfg.fault_block_ms / 1000
         self._worker = worker
@@ -508,7 +510,7 @@ class NodeDaemon:
             worker.open_session, worker.close_session, worker.on_refused, worker.limits
         )
         server.add_generic_rpc_handlers([boundary.handler()])
-        server.add_generic_rpc_handlers([ProbeServer(worker.check_probe).handler()])
+        server.add_generic_rpc_handlers([ProbeServer(self._check_probe).handler()])
         pb_grpc.add_NodeServicer_to_server(NodeService(self), server)
         if cfg.is_coordinator:
             self.coordinator = self._coordinator_service(epoch=1)
@@ -553,11 +555,12 @@ class NodeDaemon:
             )
             try:
                 self.address = await self._tunnel.open()
+                self._relay_node_id = self._tunnel.relay_node_id
             except PeerError as exc:
                 raise StartupError(f"cannot be reached through relay {cfg.relay}: {exc}") from None
         if cfg.relay_listen is not None:
             public = split_host_port(cfg.advertise or cfg.relay_listen)[0]
-            relay = RelayServer(cfg.relay_listen, public)
+            relay = RelayServer(cfg.relay_listen, public, node_id=self.node_id)
             try:
                 await relay.start()
             except OSError as exc:
@@ -565,6 +568,18 @@ class NodeDaemon:
                     f"cannot serve as a relay on {cfg.relay_listen}: {exc.strerror or exc}"
                 ) from None
             self._relay = relay
+
+    async def _check_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
+        """Link probes: under epoch 0 a member measuring its link to this coordinator before the
+        plan; under a plan's epoch, a neighbour of this node's stage. Refusal otherwise."""
+        if epoch == 0:
+            service = self.coordinator
+            if service is None:
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, "this node is not the coordinator")
+            service.check_link_probe(peer_node_id, nbytes)
+            return
+        assert self._worker is not None
+        await self._worker.check_probe(peer_node_id, epoch, nbytes)
 
     async def _keep_tunnel(self, tunnel: TunnelClient) -> None:
         try:

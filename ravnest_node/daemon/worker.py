@@ -60,9 +60,10 @@ from ravnest_node.transport.boundary import (
     run_client_stream,
 )
 from ravnest_node.transport.frames import FrameLimits
-from ravnest_node.transport.options import TransportConfig, channel_options
+from ravnest_node.transport.options import TransportConfig, channel_options, is_loopback
 from ravnest_node.transport.probe import (
     PROBE_BUDGET_BYTES,
+    LinkEstimate,
     ProbePlan,
     measure_link,
     probe_sender,
@@ -228,6 +229,8 @@ class Worker:
         """Set when `follow` moves this node to another coordinator (the plan stream moves)."""
         self._caps: pb.Capabilities | None = None
         """What this node measured for the swarm's model (sent again to a new coordinator)."""
+        self.relay_node_id = ""
+        """Behind NAT: the relay this node is reached through (told to the planner)."""
         self.run_finished = False
         """This node's stage trained the run's last step."""
         self._heartbeats_failing_since: float | None = None
@@ -270,6 +273,39 @@ class Worker:
     async def _send_report(self, report: pb.StageReport, timeout_s: float) -> pb.ReportReply:
         reply: pb.ReportReply = await self._stub().Report(report, timeout=timeout_s)
         return reply
+
+    async def _probe_link(
+        self, address: str, peer: str, *, epoch: int, pace_bps: float = 0.0
+    ) -> LinkEstimate:
+        """Measure the link to the node at `address` with link probes under `epoch` (its
+        bytes counted for `peer`); PeerUnavailable / PeerRefused if it cannot."""
+        async with open_channel(address, self._transport) as channel:
+            send = probe_sender(
+                channel,
+                peer=peer,
+                node_id=self.node_id,
+                epoch=epoch,
+                counters=self.counters,
+                timeout_s=self._transport.connect_timeout_s,
+                pace_bps=pace_bps,
+            )
+            return await measure_link(send, ProbePlan.within(self._transport.max_message_bytes))
+
+    async def _measure_coordinator_link(self) -> LinkEstimate | None:
+        """This node's link to the coordinator, for the planner (Capabilities.uplink_bps):
+        link probes under epoch 0. None for the coordinator's own node, a coordinator on
+        loopback (the same machine), or one that does not take probes (best effort: the planner
+        then assumes a fast link)."""
+        if self.coordinator == self._address or is_loopback(self.coordinator):
+            return None  # its own node, or the same machine: memory, not a network
+        try:
+            link = await self._probe_link(self.coordinator, self.coordinator, epoch=0)
+        except PeerError as exc:
+            log.info("the link to the coordinator is not measured: %s", exc)
+            return None
+        log.info("link to the coordinator: %.1f Mbit/s, round trip %.1f ms",
+                 link.bandwidth_bps / 1e6, link.rtt_s * 1e3)  # fmt: skip
+        return link
 
     async def wait_until(self, condition: Callable[[], bool]) -> None:
         """Wait until `condition` (about this worker's state) holds."""
@@ -446,19 +482,9 @@ class Worker:
 
         async def measure(peer: pb.StageAssignment, choice: CodecChoice, pace_bps: float) -> None:
             try:
-                async with open_channel(peer.address, self._transport) as channel:
-                    send = probe_sender(
-                        channel,
-                        peer=peer.node_id,
-                        node_id=self.node_id,
-                        epoch=plan.epoch,
-                        counters=self.counters,
-                        timeout_s=self._transport.connect_timeout_s,
-                        pace_bps=pace_bps,
-                    )
-                    estimate = await measure_link(
-                        send, ProbePlan.within(self._transport.max_message_bytes)
-                    )
+                estimate = await self._probe_link(
+                    peer.address, peer.node_id, epoch=plan.epoch, pace_bps=pace_bps
+                )
             except (PeerUnavailable, PeerRefused) as exc:
                 log.warning("%s: cannot measure the link (%s); using %s", choice.what, exc,
                             choice.name)  # fmt: skip
@@ -518,6 +544,10 @@ class Worker:
                 len(caps.block_s),
                 caps.memory_bytes / 2**30,
             )
+            link = await self._measure_coordinator_link()
+            if link is not None:
+                caps.uplink_bps, caps.rtt_s = link.bandwidth_bps, link.rtt_s
+            caps.relay_node_id = self.relay_node_id
             if self._resume and self._checkpoints is not None:
                 found = await asyncio.to_thread(self._verified_checkpoints, get_model(reply.model))
                 caps.checkpoints.extend(m.offer() for m in found[:MAX_OFFERS])

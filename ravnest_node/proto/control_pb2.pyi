@@ -165,16 +165,22 @@ class JoinRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("block_s", "memory_bytes", "device", "checkpoints")
+    __slots__ = ("block_s", "memory_bytes", "device", "checkpoints", "uplink_bps", "rtt_s", "relay_node_id")
     BLOCK_S_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    UPLINK_BPS_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    RELAY_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     block_s: _containers.RepeatedScalarFieldContainer[float]
     memory_bytes: int
     device: str
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointOffer]
-    def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ...) -> None: ...
+    uplink_bps: float
+    rtt_s: float
+    relay_node_id: str
+    def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointOffer(_message.Message):
     __slots__ = ("step", "first_block", "stop_block", "run_key", "pipeline", "stage", "plan_epoch")
@@ -518,7 +524,7 @@ class SwarmRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SwarmMember(_message.Message):
-    __slots__ = ("node_id", "address", "compute_s", "speed", "silent_s", "lease_expired", "left", "checkpoint_step")
+    __slots__ = ("node_id", "address", "compute_s", "speed", "silent_s", "lease_expired", "left", "checkpoint_step", "uplink_bps", "rtt_s", "relay_node_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -527,6 +533,9 @@ class SwarmMember(_message.Message):
     LEASE_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     LEFT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    UPLINK_BPS_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    RELAY_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     compute_s: float
@@ -535,7 +544,10 @@ class SwarmMember(_message.Message):
     lease_expired: bool
     left: bool
     checkpoint_step: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ..., silent_s: _Optional[float] = ..., lease_expired: _Optional[bool] = ..., left: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+    uplink_bps: float
+    rtt_s: float
+    relay_node_id: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ..., silent_s: _Optional[float] = ..., lease_expired: _Optional[bool] = ..., left: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ...) -> None: ...
 
 class SwarmView(_message.Message):
     __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done")

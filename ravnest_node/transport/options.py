@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from ravnest_node.errors import ConfigError
@@ -50,6 +51,17 @@ def split_host_port(address: str) -> tuple[str, int]:
     ):
         raise ConfigError(f"{address[:80]!r} is not HOST:PORT (e.g. 127.0.0.1:7070, port 0 = any)")
     return host.strip("[]"), int(port)
+
+
+def is_loopback(address: str) -> bool:
+    """Is HOST:PORT on this machine's loopback (127.0.0.0/8, ::1, localhost)?"""
+    host = split_host_port(address)[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _message_limits(cfg: TransportConfig) -> list[tuple[str, int]]:

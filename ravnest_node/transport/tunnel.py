@@ -187,8 +187,11 @@ class RelayServer:
         max_tunnels: int = 16,
         max_pending: int = 64,
         open_timeout_s: float = 10.0,
+        node_id: str = "",
     ) -> None:
         self._host, self._port = split_host_port(listen)
+        self._node_id = node_id
+        """The node this relay runs in (told to the nodes it relays, for the planner)."""
         self._public_host = public_host
         self._max_tunnels = max_tunnels
         self._max_pending = max_pending
@@ -295,7 +298,8 @@ class RelayServer:
             nodelay(writer)
             keepalive(writer)
             writer.write(encode_header({"ok": True, "address": tunnel.address,
-                                        "secret": tunnel.secret}))  # fmt: skip
+                                        "secret": tunnel.secret,
+                                        "relay_node": self._node_id}))  # fmt: skip
             await writer.drain()
             log.info("relay: node %s is reached at %s", node_id, tunnel.address)
             # The node sends nothing more on its control connection: its end closes the tunnel.
@@ -398,6 +402,8 @@ class TunnelClient:
         self._splices: set[asyncio.Task[None]] = set()
         self.connections = 0
         """Peer connections carried so far."""
+        self.relay_node_id = ""
+        """The relay's node id, as it said ("" if it did not, or said something else)."""
         self.registered = asyncio.Event()
         """Set each time the relay has opened (or given back) this node's tunnel."""
 
@@ -445,6 +451,9 @@ class TunnelClient:
                 f"{self.address}): its peers would not find it"
             )
         self.address = address
+        relay_node = reply.get("relay_node")
+        self.relay_node_id = relay_node if isinstance(relay_node, str) and valid_node_id(
+            relay_node) else ""  # fmt: skip
         keepalive(writer)
         self._control = (reader, writer)
         self.registered.set()
