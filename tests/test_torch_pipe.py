@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ravnest_node.bench import torch_pipe
+from ravnest_node.bench.runner import free_port
 from ravnest_node.bench.torch_pipe import RankConfig, build_schedule, command, read_results
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
@@ -22,13 +22,6 @@ from ravnest_node.pipeline.run import TrainConfig
 from tests.conftest import Procs
 
 MODEL, STEPS, BATCH, MICROBATCHES, LR, SEED = "tiny", 6, 16, 4, 3e-4, 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def our_losses(

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -117,11 +118,30 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIXED_PORTS = (20_000, 32_768)
+"""Where node ports picked ahead of their bind come from: below the system's ephemeral range,
+so an outgoing connection of any process cannot take one between the pick and the bind (one did,
+once in CI: "Address already in use")."""
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 free now, outside the ephemeral range (see FIXED_PORTS)."""
+    low, high = FIXED_PORTS
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        high = min(high, int(EPHEMERAL_RANGE.read_text().split()[0]))
+    candidates = range(low, max(low, high))
+    for port in random.sample(candidates, min(200, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every one tried is taken: let the system choose
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        chosen: int = s.getsockname()[1]
+        return chosen
 
 
 def _steady_step_s(times: Sequence[float]) -> float:
@@ -174,7 +194,7 @@ class _Links:
                 advertise=f"{host.address}:{RELAY_PORT}",
                 reach=f"{host.address}:{NODE_PORT}",
             )
-        node_port = _free_port()
+        node_port = free_port()
         relay_port = await self._relay([], "127.0.0.1:0", f"127.0.0.1:{node_port}", rate=True)
         return NodeSlot(
             listen=f"127.0.0.1:{node_port}",
