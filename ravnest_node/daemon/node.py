@@ -935,6 +935,9 @@ class NodeDaemon:
             if lingering:
                 log.info("stopping: ending this node's calls so %d task(s) can end", len(lingering))
                 await server.stop(0)
+                # ... and its own calls to the coordinator (its own server, for a coordinator's
+                # worker), which a cancelled task may still wait on.
+                await worker.close_channels()
 
     async def status(self, brief: bool = False) -> pb.NodeStatus:
         worker = self._worker
