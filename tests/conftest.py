@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +88,21 @@ class Procs:
         return proc
 
     def start_node(
-        self, state_dir: Path, *args: str, command: str = "start", **kwargs: Any
+        self,
+        state_dir: Path,
+        *args: str,
+        command: str = "start",
+        prefix: Sequence[str] = (),
+        **kwargs: Any,
     ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-        """`ravnest-node start` (or `command`) with its log in state_dir/node.log; returns
-        (proc, ready event). A later --listen in `args` wins over the default."""
+        """`ravnest-node start` (or `command`) with its log in state_dir/node.log, run under
+        `prefix` (a network namespace's `ip netns exec ...`); returns (proc, ready event). A
+        later --listen in `args` wins over the default."""
         state_dir.mkdir(parents=True, exist_ok=True)
         log = open(state_dir / "node.log", "ab")  # noqa: SIM115 - closed by the child's exit
         proc = self.popen(
-            ravnest(command, "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
-                    "--threads", "1", *args),
+            [*prefix, *ravnest(command, "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+                               "--threads", "1", *args)],
             stderr=log, **kwargs,
         )  # fmt: skip
         log.close()
@@ -134,6 +140,13 @@ def node_status(address: str) -> pb.NodeStatus:
     with grpc.insecure_channel(address) as channel:
         status: pb.NodeStatus = pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=30)
         return status
+
+
+def swarm_view(address: str) -> pb.SwarmView:
+    """The coordinator at `address`'s `Coordinator.Swarm`."""
+    with grpc.insecure_channel(address) as channel:
+        view: pb.SwarmView = pb_grpc.CoordinatorStub(channel).Swarm(pb.SwarmRequest(), timeout=30)
+        return view
 
 
 def poll_until(condition: Callable[[], bool], timeout_s: float) -> None:

@@ -18,15 +18,18 @@ from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.run import TrainConfig
-from ravnest_node.transport.boundary import LinkCounters, Refusal
+from ravnest_node.transport.boundary import EPOCH_KEY, NODE_ID_KEY, LinkCounters, Refusal
 from ravnest_node.transport.probe import (
     MAX_PROBE_BYTES,
+    PULL_KEY,
     ProbePlan,
     ProbeServer,
+    ProbeTurns,
     Send,
     measure_link,
     probe_sender,
 )
+from ravnest_node.transport.probe import PATH as PROBE_PATH
 
 from .conftest import demo_summary
 
@@ -198,6 +201,55 @@ async def test_probe_method_checks_peer_size_and_budget(probe_server: tuple[str,
         with pytest.raises(PeerRefused, match="RESOURCE_EXHAUSTED"):
             await sender("up")(1 << 20)
     assert counters.bytes_sent["down"] == check.bytes  # refused probes are not counted
+
+
+async def test_pulled_probes_measure_the_way_back_within_the_same_checks() -> None:
+    """A pulled probe asks for its bytes: the answer has exactly that many, the server's check
+    counts them against the same budget, and a malformed request is refused."""
+    check = _Check()
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 8 << 20)])
+    server.add_generic_rpc_handlers([ProbeServer(check).handler()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    counters = LinkCounters()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+
+            def puller(node_id: str = "up") -> Send:
+                return probe_sender(channel, peer="down", node_id=node_id, epoch=3,
+                                    counters=counters, timeout_s=5, pull=True)  # fmt: skip
+
+            estimate = await measure_link(puller(), ProbePlan(max_bytes=256 << 10))
+            assert estimate.bandwidth_bps > 0 and check.bytes == estimate.probe_bytes
+            assert counters.total_bytes == 0  # the peer sent them
+            with pytest.raises(PeerRefused, match="PERMISSION_DENIED"):
+                await puller("stranger")(1)
+            with pytest.raises(PeerRefused, match="RESOURCE_EXHAUSTED"):
+                await puller()(1 << 20)
+            call = channel.unary_unary(PROBE_PATH)
+            meta = ((NODE_ID_KEY, "up"), (EPOCH_KEY, "3"))
+            for body, pull in ((b"", "-1"), (b"", "1e3"), (b"x", "1"), (b"", str(8 << 20))):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(body, metadata=(*meta, (PULL_KEY, pull)), timeout=5)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await server.stop(0)
+    assert check.bytes <= 1 << 20
+
+
+def test_probe_turns_let_one_prober_measure_at_a_time() -> None:
+    now = [0.0]
+    turns = ProbeTurns(hold_s=2.0, clock=lambda: now[0])
+    turns.take("a")
+    now[0] = 1.5
+    turns.take("a")  # its own next probe
+    with pytest.raises(Refusal) as info:
+        turns.take("b")  # a's measurement goes on
+    assert info.value.code == grpc.StatusCode.ABORTED
+    now[0] = 3.6  # a has been quiet for 2.1 s: b's turn
+    turns.take("b")
+    with pytest.raises(Refusal):
+        turns.take("a")
 
 
 # ------------------------------------------------------------------ the per-link choice object

@@ -23,22 +23,15 @@ from ravnest_node.coordination.membership import RoundTrips
 from ravnest_node.coordination.static_plan import has_node
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.boundary import Refusal
 from ravnest_node.transport.probe import PROBE_BUDGET_BYTES
 
-from .conftest import Procs, demo_summary, poll_until, progress_events
+from .conftest import Procs, demo_summary, poll_until, progress_events, swarm_view
 from .test_coordinator import Aborted, Clock, FakeContext, _caps, _join
 
 STEPS = 160
 RUN = ("--model", "tiny", "--pipelines", "2", "--steps", str(STEPS), "--seed", "0",
        "--average-every", "8")  # fmt: skip
-
-
-def swarm_view(address: str) -> pb.SwarmView:
-    with grpc.insecure_channel(address) as channel:
-        view: pb.SwarmView = pb_grpc.CoordinatorStub(channel).Swarm(pb.SwarmRequest(), timeout=30)
-    return view
 
 
 def swarm_at_step(

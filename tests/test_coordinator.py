@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
+from ravnest_node.coordination.coordinator import MEASURING_S, PROTOCOL, CoordinatorService
 from ravnest_node.coordination.static_plan import (
     Member,
     check_plan,
@@ -21,6 +21,8 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.transport.boundary import Refusal
+from ravnest_node.transport.probe import PROBE_BUDGET_BYTES
 
 
 class Aborted(Exception):
@@ -301,3 +303,101 @@ async def test_a_node_joining_after_the_plan_gets_a_stage_once_the_plan_drains(
     # A retried drain gets the same answer.
     again = await svc.Drain(pb.DrainRequest(node_id="a", plan_epoch=1, stop_step=5), ctx)
     assert again.stop_step == 5
+
+
+def _slow_link_to(*peers: str) -> pb.Capabilities:
+    """A node whose measured links to `peers` are 2 Mbit/s each way."""
+    caps = _caps()
+    caps.peer_links.extend(
+        pb.PeerLink(node_id=p, to_bps=2e6, from_bps=2e6, rtt_s=0.01) for p in peers
+    )
+    return caps
+
+
+async def test_a_newcomer_on_a_slow_link_stays_spare_without_a_new_plan(tmp_path: Path) -> None:
+    """c joins after the plan with 2 Mbit/s links to a and b: a plan with c would be far slower,
+    so it stays spare, and no plan is announced for it (not now, nor at every later join or
+    heartbeat). When b leaves, a alone is still faster than a and c across that link: the next
+    plan gives a every block and keeps c spare."""
+    svc = _service(tmp_path, Clock(), size=2, steps=20)
+    ctx: Any = FakeContext()
+    await _join(svc, "a")
+    await _join(svc, "b")
+    first = svc.plan
+    assert first is not None
+    # Joined, still measuring: the swarm view (which newcomers read) shows it without a speed.
+    await svc.Join(pb.JoinRequest(node_id="c", address="c:1", protocol=PROTOCOL), ctx)
+    view = await svc.Swarm(pb.SwarmRequest(), ctx)
+    assert [m.speed for m in view.members] == [1.0, 1.0, 0.0]
+    assert view.members[2].measuring_since > 0
+    await _join(svc, "c", caps=_slow_link_to("a", "b"))
+    await _join(svc, "c", caps=_slow_link_to("a", "b"))  # again: still nothing to do
+    assert svc.plan == first and svc._next is None
+    assert [a.epoch for a in svc._announcements] == [1]
+    view = await svc.Swarm(pb.SwarmRequest(), ctx)
+    assert [len(m.peer_links) for m in view.members] == [0, 0, 2]
+    await svc.Leave(pb.LeaveRequest(node_id="b"), ctx)
+    assert svc._next is not None and [s.node_id for s in svc._next.stages] == ["a"]
+
+
+async def test_relays_are_offered_while_their_members_stay(tmp_path: Path) -> None:
+    """Members that serve a relay say so with their capabilities: the swarm view offers the
+    coordinator's own relay first, then theirs, and drops one whose member left. A malformed
+    relay address is refused and changes nothing."""
+    svc = CoordinatorService(
+        train=TrainConfig(model="bench-small", steps=2, batch_size=16),
+        swarm_size=3,
+        swarm_id="test/bench-small",
+        summary_path=tmp_path / "summary.json",
+        clock=Clock(),
+        node_id="a",
+        relay_address="10.0.0.1:7071",
+    )
+    ctx: Any = FakeContext()
+    await _join(svc, "a")
+    caps = _caps()
+    caps.relay_address = "no port"
+    with pytest.raises(Aborted, match="HOST:PORT") as info:
+        await _join(svc, "b", caps=caps)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [o.node_id for o in (await svc.Swarm(pb.SwarmRequest(), ctx)).relays] == ["a"]
+    caps.relay_address = "10.0.0.2:7071"
+    await _join(svc, "b", caps=caps)
+    await _join(svc, "c")
+    offers = (await svc.Swarm(pb.SwarmRequest(), ctx)).relays
+    assert [(o.node_id, o.address) for o in offers] == [("a", "10.0.0.1:7071"),
+                                                        ("b", "10.0.0.2:7071")]  # fmt: skip
+    await svc.Leave(pb.LeaveRequest(node_id="b"), ctx)
+    offers = (await svc.Swarm(pb.SwarmRequest(), ctx)).relays
+    assert [o.node_id for o in offers] == ["a"]
+
+
+async def test_only_a_member_measuring_its_links_may_probe_the_coordinator(tmp_path: Path) -> None:
+    """Link probes under epoch 0 come from a member between its first Join and its
+    capabilities (for MEASURING_S at most), within a budget that each new measuring starts
+    afresh; joining again while it measures does not."""
+    clock = Clock()
+    svc = _service(tmp_path, clock, size=2)
+    ctx: Any = FakeContext()
+    first = pb.JoinRequest(node_id="a", address="a:1", protocol=PROTOCOL)
+    await svc.Join(first, ctx)
+    svc.check_link_probe("a", PROBE_BUDGET_BYTES)
+    await svc.Join(first, ctx)  # again while measuring: the same budget
+    with pytest.raises(Refusal) as info:
+        svc.check_link_probe("a", 1)  # its budget is spent
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(Refusal) as info:
+        svc.check_link_probe("stranger", 1)
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    view = await svc.Swarm(pb.SwarmRequest(), ctx)
+    assert view.members[0].measuring_since == clock.now
+    await _join(svc, "a")  # with capabilities: its measuring is over
+    with pytest.raises(Refusal):
+        svc.check_link_probe("a", 1)
+    assert (await svc.Swarm(pb.SwarmRequest(), ctx)).members[0].measuring_since == 0
+    await svc.Join(first, ctx)  # measuring again (say, restarted): a fresh budget
+    svc.check_link_probe("a", 1)
+    clock.now += MEASURING_S  # a member that never sends capabilities stops measuring
+    with pytest.raises(Refusal) as info:
+        svc.check_link_probe("a", 1)
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED

@@ -26,7 +26,15 @@ from ravnest_node.coordination.election import (
 from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.proto import control_pb2 as pb
 
-from .conftest import NODE_ENV, Procs, node_status, poll_until, progress_events, ravnest, read_line
+from .conftest import (
+    NODE_ENV,
+    Procs,
+    node_status,
+    poll_until,
+    progress_events,
+    ravnest,
+    swarm_view,
+)
 
 
 def ballot(own: str = "b", seen: str = "ac", following: str = "") -> Ballot:
@@ -198,24 +206,14 @@ def test_three_hosts_on_a_bridge_elect_over_multicast(procs: Procs, tmp_path: Pa
         pytest.skip(reason)
     swarm = f"bridge-{os.getpid()}"
     with NetnsSwarm(3, LinkSpec(rate_mbit=1000, delay_ms=0), name="rve") as net:
-        nodes = []
-        for i, host in enumerate(net.hosts):
-            state = tmp_path / f"n{i}"
-            state.mkdir()
-            log = open(state / "node.log", "ab")  # noqa: SIM115 - closed by the child's exit
-            proc = procs.popen(
-                net.exec_prefix(i) + ravnest(
-                    "start", "--listen", f"{host.address}:7070", "--state-dir", str(state),
-                    "--threads", "1", "--mdns", "--mdns-interface", host.address, "--swarm-name",
-                    swarm, "--swarm-size", "3", "--join", "elect", "--model", "tiny",
-                    "--steps", "2",
-                ),
-                stderr=log,
-            )  # fmt: skip
-            log.close()
-            line = read_line(proc, 60)
-            assert line, (state / "node.log").read_text()
-            nodes.append((proc, json.loads(line)))
+        nodes = [
+            procs.start_node(
+                tmp_path / f"n{i}", "--listen", f"{host.address}:7070", "--mdns",
+                "--mdns-interface", host.address, "--swarm-name", swarm, "--swarm-size", "3",
+                "--join", "elect", "--model", "tiny", "--steps", "2", prefix=net.exec_prefix(i),
+            )
+            for i, host in enumerate(net.hosts)
+        ]  # fmt: skip
 
         def statuses() -> list[pb.NodeStatus]:
             return [node_status(ready["address"]) for _, ready in nodes]
@@ -225,6 +223,11 @@ def test_three_hosts_on_a_bridge_elect_over_multicast(procs: Procs, tmp_path: Pa
         assert [s.role for s in now].count(pb.NODE_ROLE_COORDINATOR) == 1
         leader = next(s for s in now if s.role == pb.NODE_ROLE_COORDINATOR)
         assert all(s.mdns_peers == 2 for s in now)  # every node saw the other two over the bridge
+        # Each pair of hosts measured its link once, both ways, before the plan.
+        view = swarm_view(leader.address)
+        pairs = [frozenset((m.node_id, p.node_id)) for m in view.members for p in m.peer_links]
+        assert len(pairs) == len(set(pairs)) == 3
+        assert all(p.to_bps > 1e6 and p.from_bps > 1e6 for m in view.members for p in m.peer_links)
         done = [e for e in progress_events(leader.address) if e.done]
         assert len(done) == 1 and not done[0].error
         for proc, _ in nodes:

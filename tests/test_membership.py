@@ -17,9 +17,8 @@ from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
 from ravnest_node.coordination.membership import Leases, heartbeat_interval
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.proto import control_pb2_grpc as pb_grpc
 
-from .conftest import NODE_ENV, Procs, poll_until, progress_events, ravnest
+from .conftest import NODE_ENV, Procs, poll_until, progress_events, ravnest, swarm_view
 
 
 def test_a_lease_runs_from_the_last_heartbeat() -> None:
@@ -115,12 +114,6 @@ async def test_after_the_plan_members_stay_and_their_state_is_reported() -> None
 
 
 # ----- real node processes ------------------------------------------------------------------------
-def _view(address: str) -> pb.SwarmView:
-    with grpc.insecure_channel(address) as channel:
-        view: pb.SwarmView = pb_grpc.CoordinatorStub(channel).Swarm(pb.SwarmRequest(), timeout=30)
-        return view
-
-
 def test_a_worker_that_dies_or_stops_before_the_plan_frees_its_place(
     procs: Procs, tmp_path: Path
 ) -> None:
@@ -130,7 +123,7 @@ def test_a_worker_that_dies_or_stops_before_the_plan_frees_its_place(
     join = ("--join", ready["address"])
 
     def members() -> list[pb.SwarmMember]:
-        return list(_view(ready["address"]).members)
+        return list(swarm_view(ready["address"]).members)
 
     # One worker at a time, so the swarm of 3 never fills (and plans) before the last two.
     stopped, first = procs.start_node(tmp_path / "n1", *join)

@@ -122,6 +122,18 @@ def test_bool_flags_switch_both_ways() -> None:
     assert settings.verbose is False
 
 
+def test_a_bool_flag_named_no_something_means_what_it_says() -> None:
+    """`--no-inbound` is the switch of `no_inbound`: it sets it (argparse's own boolean action
+    would read any `--no-` as off), and `--no-no-inbound` clears it."""
+    from ravnest_node.cli.main import _parser
+
+    def start(*flags: str) -> object:
+        return _parser().parse_args(["start", "--join", "c:1", *flags]).no_inbound
+
+    assert start("--no-inbound") is True
+    assert start("--no-no-inbound") is False
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

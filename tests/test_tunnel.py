@@ -31,7 +31,15 @@ from ravnest_node.transport.tunnel import (
     read_header,
 )
 
-from .conftest import NODE_ENV, Procs, node_status, progress_events, ravnest, read_line
+from .conftest import (
+    NODE_ENV,
+    Procs,
+    node_status,
+    poll_until,
+    progress_events,
+    ravnest,
+    swarm_view,
+)
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -246,6 +254,7 @@ def test_a_node_reached_only_through_a_relay_trains_with_the_swarm(
     ).stdout)  # fmt: skip
     relays = {m["node_id"]: m["relay"] for m in view["members"]}
     assert relays[hidden["node_id"]] == relay and relays[ready["node_id"]] == ""
+    assert view["relays"] == [{"node_id": ready["node_id"], "address": relay}]
     # On one machine nobody measures a link to the coordinator: loopback is not a network.
     assert all(m["uplink_bps"] == 0 for m in view["members"])
     for proc in procs.started:
@@ -270,7 +279,9 @@ def test_a_node_the_coordinator_cannot_reach_is_refused_with_advice(
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
-        ({"no_inbound": True, "join": "c:1"}, "add --relay"),
+        ({"no_inbound": True}, "give --join HOST:PORT or --peer"),
+        ({"no_inbound": True, "join": "c:1", "mdns": True}, "drop --mdns"),
+        ({"no_inbound": True, "join": "c:1", "advertise": "a:1"}, "drop --advertise"),
         ({"relay": "r:1", "join": "c:1", "advertise": "a:1"}, "drop --advertise"),
         ({"relay": "r:1"}, "a coordinator must accept connections"),
         ({"relay": "r:1", "join": "auto", "mdns": True}, "drop --mdns"),
@@ -282,12 +293,15 @@ def test_bad_relay_settings_say_what_is_wrong(changes: dict[str, object], needle
         NodeConfig(**changes)  # type: ignore[arg-type]
 
 
-def test_a_node_in_a_namespace_nobody_can_reach_trains_through_a_relay(
+def test_a_node_in_a_namespace_nobody_can_reach_chooses_a_relay_and_trains(
     procs: Procs, tmp_path: Path
 ) -> None:
     """The same across network namespaces, where it is true: n2's server listens on its own
-    namespace's loopback, so no other host can open a connection to it; it reaches the others
-    (and they it) only through the relay on n0, over connections it opened."""
+    namespace's loopback, so no other host can open a connection to it. Started with
+    --no-inbound and no --relay, it asks the coordinator for relays (n0 and n1 serve one) and
+    takes the one with the lowest round trip; it reaches the others (and they it) only through
+    that relay, over connections it opened. Before the plan it measures its links to n0 and n1
+    (its own connections, both ways)."""
     ok, reason = netns_available()
     if not ok:
         pytest.skip(reason)
@@ -295,28 +309,32 @@ def test_a_node_in_a_namespace_nobody_can_reach_trains_through_a_relay(
         hosts = [h.address for h in net.hosts]
 
         def start(i: int, *args: str) -> dict[str, Any]:
-            state = tmp_path / f"n{i}"
-            state.mkdir()
-            log = open(state / "node.log", "ab")  # noqa: SIM115 - closed by the child's exit
-            command = ravnest("start", "--state-dir", str(state), "--threads", "1", *args)
-            proc = procs.popen(net.exec_prefix(i) + command, stderr=log)
-            log.close()
-            line = read_line(proc, 60)
-            assert line, (state / "node.log").read_text()
-            ready: dict[str, Any] = json.loads(line)
-            return ready
+            return procs.start_node(tmp_path / f"n{i}", *args, prefix=net.exec_prefix(i))[1]
 
         coordinator = f"{hosts[0]}:7070"
         n0 = start(0, "--listen", coordinator, "--swarm-size", "3", "--model", "tiny", "--steps",
                    "10", "--relay-listen", f"{hosts[0]}:7071")  # fmt: skip
-        n1 = start(1, "--listen", f"{hosts[1]}:7070", "--join", coordinator)
-        hidden = start(2, "--listen", "127.0.0.1:7070", "--join", coordinator, "--no-inbound",
-                       "--relay", f"{hosts[0]}:7071")  # fmt: skip
-        assert hidden["address"].startswith(f"{hosts[0]}:")  # a port of the relay's host
+        n1 = start(1, "--listen", f"{hosts[1]}:7070", "--join", coordinator, "--relay-listen",
+                   f"{hosts[1]}:7071")  # fmt: skip
+        poll_until(lambda: len(swarm_view(coordinator).relays) == 2, 30)
+        hidden = start(2, "--listen", "127.0.0.1:7070", "--join", coordinator, "--no-inbound")
+        relays = {n0["node_id"]: f"{hosts[0]}:7071", n1["node_id"]: f"{hosts[1]}:7071"}
+        assert {(r.node_id, r.address) for r in swarm_view(coordinator).relays} == set(
+            relays.items()
+        )
+        chosen = node_status(hidden["address"]).relay  # answered through the relay
+        assert chosen in relays.values()
+        assert hidden["address"].startswith(f"{chosen.split(':')[0]}:")  # a port of its host
+        assert "relay chosen" in (tmp_path / "n2" / "node.log").read_text()
         done = [e for e in progress_events(coordinator) if e.done]
         assert len(done) == 1 and not done[0].error
         summary = json.loads(done[0].summary_json)
         assert hidden["address"] in {s["address"] for s in summary["stages"]}
+        # It is not the first stage: it opened the stream to its upstream itself, straight.
+        (stage,) = [s for s in summary["stages"] if s["node_id"] == hidden["node_id"]]
+        assert stage["index"] > 0 and stage["relayed"], summary["stages"]
+        log = (tmp_path / "n2" / "node.log").read_text()
+        assert "behind NAT: opening the stream to upstream" in log
         # Each worker measured its link to the coordinator before the plan (capped at 1 Gbit/s
         # here; the coordinator's own node has none), and n2 named its relay to the planner.
         with grpc.insecure_channel(coordinator) as channel:
@@ -326,7 +344,10 @@ def test_a_node_in_a_namespace_nobody_can_reach_trains_through_a_relay(
         for node in (n1, hidden):
             assert 1e6 < members[node["node_id"]].uplink_bps < 2e9
             assert members[node["node_id"]].rtt_s > 0
-        assert members[hidden["node_id"]].relay_node_id == n0["node_id"]
+        (relay_id,) = [node for node, address in relays.items() if address == chosen]
+        assert members[hidden["node_id"]].relay_node_id == relay_id
+        measured = {p.node_id for p in members[hidden["node_id"]].peer_links}
+        assert measured == {n0["node_id"], n1["node_id"]}
         for proc in procs.started:
             proc.send_signal(signal.SIGTERM)
         assert [proc.wait(30) for proc in procs.started] == [0, 0, 0]

@@ -281,10 +281,22 @@ class NetnsSwarm:
     than raises, errors of the teardown. Needs root; see `netns_available`.
     """
 
-    def __init__(self, hosts: int, link: LinkSpec, *, name: str = "rvb") -> None:
+    def __init__(
+        self,
+        hosts: int,
+        link: LinkSpec,
+        *,
+        name: str = "rvb",
+        rates_mbit: Sequence[float] | None = None,
+    ) -> None:
+        """`rates_mbit`, if given, caps host i's link at `rates_mbit[i]` instead."""
         _check_name(name)
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be between 1 and {MAX_HOSTS}, got {hosts}")
+        rates = list(rates_mbit) if rates_mbit is not None else [link.rate_mbit] * hosts
+        if len(rates) != hosts:
+            raise ValueError(f"rates_mbit gives {len(rates)} rates for {hosts} hosts")
+        self._rates = [LinkSpec(rate, link.delay_ms).rate_mbit for rate in rates]  # checked
         self._n = hosts
         self._link = link
         self._name = name
@@ -377,8 +389,8 @@ class NetnsSwarm:
         _run([*hub, "link", "set", BRIDGE_IFNAME, "up"])
         _run([*hub, "link", "set", HUB_CONTROL_IFNAME, "master", BRIDGE_IFNAME, "up"])
         _run(["ip", "link", "set", self._control_if, "up"])
-        tbf = tbf_args(self._link.rate_mbit)
         for i in range(self._n):
+            tbf = tbf_args(self._rates[i])
             ns = f"{base}-h{i}"
             port = f"p{i}"
             address = f"{NET_PREFIX}.{k}.{i + 1}"
@@ -394,7 +406,7 @@ class NetnsSwarm:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", HOST_IFNAME, "root", *tbf])
             self._hosts.append(Host(ns=ns, address=address, ifname=HOST_IFNAME))
         log.info("netns swarm %s: %d hosts on %s.%d.0/24 at %s Mbit/s", base, self._n,
-                 NET_PREFIX, k, self._link.rate_mbit)  # fmt: skip
+                 NET_PREFIX, k, self._rates)  # fmt: skip
 
     def _add_ns(self, ns: str) -> None:
         _run(["ip", "netns", "add", ns])

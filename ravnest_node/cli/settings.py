@@ -449,12 +449,35 @@ def _show(value: object) -> str:
     return str(value) if value != "" else "''"
 
 
+class _Switch(argparse.Action):
+    """``--flag`` sets True and ``--no-flag`` False. Unlike argparse.BooleanOptionalAction,
+    which sets False for any option that starts with ``--no-``, this is right for a flag that
+    itself does (``--no-inbound`` is True, ``--no-no-inbound`` False)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        self._flag = option_strings[0]
+        negative = "--no-" + self._flag.removeprefix("--")
+        super().__init__([self._flag, negative], dest, nargs=0, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, option_string == self._flag)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
 def _add_flag(add: Callable[..., argparse.Action], leaf: _Leaf) -> None:
     note = "required" if leaf.default is _MISSING else f"default: {_show(leaf.default)}"
     help_text = f"{leaf.doc} ({note})".strip().replace("%", "%%")
     options: dict[str, Any] = {"dest": leaf.name, "default": argparse.SUPPRESS, "help": help_text}
     if _is_switch(leaf.kind):
-        options["action"] = argparse.BooleanOptionalAction
+        options["action"] = _Switch
     elif leaf.kind.many:  # each use of the flag adds one value
         options["action"] = "append"
         options["type"] = functools.partial(_parse_flag, leaf.kind.item)

@@ -147,6 +147,9 @@ def swarm_dict(
             # Its link to the coordinator, as it measured it before the plan (0: not measured).
             "uplink_bps": member.uplink_bps,
             "rtt_s": member.rtt_s,
+            # Its links to the members that joined before it, measured both ways before it
+            # sent its capabilities (bits per second there and back, round trip).
+            "links": [peer_link(p) for p in member.peer_links],
             # The relay it is reached through ("": it accepts connections itself, or did not
             # answer).
             "relay": "",
@@ -176,7 +179,14 @@ def swarm_dict(
         "samples_per_s": view.samples_per_s,
         "done": view.done,
         "members": members,
+        # Relays a node behind NAT may choose (--no-inbound without --relay).
+        "relays": [{"node_id": r.node_id, "address": r.address} for r in view.relays],
     }
+
+
+def peer_link(link: pb.PeerLink) -> dict[str, Any]:
+    return {"node_id": link.node_id, "to_bps": link.to_bps, "from_bps": link.from_bps,
+            "rtt_s": link.rtt_s}  # fmt: skip
 
 
 def describe_swarm(s: dict[str, Any]) -> str:
@@ -190,12 +200,15 @@ def describe_swarm(s: dict[str, Any]) -> str:
         f"{s['samples']} samples, {s['samples_per_s']:.1f} samples/s"
         + (", run done" if s["done"] else ""),
     ]
+    if s["relays"]:
+        lines.append("relays offered: " + ", ".join(
+            f"{r['node_id']} at {r['address']}" for r in s["relays"]))  # fmt: skip
     for m in s["members"]:
         where = (
             f"pipeline {m['pipeline']} stage {m['stage']} blocks [{m['blocks'][0]}, "
             f"{m['blocks'][1]})"
             if m["blocks"]
-            else "no stage"
+            else ("spare (no stage)" if s["plan_epoch"] else "no stage")
         )
         answer = f"version {m['version']}" if m["reachable"] else f"no answer ({m['error']})"
         if m["uplink_bps"]:
@@ -209,6 +222,11 @@ def describe_swarm(s: dict[str, Any]) -> str:
         elif m["lease_expired"]:
             answer += f", lease expired (silent {m['silent_s']:.0f} s)"
         lines.append(f"  {m['node_id']} {m['address']}: {where}, speed {m['speed']:.2f}, {answer}")
+        lines += [
+            f"    link to {p['node_id']}: {p['to_bps'] / 1e6:.0f} Mbit/s there, "
+            f"{p['from_bps'] / 1e6:.0f} back, {p['rtt_s'] * 1e3:.1f} ms"
+            for p in m["links"]
+        ]
     return "\n".join(lines)
 
 

@@ -31,7 +31,7 @@ from ravnest_node.coordination.negotiate import (
     resume_point,
 )
 from ravnest_node.coordination.placement import SwarmPlan
-from ravnest_node.coordination.static_plan import Member, has_node, stage_at
+from ravnest_node.coordination.static_plan import Member, has_node, same_stages, stage_at
 from ravnest_node.coordination.store import CoordinatorStore
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
@@ -42,7 +42,7 @@ from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import MAX_NODE_ID_LEN, valid_node_id, write_atomic
 from ravnest_node.transport.boundary import Refusal
 from ravnest_node.transport.options import split_host_port
-from ravnest_node.transport.probe import PROBE_BUDGET_BYTES
+from ravnest_node.transport.probe import MIN_PROBE_COST, PROBE_BUDGET_BYTES, ProbeTurns
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,12 @@ MAX_EPOCH_AHEAD = 16
 RESTORE_RETRY_LEASES = 3
 """A restore from checkpoints that finds no step at once is tried again on each heartbeat for
 this many leases (a member's offers may come with its next heartbeat)."""
+MEASURING_S = 300.0
+"""A member counts as measuring its links (and may probe under epoch 0) for at most this long
+after its first Join."""
+REPLAN_GAIN = 0.05
+"""A plan that leaves every newcomer spare (and nobody of the current plan gone) is announced
+only if the members' measurements make it this much faster: a drain and moved blocks cost."""
 
 
 def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
@@ -111,6 +117,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         probe: Callable[[str, str, float], Awaitable[bool]] | None = None,
         node_id: str = "",
         reach: Callable[[str, str, float], Awaitable[bool]] | None = None,
+        relay_address: str = "",
     ) -> None:
         self._train = train
         self._epoch = epoch
@@ -131,7 +138,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """This coordinator's own node: alive while it answers, never probed."""
         self._reach = reach
         """Asks (node id, address) whether it answers there (the first Join of a node)."""
+        self._relay_address = relay_address
+        """The relay this coordinator's node serves ("" if none), first of SwarmView.relays."""
+        self._measuring: dict[str, float] = {}
+        """Members measuring themselves and their links (joined once, no capabilities yet):
+        when that began. Only they may send link probes under epoch 0."""
         self._reaching = asyncio.Semaphore(MAX_REACHING)
+        self._probe_turns = ProbeTurns(clock=clock)
         self._probe_bytes: dict[str, int] = {}
         """Link-probe bytes each member has sent this coordinator (check_link_probe)."""
         self._probing: set[str] = set()
@@ -139,6 +152,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._next: pb.Plan | None = None
         """A newer plan, announced (pending) while the current one's pipelines drain."""
         self._next_placed: SwarmPlan | None = None
+        self._placed: SwarmPlan | None = None
+        """The planner's answer for the current plan (its predicted step time)."""
+        self._considered: dict[int, frozenset[str]] = {}
+        """The members each plan epoch was negotiated from (its spares are the ones in no
+        stage): a plan is made again only when they change."""
         self._previous: pb.Plan | None = None
         self._drains: dict[int, int] = {}  # pipeline -> the step its first stage stops feeding at
         self._ends: dict[int, int] = {}  # epoch -> the step that plan ended at
@@ -330,15 +348,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return await self._reach(node_id, address, REACH_TIMEOUT_S)
 
     def check_link_probe(self, node_id: str, nbytes: int) -> None:
-        """A member measures its link to this coordinator before the plan (link probes under
-        epoch 0): only members, within PROBE_BUDGET_BYTES each; Refusal otherwise."""
-        if not self._is_member(node_id):
-            raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
-                          f"{node_id[:80]!r} is not a member: join first")  # fmt: skip
-        total = self._probe_bytes.get(node_id, 0) + nbytes
+        """A member measures its link to this coordinator (link probes under epoch 0): only a
+        member that is measuring (between its first Join and its capabilities), within
+        PROBE_BUDGET_BYTES each time it measures; Refusal otherwise."""
+        if not self._measuring_since(node_id) or not self._is_member(node_id):
+            raise Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{node_id[:80]!r} is not a member measuring its links: join first",
+            )
+        total = self._probe_bytes.get(node_id, 0) + max(nbytes, MIN_PROBE_COST)
         if total > PROBE_BUDGET_BYTES:
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{node_id} has sent {PROBE_BUDGET_BYTES} bytes of probes")  # fmt: skip
+        self._probe_turns.take(node_id)
         self._probe_bytes[node_id] = total
 
     def _save_members(self) -> None:
@@ -388,8 +410,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this coordinator cannot reach node {request.node_id} at {request.address}: "
                 "its neighbours could not either. Behind NAT, start it with --no-inbound "
-                "--relay HOST:PORT (a reachable node started with --relay-listen); otherwise "
-                "check --advertise and the firewall",
+                "(it uses a relay this coordinator offers) or --no-inbound --relay HOST:PORT "
+                "(a reachable node started with --relay-listen); otherwise check --advertise "
+                "and the firewall",
             )
         now = self._clock()
         if self._plan is None:
@@ -410,6 +433,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     log.info("node %s rejoins from %s (it was at %s)", request.node_id,
                              request.address, member.address)  # fmt: skip
                     self._members[index] = Member(request.node_id, request.address)
+                    self._forget_links_to(request.node_id)
                     self._save_members()
                 plan = self._plan
                 in_plan = (
@@ -448,10 +472,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     self._raise_floor(request.node_id, request.plan_epoch)
                 if request.HasField("capabilities") and not in_plan:
                     self._capabilities[request.node_id] = request.capabilities
+                    if self._plan is not None:  # what it measured may change the plan now
+                        self._considered.pop(self._plan.epoch, None)
                     self._save_members()
                     self._publish_when_ready()
                     self._maybe_replan()
                     await self._notify()
+                self._note_measuring(request)
                 return self._join_reply(index)
         if self._plan is None and len(self._members) >= self._swarm_size:
             await context.abort(
@@ -477,7 +504,49 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._publish_when_ready()
         self._maybe_replan()
         await self._notify()
+        self._note_measuring(request)
         return self._join_reply(len(self._members) - 1)
+
+    def _forget_links_to(self, node_id: str) -> None:
+        """`node_id` is back at another address: what others measured to it is stale (the
+        planner goes by uplinks for those pairs)."""
+        for caps in self._capabilities.values():
+            kept = [p for p in caps.peer_links if p.node_id != node_id]
+            if len(kept) != len(caps.peer_links):
+                del caps.peer_links[:]
+                caps.peer_links.extend(kept)
+
+    def _note_measuring(self, request: pb.JoinRequest) -> None:
+        """A member's first Join starts its measuring (a fresh probe budget), unless one began
+        less than MEASURING_S ago; the Join with its capabilities ends it."""
+        if request.HasField("capabilities"):
+            self._measuring.pop(request.node_id, None)
+        elif self._measuring_since(request.node_id) == 0.0:
+            self._measuring[request.node_id] = self._clock()
+            self._probe_bytes.pop(request.node_id, None)
+
+    def _measuring_since(self, node_id: str) -> float:
+        """When `node_id`'s measuring began (0: it is not measuring, or for MEASURING_S and
+        more: a member that never sends its capabilities does not measure for ever)."""
+        since = self._measuring.get(node_id, 0.0)
+        return since if since and self._clock() - since < MEASURING_S else 0.0
+
+    def relay_offers(self) -> list[pb.RelayOffer]:
+        """Relays a node behind NAT may use: this coordinator's own, then those members serve
+        (Capabilities.relay_address) that are not gone (left, lost, or their lease run out)."""
+        now = self._clock()
+        offers = []
+        if self._relay_address:
+            offers.append(pb.RelayOffer(node_id=self._node_id, address=self._relay_address))
+        for m in self._members:
+            caps = self._capabilities.get(m.node_id)
+            if caps is None or not caps.relay_address or m.node_id == self._node_id:
+                continue
+            if m.node_id in self._lost or m.node_id in self._leases.left:
+                continue
+            if not self._leases.expired(m.node_id, now):
+                offers.append(pb.RelayOffer(node_id=m.node_id, address=caps.relay_address))
+        return offers
 
     def _join_reply(self, index: int) -> pb.JoinReply:
         return pb.JoinReply(
@@ -499,6 +568,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             why = "left" if node_id in self._leases.left else "its lease ran out"
             log.info("node %s is no longer a member: %s", node_id, why)
             self._capabilities.pop(node_id, None)
+            self._measuring.pop(node_id, None)
+            self._probe_bytes.pop(node_id, None)
         self._members = [m for m in self._members if m.node_id not in gone]
         self._leases = self._leases.forget(gone)
         self._save_members()
@@ -791,14 +862,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if not all(m.node_id in self._capabilities for m in self._members):
             return
         run = self._train.to_proto(self._fingerprint)
-        self._plan, placed = negotiated_plan(
-            epoch=self._epoch,
-            swarm_id=self._swarm_id,
-            model=self._model,
-            members=self._members,
-            capabilities=[self._capabilities[m.node_id] for m in self._members],
-            run=run,
-        )
+        self._plan, placed = self._negotiate(self._epoch, self._members, run)
         resume = resume_point(
             self._members,
             {node: c.checkpoints for node, c in self._capabilities.items()},
@@ -818,7 +882,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _adopt(self, plan: pb.Plan, placed: SwarmPlan) -> None:
         """`plan` is the current plan now: keep it, announce it, log it."""
-        self._plan = plan
+        self._plan, self._placed = plan, placed
         self._epoch = plan.epoch
         self._announce(plan)
         if self._store is not None:
@@ -840,6 +904,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             placed.step_s * 1e3,
             placed.bottleneck,
         )
+        if placed.spare:
+            log.info("plan epoch %d leaves %s spare (faster without them)", plan.epoch,
+                     ", ".join(placed.spare))  # fmt: skip
 
     @staticmethod
     def _plan_entry(plan: pb.Plan) -> dict[str, Any]:
@@ -877,7 +944,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _negotiate(
         self, epoch: int, members: list[Member], run: pb.RunSpec
     ) -> tuple[pb.Plan, SwarmPlan]:
-        return negotiated_plan(
+        plan, placed = negotiated_plan(
             epoch=epoch,
             swarm_id=self._swarm_id,
             model=self._model,
@@ -885,6 +952,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             capabilities=[self._capabilities[m.node_id] for m in members],
             run=run,
         )
+        self._considered[epoch] = frozenset(m.node_id for m in members)
+        return plan, placed
 
     def _maybe_replan(self, *, force: bool = False, keep_drains: bool = False) -> None:
         """After the first plan: when members that are in no stage have said what they
@@ -901,13 +970,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return  # the run is over
         in_plan = {s.node_id for s in plan.stages}
         members = self._plan_members(plan)
-        if not members or ({m.node_id for m in members} == in_plan and not force):
+        ids = frozenset(m.node_id for m in members)
+        if not members or (ids == self._considered.get(plan.epoch, in_plan) and not force):
             return
         current = [m for m in members if m.node_id in in_plan]
         try:
             new, placed = self._negotiate(self._next_epoch(plan), members, plan.run)
         except ConfigError as exc:
             log.warning("no plan with the new members: %s", exc)
+            return
+        # Newcomers only (everyone of the plan stays), all of them left spare: moving blocks
+        # among the same nodes is worth a drain only for a plan clearly faster.
+        spared = not force and in_plan <= ids and {s.node_id for s in new.stages} == in_plan
+        faster = self._placed is None or placed.step_s < self._placed.step_s * (1 - REPLAN_GAIN)
+        if spared and (same_stages(new, plan) or not faster):
+            self._considered[plan.epoch] = ids
+            log.info("no new plan for %s: %.1f ms a microbatch with them, %.1f ms now",
+                     ", ".join(sorted(ids - in_plan)), placed.step_s * 1e3,
+                     (self._placed.step_s if self._placed else 0) * 1e3)  # fmt: skip
             return
         new.pending = True
         # A broken pipeline's blocks are not at the plan's end step: take them from replicas.
@@ -1252,6 +1332,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     "blocks": [s.first_block, s.stop_block],
                     "node_id": s.node_id,
                     "address": s.address,
+                    "relayed": s.relayed,
                     "bytes_sent": self._bytes_sent.get(s.node_id, 0),
                     **(
                         stage_schedule(self._final[(s.pipeline, s.index)])
@@ -1269,8 +1350,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         now = self._clock()
         caps = [self._capabilities.get(m.node_id) for m in self._members]
         speeds = [0.0] * len(caps)
-        if self._plan is not None:
-            speeds = member_speeds(self._members, [c or pb.Capabilities() for c in caps])
+        measured = [i for i, c in enumerate(caps) if c is not None and c.block_s]
+        if self._plan is not None and measured:  # a member still measuring has no speed yet
+            known = member_speeds(
+                [self._members[i] for i in measured],
+                [caps[i] or pb.Capabilities() for i in measured],
+            )
+            for i, speed in zip(measured, known, strict=True):
+                speeds[i] = speed
         last = self._events[-1] if self._events else None
         view = pb.SwarmView(
             swarm_id=self._swarm_id,
@@ -1291,6 +1378,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     uplink_bps=c.uplink_bps if c else 0.0,
                     rtt_s=c.rtt_s if c else 0.0,
                     relay_node_id=c.relay_node_id if c else "",
+                    peer_links=c.peer_links if c else (),
+                    measuring_since=self._measuring_since(m.node_id),
                 )
                 for m, c, speed in zip(self._members, caps, speeds, strict=True)
             ],
@@ -1298,6 +1387,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             samples=last.samples if last else 0,
             samples_per_s=last.samples / last.wall_s if last and last.wall_s > 0 else 0.0,
             done=bool(last and last.done),
+            relays=self.relay_offers(),
         )
         if self._plan is not None:
             view.plan.CopyFrom(self._plan)

@@ -15,18 +15,27 @@
   per stashed weight version (`max_staleness`), and the block's output for every microbatch of
   a step, kept for the backward pass. An estimate: the planner keeps a stage within the
   smallest of its owners' memory by it.
-* **Links.** Each node measures its link to the coordinator after its first Join (link probes:
-  `Capabilities.uplink_bps` and `rtt_s`). A home PC's bottleneck is its own uplink, so a
-  boundary between two nodes gets the slower of their two uplinks and the longer round trip
-  (`measured_links`); a node not measured (the coordinator's own) counts as `DEFAULT_LINK`.
-  A node behind NAT is reached through its relay, whose uplink carries that traffic in and out:
-  a boundary of a relayed node gets at most half the relay's uplink. Activation bytes are
+* **Links.** Each node measures, after its first Join, its link to the coordinator
+  (`Capabilities.uplink_bps` and `rtt_s`) and its links both ways to every member that joined
+  before it on another host (`peer_links`, at most 16): every pair is measured once, by the
+  later of the two. A measured pair is taken as measured, each direction on its own. A pair not
+  measured gets the slower of the two uplinks and the longer round trip (a home PC's bottleneck
+  is its own uplink); nodes on one host (neither behind a relay) talk through memory, and a
+  node with no measurement at all (the coordinator's own) counts as `DEFAULT_LINK`.
+  A node behind NAT opens its boundary streams itself, straight to a neighbour that is not
+  (`dials_back`); between two such nodes the stream goes through the downstream's relay, whose
+  uplink carries it in and out: that boundary gets at most half of each relay's uplink, shared
+  by the nodes it relays. Activation bytes are
   scaled by the run's activation codec (`wire_ratio`; `auto` counts as fp32, its worst case).
+* **Spares.** The planner may leave members out (a node on a slow link that would slow every
+  microbatch down), but only when that is `SPARE_GAIN` times faster than a plan that gives
+  every member a stage: links are measured once, with noise, and a spare's compute is lost.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,6 +68,10 @@ MAX_OFFERS = 64
 MAX_PIPELINES = 1024  # a swarm has at most 1024 members
 MAX_LINK_BPS = 1e13
 MAX_RTT_S = 60.0
+MIN_LINK_BPS = 1e3
+MAX_PEER_LINKS = 16
+"""A node measures its links to at most this many earlier members (about 4 MiB each)."""
+SPARE_GAIN = 1.25
 
 
 def wire_ratio(codec: str) -> float:
@@ -77,20 +90,43 @@ def measured_links(
     members: Sequence[Member], capabilities: Sequence[pb.Capabilities], codec: str
 ) -> Links:
     """What the members measured, as the planner's links (see the module doc)."""
-    up = {m.node_id: c.uplink_bps for m, c in zip(members, capabilities, strict=True)
-          if c.uplink_bps > 0}  # fmt: skip
-    rtt = {m.node_id: c.rtt_s for m, c in zip(members, capabilities, strict=True) if c.rtt_s > 0}
-    relay = {m.node_id: c.relay_node_id for m, c in zip(members, capabilities, strict=True)
-             if c.relay_node_id}  # fmt: skip
+    up, rtt, relay, host = {}, {}, {}, {}
+    measured: dict[tuple[str, str], Link] = {}
+    for m, c in zip(members, capabilities, strict=True):
+        if c.uplink_bps > 0:
+            up[m.node_id] = c.uplink_bps
+        if c.rtt_s > 0:
+            rtt[m.node_id] = c.rtt_s
+        if c.relay_node_id:
+            relay[m.node_id] = c.relay_node_id
+        else:
+            host[m.node_id] = split_host_port(m.address)[0]
+        for peer in c.peer_links:
+            measured[(m.node_id, peer.node_id)] = Link(peer.to_bps, peer.rtt_s)
+            measured[(peer.node_id, m.node_id)] = Link(peer.from_bps, peer.rtt_s)
 
-    def link(a: str, b: str) -> Link:
+    load = Counter(relay.values())  # nodes relayed by each relay share its uplink
+
+    def link(a: str, b: str) -> Link | None:
+        # One end behind NAT: that end opens the stream, straight to the other (BoundaryBack
+        # where it is downstream). Both: through the downstream's relay, in and out.
+        relayed = [up.get(relay[n], DEFAULT_LINK.bandwidth_bps) / (2 * load[relay[n]])
+                   for n in (a, b) if a in relay and b in relay]  # fmt: skip
+        found = measured.get((a, b))
+        if found is not None:
+            return Link(min([found.bandwidth_bps, *relayed]), found.rtt_s)
+        if a in host and host.get(a) == host.get(b):
+            return None  # one machine: memory, not a network
+        if not (relayed or a in up or b in up):
+            return None
         rates = [up.get(a, DEFAULT_LINK.bandwidth_bps), up.get(b, DEFAULT_LINK.bandwidth_bps)]
-        rates += [up.get(relay[n], DEFAULT_LINK.bandwidth_bps) / 2 for n in (a, b) if n in relay]
-        return Link(min(rates), max(rtt.get(a, 0.0), rtt.get(b, 0.0)) or DEFAULT_LINK.rtt_s)
+        return Link(
+            min(rates + relayed), max(rtt.get(a, 0.0), rtt.get(b, 0.0)) or DEFAULT_LINK.rtt_s
+        )
 
     ids = [m.node_id for m in members]
-    pairs = {(a, b): link(a, b) for a in ids for b in ids if a != b and (a in up or b in up
-             or a in relay or b in relay)}  # fmt: skip
+    pairs = {(a, b): found for a in ids for b in ids
+             if a != b and (found := link(a, b)) is not None}  # fmt: skip
     return Links(default=DEFAULT_LINK, pairs=pairs, codec_ratio=wire_ratio(codec))
 
 
@@ -107,6 +143,29 @@ def check_capabilities(caps: pb.Capabilities, num_blocks: int) -> None:
         raise ConfigError(f"capabilities: rtt_s must be 0 to {MAX_RTT_S:g} seconds")
     if caps.relay_node_id and not valid_node_id(caps.relay_node_id):
         raise ConfigError("capabilities: relay_node_id is not a node id")
+    if caps.relay_address:
+        split_host_port(caps.relay_address)  # ConfigError if malformed
+    if len(caps.peer_links) > MAX_PEER_LINKS:
+        raise ConfigError(
+            f"capabilities: {len(caps.peer_links)} peer links, at most {MAX_PEER_LINKS}"
+        )
+    if len({peer.node_id for peer in caps.peer_links}) != len(caps.peer_links):
+        raise ConfigError("capabilities: two peer links to one node")
+    for peer in caps.peer_links:
+        if not valid_node_id(peer.node_id):
+            raise ConfigError("capabilities: a peer link's node_id is not a node id")
+        if not all(
+            math.isfinite(r) and MIN_LINK_BPS <= r <= MAX_LINK_BPS
+            for r in (peer.to_bps, peer.from_bps)
+        ):
+            raise ConfigError(
+                f"capabilities: a peer link's rates must be {MIN_LINK_BPS:g} to "
+                f"{MAX_LINK_BPS:g} bit/s"
+            )
+        if not (math.isfinite(peer.rtt_s) and 0 <= peer.rtt_s <= MAX_RTT_S):
+            raise ConfigError(
+                f"capabilities: a peer link's rtt_s must be 0 to {MAX_RTT_S:g} seconds"
+            )
     check_offers(caps.checkpoints, num_blocks)
 
 
@@ -241,11 +300,12 @@ def negotiated_plan(
     capabilities: Sequence[pb.Capabilities],
     run: pb.RunSpec,
 ) -> tuple[pb.Plan, SwarmPlan]:
-    """`run.pipelines` pipelines over all `members` (every node owns a stage), placed by the
-    planner from their capabilities. Raises ConfigError if no placement fits in memory."""
+    """`run.pipelines` pipelines over `members`, placed by the planner from their capabilities:
+    every member owns a stage, unless a plan with spares is `SPARE_GAIN` times faster (see the
+    module doc). Raises ConfigError if no placement fits in memory."""
     pipelines = max(1, run.pipelines)
-    if len(members) % pipelines:
-        raise ConfigError(f"{len(members)} nodes cannot form {pipelines} equal pipelines")
+    if len(members) < pipelines:
+        raise ConfigError(f"{len(members)} nodes cannot form {pipelines} pipelines")
     totals = [math.fsum(c.block_s) for c in capabilities]
     speeds = member_speeds(members, capabilities)
     nodes = [
@@ -253,14 +313,18 @@ def negotiated_plan(
         for m, c, speed in zip(members, capabilities, speeds, strict=True)
     ]
     blocks = model_blocks(model, run, min(totals))
-    placed = plan_swarm(
-        blocks,
-        nodes,
-        measured_links(members, capabilities, run.activation_codec),
-        pipelines=pipelines,
-        stages=len(members) // pipelines,
-    )
+    links = measured_links(members, capabilities, run.activation_codec)
+    placed = plan_swarm(blocks, nodes, links, pipelines=pipelines)
+    every = min(len(members) // pipelines, len(blocks))
+    if len(placed.stages) < every:  # spares: only if clearly faster than every member's stage
+        try:
+            full = plan_swarm(blocks, nodes, links, pipelines=pipelines, stages=every)
+        except ConfigError:  # some member cannot hold any stage
+            full = None
+        if full is not None and placed.step_s * SPARE_GAIN >= full.step_s:
+            placed = full
     address = {m.node_id: m.address for m in members}
+    relayed = {m.node_id for m, c in zip(members, capabilities, strict=True) if c.relay_node_id}
     stages = [
         pb.StageAssignment(
             pipeline=p,
@@ -269,6 +333,7 @@ def negotiated_plan(
             stop_block=stage.stop_block,
             node_id=stage.owners[p],
             address=address[stage.owners[p]],
+            relayed=stage.owners[p] in relayed,
         )
         for p in range(pipelines)
         for s, stage in enumerate(placed.stages)

@@ -98,6 +98,23 @@ def has_node(stages: Iterable[pb.StageAssignment], node_id: str) -> bool:
     return any(s.node_id == node_id for s in stages)
 
 
+def dials_back(upstream: pb.StageAssignment, downstream: pb.StageAssignment) -> bool:
+    """The downstream stage opens their boundary stream (BoundaryBack), straight to the
+    upstream's node: it is behind NAT (reached through a relay) and the upstream's node is not.
+    Otherwise the upstream opens it at the downstream's address, as always."""
+    return downstream.relayed and not upstream.relayed
+
+
+def same_stages(a: pb.Plan, b: pb.Plan) -> bool:
+    """`a` and `b` give the same blocks to the same nodes (addresses aside)."""
+
+    def key(plan: pb.Plan) -> list[tuple[int, int, int, int, str]]:
+        return sorted((s.pipeline, s.index, s.first_block, s.stop_block, s.node_id)
+                      for s in plan.stages)  # fmt: skip
+
+    return key(a) == key(b)
+
+
 def stage_at(plan: pb.Plan, pipeline: int, index: int) -> pb.StageAssignment | None:
     """Stage `index` of `pipeline` in a checked plan, or None past either end."""
     per_pipeline = len(plan.stages) // max(1, plan.run.pipelines)

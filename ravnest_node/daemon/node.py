@@ -41,7 +41,7 @@ from ravnest_node.coordination.locate import (
 )
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S
 from ravnest_node.coordination.store import CoordinatorStore
-from ravnest_node.daemon.worker import Worker
+from ravnest_node.daemon.worker import Worker, coordinator_errors
 from ravnest_node.discovery import (
     Advertisement,
     MdnsDiscovery,
@@ -63,9 +63,14 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import load_or_create_node_id, write_atomic
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters, Refusal
-from ravnest_node.transport.options import TransportConfig, server_options, split_host_port
+from ravnest_node.transport.options import (
+    TransportConfig,
+    channel_options,
+    server_options,
+    split_host_port,
+)
 from ravnest_node.transport.probe import ProbeServer
-from ravnest_node.transport.tunnel import RelayServer, TunnelClient
+from ravnest_node.transport.tunnel import RelayServer, TunnelClient, connect_rtt
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -90,6 +95,10 @@ FAILOVER_STATUS_S = 2.0
 JOIN_AUTO = "auto"
 JOIN_ELECT = "elect"
 MAX_PEERS = 64
+# --no-inbound without --relay: of the relays the coordinator offers, at most this many are
+# timed, each connect within this many seconds.
+MAX_RELAY_OFFERS = 16
+RELAY_RTT_TIMEOUT_S = 2.0
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -145,8 +154,9 @@ class NodeConfig:
     node behind NAT, which cannot accept connections. It opens every connection itself, and its
     address for the others is the port the relay opens for it (--advertise is not used)."""
     no_inbound: bool = False
-    """This node cannot accept connections (behind NAT). It only states what --relay implies
-    (and requires one); a coordinator refuses a node it cannot reach, with that advice."""
+    """This node cannot accept connections (behind NAT): it is reached through a relay, --relay
+    or, without it, the one it chooses from the coordinator's offers (the lowest round trip). A
+    coordinator refuses a node it cannot reach, with that advice."""
     relay_listen: str | None = None
     """Serve as a relay on HOST:PORT for nodes that cannot accept connections (--relay). The
     ports it opens for them are on this node's advertised (or listen) host, and their traffic
@@ -236,25 +246,34 @@ class NodeConfig:
             check_swarm_shape(self.swarm_size, self.train)
 
     def _check_relay(self) -> None:
-        if self.no_inbound and self.relay is None:
+        if (
+            self.no_inbound
+            and self.relay is None
+            and not (self.peers or self.join not in (None, JOIN_AUTO, JOIN_ELECT))
+        ):
             raise ConfigError(
-                "no_inbound: a node that cannot accept connections is reached through a relay: "
-                "add --relay HOST:PORT (a reachable node started with --relay-listen)"
+                "no_inbound: a node that cannot accept connections is reached through a relay; "
+                "it asks the coordinator for one, so give --join HOST:PORT or --peer, or name "
+                "one: --relay HOST:PORT (a reachable node started with --relay-listen)"
             )
         if self.relay is not None:
             split_host_port(self.relay)
+        if self.relay is not None or self.no_inbound:
+            what = "relay" if self.relay is not None else "no_inbound"
             if self.advertise is not None:
-                raise ConfigError("relay: the relay gives this node its address: drop --advertise")
+                raise ConfigError(
+                    f"{what}: the relay gives this node its address: drop --advertise"
+                )
             if self.is_coordinator or self.elects or self.coordinator_only:
                 raise ConfigError(
-                    "relay: a coordinator must accept connections: start it on a reachable node "
-                    "(a worker may use --relay)"
+                    f"{what}: a coordinator must accept connections: start it on a reachable node "
+                    "(a worker may use a relay)"
                 )
             if self.mdns:
-                raise ConfigError("relay: mDNS would advertise this node's own address: drop "
+                raise ConfigError(f"{what}: mDNS would advertise this node's own address: drop "
                                   "--mdns (a LAN needs no relay)")  # fmt: skip
             if self.relay_listen is not None:
-                raise ConfigError("relay: a node reached through a relay cannot be one")
+                raise ConfigError(f"{what}: a node reached through a relay cannot be one")
         if self.relay_listen is not None:
             host, _ = split_host_port(self.relay_listen)
             public = split_host_port(self.advertise)[0] if self.advertise else host
@@ -478,7 +497,9 @@ class NodeDaemon:
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {cfg.listen}: {_bind_reason(exc)}") from None
         self.address = cfg.advertise or f"{host}:{port}"
-        await self._open_relays(host, port)
+        if cfg.no_inbound and cfg.relay is None:
+            await self._open_chosen_relay(host, port)
+        await self._open_relays(host, port, cfg.relay)
         if cfg.is_coordinator:
             self.found = Found(self.address, pb.FOUND_VIA_CONFIG)
         elif cfg.join is not None and not cfg.finds_coordinator and not cfg.elects:
@@ -502,12 +523,17 @@ class NodeDaemon:
             resume=cfg.resume,
         )
         worker.relay_node_id = self._relay_node_id
+        worker.relay_address = self._relay.address if self._relay is not None else ""
         worker.compute_scale = cfg.fault_compute_scale
         worker.block_delay_s = cfg.fault_block_ms / 1000
         self._worker = worker
         server.add_generic_rpc_handlers([averaging.handler()])
         boundary = BoundaryServer(
-            worker.open_session, worker.close_session, worker.on_refused, worker.limits
+            worker.open_session,
+            worker.close_session,
+            worker.on_refused,
+            worker.limits,
+            dial_in=worker.dial_in,
         )
         server.add_generic_rpc_handlers([boundary.handler()])
         server.add_generic_rpc_handlers([ProbeServer(self._check_probe).handler()])
@@ -544,20 +570,89 @@ class NodeDaemon:
         if self.run_error is not None:
             raise RunFailed(str(self.run_error)) from self.run_error
 
-    async def _open_relays(self, host: str, port: int) -> None:
-        """--relay: open this node's tunnel (its address is then the relay's port for it).
-        --relay-listen: start serving as a relay. StartupError if either cannot."""
+    async def _open_chosen_relay(self, host: str, port: int) -> None:
+        """--no-inbound without --relay: open this node's tunnel through the relay with the
+        lowest round trip of those the coordinator offers, or the next if it cannot
+        (`_choose_relays`). StartupError if none can."""
+        relays = await self._choose_relays()
+        for i, relay in enumerate(relays):
+            try:
+                await self._open_relays(host, port, relay)
+                return
+            except StartupError as exc:
+                if i == len(relays) - 1:
+                    raise
+                log.warning("%s; trying the next relay", exc)
+
+    async def _choose_relays(self) -> list[str]:
+        """The relays the coordinator offers (SwarmView.relays) that answer, by their round
+        trip (TCP connects), lowest first. The coordinator comes from --join, or from the
+        bootstrap peers, and is kept as this node's. StartupError if there is none to ask, or
+        no relay is offered or answers."""
         cfg = self.config
-        if cfg.relay is not None:
+        timeout_s = cfg.transport.connect_timeout_s
+        try:
+            if self.found is None:
+                if cfg.join not in (None, JOIN_AUTO, JOIN_ELECT):
+                    assert cfg.join is not None
+                    self.found = Found(cfg.join, pb.FOUND_VIA_CONFIG)
+                else:
+                    self.found = await locate_coordinator(
+                        swarm=cfg.swarm_name, discovery=None, peers=cfg.peers,
+                        ask=grpc_status_asker(cfg.transport), timeout_s=timeout_s,
+                    )  # fmt: skip
+            address = self.found.address
+            async with grpc.aio.insecure_channel(
+                address, options=channel_options(cfg.transport)
+            ) as channel:
+                with coordinator_errors(address):
+                    view: pb.SwarmView = await pb_grpc.CoordinatorStub(channel).Swarm(
+                        pb.SwarmRequest(), timeout=timeout_s
+                    )
+        except PeerError as exc:
+            raise StartupError(
+                f"--no-inbound: cannot ask the coordinator for a relay: {exc}"
+            ) from None
+        offers = [o for o in view.relays[:MAX_RELAY_OFFERS] if _is_address(o.address)]
+        if not offers:
+            raise StartupError(
+                f"--no-inbound: coordinator {address} offers no relay: start a reachable node "
+                "with --relay-listen HOST:PORT, or name one with --relay"
+            )
+        rtts = await asyncio.gather(*(connect_rtt(o.address, RELAY_RTT_TIMEOUT_S) for o in offers))
+        answered = [(rtt, o) for rtt, o in zip(rtts, offers, strict=True) if rtt is not None]
+        if not answered:
+            raise StartupError(
+                "--no-inbound: no relay the coordinator offers answers: "
+                + ", ".join(f"{o.node_id} at {o.address}" for o in offers)
+            )
+        answered.sort(key=lambda a: a[0])
+        rtt, best = answered[0]
+        log.info("relay chosen: %s at %s (round trip %.1f ms, of %d offered, %d answered)",
+                 best.node_id, best.address, rtt * 1e3, len(offers), len(answered))  # fmt: skip
+        return [o.address for _, o in answered]
+
+    async def _open_relays(self, host: str, port: int, relay_address: str | None) -> None:
+        """A relay (--relay, or chosen): open this node's tunnel (its address is then the
+        relay's port for it). --relay-listen: start serving as a relay. StartupError if either
+        cannot."""
+        cfg = self.config
+        if relay_address is not None and self._tunnel is None:
             local = f"{'127.0.0.1' if ipaddress_is_wildcard(host) else host}:{port}"
-            self._tunnel = TunnelClient(
-                cfg.relay, self.node_id, local, connect_timeout_s=cfg.transport.connect_timeout_s
+            tunnel = TunnelClient(
+                relay_address,
+                self.node_id,
+                local,
+                connect_timeout_s=cfg.transport.connect_timeout_s,
             )
             try:
-                self.address = await self._tunnel.open()
-                self._relay_node_id = self._tunnel.relay_node_id
+                self.address = await tunnel.open()
             except PeerError as exc:
-                raise StartupError(f"cannot be reached through relay {cfg.relay}: {exc}") from None
+                tunnel.close()
+                raise StartupError(
+                    f"cannot be reached through relay {relay_address}: {exc}"
+                ) from None
+            self._tunnel, self._relay_node_id = tunnel, tunnel.relay_node_id
         if cfg.relay_listen is not None:
             public = split_host_port(cfg.advertise or cfg.relay_listen)[0]
             relay = RelayServer(cfg.relay_listen, public, node_id=self.node_id)
@@ -570,12 +665,10 @@ class NodeDaemon:
             self._relay = relay
 
     async def _check_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
-        """Link probes: under epoch 0 a member measuring its link to this coordinator before the
-        plan; under a plan's epoch, a neighbour of this node's stage. Refusal otherwise."""
-        if epoch == 0:
-            service = self.coordinator
-            if service is None:
-                raise Refusal(grpc.StatusCode.UNAVAILABLE, "this node is not the coordinator")
+        """Link probes: under epoch 0 a member measuring its link to this coordinator or this
+        node; under a plan's epoch, a neighbour of this node's stage. Refusal otherwise."""
+        service = self.coordinator
+        if epoch == 0 and service is not None:
             service.check_link_probe(peer_node_id, nbytes)
             return
         assert self._worker is not None
@@ -604,6 +697,7 @@ class NodeDaemon:
             probe=probe_node,
             reach=partial(probe_node, tries=1),
             node_id=self.node_id,
+            relay_address=self._relay.address if self._relay is not None else "",
         )
 
     def _ballot(self) -> Ballot:
@@ -956,11 +1050,12 @@ class NodeDaemon:
             if self._votes is not None
             else 0,
         )
-        if self.config.relay is not None:
-            status.relay = self.config.relay
+        if self._tunnel is not None:
+            status.relay = self._tunnel.relay
         if self._relay is not None:
             status.relay_address = self._relay.address
             status.relayed.update(self._relay.tunnels())
+            status.relayed_bytes.update(self._relay.bytes_carried())
         if self.found is not None:
             status.coordinator_address = self.found.address
             status.coordinator_found_via = self.found.via
@@ -983,6 +1078,14 @@ class NodeDaemon:
             if not brief:  # the digest waits for the compute thread
                 status.params_sha256 = await runtime.params_digest()
         return status
+
+
+def _is_address(text: str) -> bool:
+    try:
+        split_host_port(text)
+    except ConfigError:
+        return False
+    return True
 
 
 def ipaddress_is_wildcard(host: str) -> bool:

@@ -18,6 +18,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager, contextmanager
@@ -41,10 +43,23 @@ from ravnest_node.checkpoint import (
 )
 from ravnest_node.coordination.coordinator import LOST_AFTER_LEASES, PROTOCOL
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S, heartbeat_interval
-from ravnest_node.coordination.negotiate import MAX_OFFERS
-from ravnest_node.coordination.static_plan import check_plan, has_node, replica_group, stage_at
+from ravnest_node.coordination.negotiate import MAX_OFFERS, MAX_PEER_LINKS
+from ravnest_node.coordination.static_plan import (
+    check_plan,
+    dials_back,
+    has_node,
+    replica_group,
+    stage_at,
+)
 from ravnest_node.daemon.capabilities import measure
-from ravnest_node.errors import ConfigError, PeerError, PeerRefused, PeerUnavailable, RunFailed
+from ravnest_node.errors import (
+    ConfigError,
+    FrameError,
+    PeerError,
+    PeerRefused,
+    PeerUnavailable,
+    RunFailed,
+)
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.handoff import CHUNK_BYTES, BlockAssembler, BlockWeights, to_chunks
@@ -52,19 +67,30 @@ from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
 from ravnest_node.pipeline.stage import Averaging, StageRuntime, StageSpec, StepReport
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.state import valid_node_id
 from ravnest_node.transport.boundary import (
     Accept,
     BoundaryLink,
+    LinkAborted,
     LinkCounters,
     Refusal,
+    run_back_stream,
     run_client_stream,
 )
 from ravnest_node.transport.frames import FrameLimits
-from ravnest_node.transport.options import TransportConfig, channel_options, is_loopback
+from ravnest_node.transport.options import (
+    TransportConfig,
+    channel_options,
+    is_loopback,
+    split_host_port,
+)
 from ravnest_node.transport.probe import (
+    MIN_PROBE_COST,
     PROBE_BUDGET_BYTES,
     LinkEstimate,
+    ProbeBusy,
     ProbePlan,
+    ProbeTurns,
     measure_link,
     probe_sender,
 )
@@ -84,6 +110,20 @@ COORDINATOR_LOST_S = 3.0
 BREAK_WAIT_LEASES = 4
 # A checkpoint copy must come at least this fast (bits per second), after the connect timeout.
 COPY_MIN_BPS = 1e6
+# A probe under epoch 0 from an id this node does not know as measuring asks the coordinator
+# for its members at most this often, and what it said holds this long.
+MEMBERS_ASK_S = 0.5
+MEMBERS_KEEP_S = 10.0
+# A measurement refused as busy (another node measures the peer) is tried again after a pause
+# of this many seconds (a random one in the range), for up to MEASURE_TURN_WAIT_S.
+MEASURE_RETRY_S = (0.2, 1.0)
+MEASURE_TURN_WAIT_S = 30.0
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as seen (nobody waits for it any more)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _peer_fault(exc: BaseException) -> PeerUnavailable | PeerRefused | None:
@@ -140,6 +180,25 @@ class _Session:
     downstream_node_id: str = ""
     probe_bytes: dict[str, int] = field(default_factory=dict)
     """Probe bytes received per neighbour under this plan (bounded by PROBE_BUDGET_BYTES)."""
+    opens_upstream: bool = False
+    """This stage opens its upstream stream itself (BoundaryBack: this node is behind NAT and
+    its upstream's is not); a forward Boundary from upstream is refused."""
+    downstream_opens: bool = False
+    """Its downstream stage opens their stream (BoundaryBack); this stage waits for it."""
+    dial_in: _DialIn | None = None
+    """That stream, once this stage waits for it (`_await_dial_in`)."""
+
+
+@dataclass(slots=True)
+class _DialIn:
+    """The downstream stream a stage waits for its downstream stage to open (BoundaryBack)."""
+
+    link: BoundaryLink
+    accept: Accept
+    ended: asyncio.Future[None]
+    """How the stream ended (an exception: broken)."""
+    taken: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the downstream has opened it (only once)."""
 
 
 class Worker:
@@ -176,6 +235,8 @@ class Worker:
         self._notifying: asyncio.Future[None] | None = None
         self._suspecting: set[asyncio.Task[None]] = set()
         """Suspect calls in flight (kept: the loop holds only weak references to tasks)."""
+        self._dialing: set[asyncio.Task[None]] = set()
+        """Upstream streams this node opened itself (BoundaryBack), while they run."""
         """The copy being fetched (one at a time; a copy due meanwhile is skipped)."""
         self._resume = resume
         self._writing: asyncio.Task[Manifest] | None = None
@@ -231,6 +292,8 @@ class Worker:
         """What this node measured for the swarm's model (sent again to a new coordinator)."""
         self.relay_node_id = ""
         """Behind NAT: the relay this node is reached through (told to the planner)."""
+        self.relay_address = ""
+        """The relay this node serves (--relay-listen), offered to the coordinator."""
         self.run_finished = False
         """This node's stage trained the run's last step."""
         self._heartbeats_failing_since: float | None = None
@@ -238,6 +301,14 @@ class Worker:
         self._left_behind: set[asyncio.Task[None]] = set()
         """Plan streams from a coordinator left behind that did not end at once when cancelled
         (awaited when the node stops)."""
+        self._measuring: dict[str, float] = {}
+        """Members measuring their links as the coordinator last listed them (who may probe
+        under epoch 0): node id -> when that began (SwarmMember.measuring_since); when it was
+        asked (loop time), and the probe bytes each has sent per measuring."""
+        self._measuring_asked_at = -math.inf
+        self._measuring_ask: asyncio.Task[None] | None = None
+        self._member_probe_bytes: dict[tuple[str, float], int] = {}
+        self._probe_turns = ProbeTurns()
 
     @property
     def runtime(self) -> StageRuntime | None:
@@ -266,7 +337,7 @@ class Worker:
         self.stopping = True
         if self._copying is not None:
             self._copying.cancel()
-        for task in self._suspecting:
+        for task in (*self._suspecting, *self._dialing):
             task.cancel()
         await self._notify()
 
@@ -275,10 +346,11 @@ class Worker:
         return reply
 
     async def _probe_link(
-        self, address: str, peer: str, *, epoch: int, pace_bps: float = 0.0
+        self, address: str, peer: str, *, epoch: int, pace_bps: float = 0.0, pull: bool = False
     ) -> LinkEstimate:
         """Measure the link to the node at `address` with link probes under `epoch` (its
-        bytes counted for `peer`); PeerUnavailable / PeerRefused if it cannot."""
+        bytes counted for `peer`), from this node, or with `pull` to it; PeerUnavailable /
+        PeerRefused if it cannot."""
         async with open_channel(address, self._transport) as channel:
             send = probe_sender(
                 channel,
@@ -288,8 +360,71 @@ class Worker:
                 counters=self.counters,
                 timeout_s=self._transport.connect_timeout_s,
                 pace_bps=pace_bps,
+                pull=pull,
             )
             return await measure_link(send, ProbePlan.within(self._transport.max_message_bytes))
+
+    async def _measure_in_turn(self, address: str, peer: str, *, pull: bool) -> LinkEstimate:
+        """`_probe_link` under epoch 0, tried again after a short random pause while the peer
+        is busy being measured by another node, for up to MEASURE_TURN_WAIT_S."""
+        deadline = asyncio.get_running_loop().time() + MEASURE_TURN_WAIT_S
+        while True:
+            try:
+                return await self._probe_link(address, peer, epoch=0, pull=pull)
+            except ProbeBusy:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+            await asyncio.sleep(random.uniform(*MEASURE_RETRY_S))  # a back-off, not a wait
+
+    async def _measure_peers(self, coordinator_link: LinkEstimate | None) -> list[pb.PeerLink]:
+        """This node's links to the members that joined before it, on other hosts (at most
+        MAX_PEER_LINKS, one after another so that they do not share the link): each measured
+        with link probes under epoch 0, pushed then pulled (the coordinator's own node: pulled
+        only, its push is `coordinator_link`). Every pair of members is so measured once, by the
+        later to join. Best effort: a member that cannot be probed is left out (the planner
+        then goes by uplinks)."""
+        try:
+            with coordinator_errors(self.coordinator):
+                view = await self._stub().Swarm(
+                    pb.SwarmRequest(), timeout=self._transport.connect_timeout_s
+                )
+        except PeerError as exc:
+            log.info("links to peers not measured: %s", exc)
+            return []
+        ids = [m.node_id for m in view.members]
+        if self.node_id not in ids:
+            return []
+        host = split_host_port(self._address)[0]
+        links: list[pb.PeerLink] = []
+        for m in view.members[: ids.index(self.node_id)]:
+            if len(links) >= MAX_PEER_LINKS:
+                break
+            try:
+                if m.left or m.lease_expired or not valid_node_id(m.node_id):
+                    continue
+                if not (self.relay_node_id or m.relay_node_id) and (
+                    split_host_port(m.address)[0] == host
+                ):
+                    continue  # one machine: memory, not a network
+                if m.relay_node_id and not self.relay_node_id:
+                    continue  # only through its relay, but their stream would go straight
+                to = coordinator_link if m.address == self.coordinator else None
+                if to is None:
+                    to = await self._measure_in_turn(m.address, m.node_id, pull=False)
+                back = await self._measure_in_turn(m.address, m.node_id, pull=True)
+            except (PeerError, ConfigError) as exc:
+                log.info("link to %s not measured: %s", m.node_id[:64], exc)
+                continue
+            link = pb.PeerLink(
+                node_id=m.node_id,
+                to_bps=to.bandwidth_bps,
+                from_bps=back.bandwidth_bps,
+                rtt_s=min(to.rtt_s, back.rtt_s),
+            )
+            log.info("link to %s: %.1f Mbit/s there, %.1f back, round trip %.1f ms", m.node_id,
+                     link.to_bps / 1e6, link.from_bps / 1e6, link.rtt_s * 1e3)  # fmt: skip
+            links.append(link)
+        return links
 
     async def _measure_coordinator_link(self) -> LinkEstimate | None:
         """This node's link to the coordinator, for the planner (Capabilities.uplink_bps):
@@ -407,13 +542,19 @@ class Worker:
             )
         return session
 
-    async def open_session(self, peer_node_id: str, epoch: int) -> tuple[BoundaryLink, Accept]:
-        """Called by the gRPC server when the previous stage opens its boundary stream. The
-        previous stage may have the plan a moment before this node: wait for it, within the
-        connect timeout."""
+    async def open_session(
+        self, peer_node_id: str, epoch: int, *, back: bool = False
+    ) -> tuple[BoundaryLink, Accept]:
+        """Called by the gRPC server when the previous stage opens its boundary stream (or,
+        `back`, by `_dial_upstream` when this stage opens it). The previous stage may have the
+        plan a moment before this node: wait for it, within the connect timeout."""
         session = await self._session_at(epoch, "stream")
         if session.runtime.spec.is_first:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the first stage has no upstream")
+        if session.opens_upstream != back:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this stage opens the stream to its upstream itself (BoundaryBack)"
+                          if session.opens_upstream else "not a BoundaryBack stage")  # fmt: skip
         if peer_node_id != session.upstream_node_id:
             raise Refusal(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -450,10 +591,109 @@ class Worker:
     def on_refused(self, reason: str) -> None:
         self.frames_refused += 1
 
+    async def dial_in(
+        self, peer_node_id: str, epoch: int
+    ) -> tuple[BoundaryLink, Accept, Callable[[BaseException | None], None]]:
+        """Called by the gRPC server when the next stage opens `BoundaryBack` (it is behind NAT,
+        this node is not): the stream this stage waits for (`_await_dial_in`), once it waits
+        (within the connect timeout); Refusal otherwise."""
+        session = await self._session_at(epoch, "stream")
+        if not peer_node_id or peer_node_id != session.downstream_node_id:
+            raise Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"unknown peer {peer_node_id[:80]!r}: the plan's downstream is "
+                f"{session.downstream_node_id or 'none'}",
+            )
+        if not session.downstream_opens:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this stage opens the stream to its downstream (Boundary)")  # fmt: skip
+        await self._wait(lambda: session.dial_in is not None or self._session is not session,
+                         "this stage does not wait for its downstream's stream yet")  # fmt: skip
+        slot = session.dial_in
+        if slot is None or self._session is not session:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "this stage's plan has moved on")
+        if slot.taken.is_set():
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, "the downstream stream is already open")
+        slot.taken.set()
+
+        def finish(error: BaseException | None) -> None:
+            if slot.ended.done():
+                return
+            if error is None:
+                slot.ended.set_result(None)
+            elif isinstance(error, asyncio.CancelledError):  # the call ended under it
+                slot.ended.set_exception(PeerUnavailable(f"stream from {peer_node_id} broke"))
+            else:
+                slot.ended.set_exception(error)
+
+        return slot.link, slot.accept, finish
+
+    async def _await_dial_in(self, link: BoundaryLink, accept: Accept) -> None:
+        """This stage's downstream stream when its downstream opens it (BoundaryBack): until it
+        ends, as `run_client_stream` would. PeerUnavailable if it is not opened within twice
+        the connect timeout (a neighbour gets as long to connect, then to get the plan). If
+        this stage gives up first (its plan broke), the stream is aborted, so the downstream
+        learns it."""
+        session = self._session
+        assert session is not None
+        slot = _DialIn(link, accept, asyncio.get_running_loop().create_future())
+        session.dial_in = slot
+        log.info("downstream %s is behind NAT: it opens the stream to this node", link.peer)
+        await self._notify()
+        try:
+            try:
+                async with asyncio.timeout(2 * self._transport.connect_timeout_s):
+                    await slot.taken.wait()
+            except TimeoutError:
+                raise PeerUnavailable(
+                    f"{link.peer} did not open its boundary stream within "
+                    f"{2 * self._transport.connect_timeout_s:g} s"
+                ) from None
+            await slot.ended
+        finally:
+            if not slot.ended.done():
+                link.abort("this stage gave up")  # ends the downstream's call, if open
+                slot.ended.add_done_callback(_retrieve)
+
+    async def _dial_upstream(self, plan: pb.Plan, upstream: pb.StageAssignment) -> None:
+        """This stage's node is behind NAT and its upstream's is not: open the upstream
+        stream (BoundaryBack) straight to it, and run it as the server half would
+        (`open_session`, `close_session`: a fault breaks the plan through upstream_failed). It
+        runs beside the stage, as the server half of a stream does, until the upstream ends
+        its half (or the stream breaks)."""
+        session = self._session
+        assert session is not None
+        log.info("behind NAT: opening the stream to upstream %s at %s from this side",
+                 upstream.node_id, upstream.address)  # fmt: skip
+        try:
+            async with open_channel(upstream.address, self._transport) as channel:
+                link, accept = await self.open_session(upstream.node_id, plan.epoch, back=True)
+                error: BaseException | None = None
+                try:
+                    await run_back_stream(channel, link, node_id=self.node_id,
+                                          epoch=plan.epoch, limits=self.limits, accept=accept,
+                                          on_refused=self.on_refused)  # fmt: skip
+                except (PeerError, FrameError, LinkAborted) as exc:
+                    error = exc
+                except asyncio.CancelledError:  # the node stops: nobody waits for the stream
+                    if session.runtime.upstream is link:
+                        session.runtime.upstream = None
+                    raise
+                self.close_session(link, error)
+        except (PeerError, Refusal) as exc:  # no channel, or no session to attach to
+            if not session.upstream_failed.done() and not session.runtime.done:
+                session.upstream_failed.set_exception(
+                    PeerUnavailable(f"cannot open the stream to {upstream.node_id}: {exc}")
+                )
+
     async def check_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
         """Called by the gRPC server for each link probe: only the plan's neighbours of this
         stage may probe, under the current epoch, within PROBE_BUDGET_BYTES each; Refusal
-        otherwise. Waits for the plan like `open_session`."""
+        otherwise. Waits for the plan like `open_session`. Under epoch 0 (before a plan, or a
+        newcomer measuring its links), any member may (`_check_member_probe`)."""
+        if epoch == 0:
+            await self._check_member_probe(peer_node_id, nbytes)
+            return
         session = await self._session_at(epoch, "probe")
         if not peer_node_id or peer_node_id not in (
             session.upstream_node_id,
@@ -470,6 +710,71 @@ class Worker:
                 f"{peer_node_id} has sent {PROBE_BUDGET_BYTES} bytes of probes under this plan",
             )
         session.probe_bytes[peer_node_id] = total
+
+    async def _check_member_probe(self, peer_node_id: str, nbytes: int) -> None:
+        """A probe under epoch 0: only from a member measuring its links, as the coordinator
+        lists them (`_measuring_since`), within PROBE_BUDGET_BYTES each time it measures, one
+        prober at a time (`ProbeTurns`); Refusal otherwise."""
+        if not valid_node_id(peer_node_id):
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, "probe without a valid node id")
+        since = await self._measuring_since(peer_node_id)
+        if since is None:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{peer_node_id} is not a member measuring its links")  # fmt: skip
+        key = (peer_node_id, since)
+        total = self._member_probe_bytes.get(key, 0) + max(nbytes, MIN_PROBE_COST)
+        if total > PROBE_BUDGET_BYTES:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{peer_node_id} has sent {PROBE_BUDGET_BYTES} bytes of probes",
+            )
+        self._probe_turns.take(peer_node_id)
+        self._member_probe_bytes[key] = total
+
+    async def _measuring_since(self, node_id: str) -> float | None:
+        """When member `node_id` began measuring its links, as the coordinator says (None: it
+        is not measuring). An answer is kept MEMBERS_KEEP_S; an id not in it waits for an
+        answer asked after the probe came (one ask at a time, shared by every probe waiting,
+        at most every MEMBERS_ASK_S). Refusal if the coordinator cannot be asked."""
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        if arrived - self._measuring_asked_at < MEMBERS_KEEP_S and node_id in self._measuring:
+            return self._measuring[node_id]
+        if not self.coordinator:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "this node has no coordinator yet")
+        while True:
+            ask = self._measuring_ask
+            if ask is not None and (not ask.done() or self._measuring_asked_at >= arrived):
+                try:
+                    await asyncio.shield(ask)
+                except PeerError as exc:
+                    raise Refusal(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"cannot ask the coordinator for its members: {exc}",
+                    ) from None
+                if self._measuring_asked_at >= arrived:  # an answer newer than the probe
+                    return self._measuring.get(node_id)
+                continue
+            wait = self._measuring_asked_at + MEMBERS_ASK_S - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)  # a rate limit on asking, not a wait for an event
+                continue
+            self._measuring_asked_at = loop.time()
+            self._measuring_ask = asyncio.create_task(self._ask_measuring())
+            self._measuring_ask.add_done_callback(_retrieve)
+
+    async def _ask_measuring(self) -> None:
+        """Ask the coordinator which members measure their links now (`_measuring`)."""
+        with coordinator_errors(self.coordinator):
+            view = await self._stub().Swarm(
+                pb.SwarmRequest(), timeout=self._transport.connect_timeout_s
+            )
+        self._measuring = {m.node_id: m.measuring_since for m in view.members
+                           if m.measuring_since > 0 and not m.left}  # fmt: skip
+        measuring = set(self._measuring.items())  # the budgets of measurings that are over go
+        self._member_probe_bytes = {
+            key: n for key, n in self._member_probe_bytes.items() if key in measuring
+        }
 
     async def _measure_links(
         self,
@@ -548,6 +853,8 @@ class Worker:
             if link is not None:
                 caps.uplink_bps, caps.rtt_s = link.bandwidth_bps, link.rtt_s
             caps.relay_node_id = self.relay_node_id
+            caps.relay_address = self.relay_address
+            caps.peer_links.extend(await self._measure_peers(link))
             if self._resume and self._checkpoints is not None:
                 found = await asyncio.to_thread(self._verified_checkpoints, get_model(reply.model))
                 caps.checkpoints.extend(m.offer() for m in found[:MAX_OFFERS])
@@ -1436,6 +1743,8 @@ class Worker:
             upstream_id,
             loop.create_future(),
             downstream_node_id="" if downstream is None else downstream.node_id,
+            opens_upstream=upstream is not None and dials_back(upstream, me),
+            downstream_opens=downstream is not None and dials_back(me, downstream),
         )
         await self._notify()
         log.info(
@@ -1522,9 +1831,13 @@ class Worker:
             await runtime.run()
             reports.put_nowait(None)
 
-        # `auto` codecs: measure the links this stage sends on before its first frame.
+        # `auto` codecs: measure the links this stage sends on before its first frame. Not to
+        # a downstream behind NAT that opens the stream itself: probes would go through its
+        # relay, the activations straight (the codec keeps the smallest, as for a link that
+        # cannot be measured).
+        reached = downstream if downstream is not None and not dials_back(me, downstream) else None
         neighbours = [
-            (downstream, runtime.activation_codec, run.link_pace_bps(spec.index)),
+            (reached, runtime.activation_codec, run.link_pace_bps(spec.index)),
             (upstream, runtime.gradient_codec, run.link_pace_bps(spec.index - 1)),
         ]
         await self._measure_links(
@@ -1536,15 +1849,23 @@ class Worker:
                 tg.create_task(send_reports())
                 upstream_watch = tg.create_task(watch_upstream())
                 drain = tg.create_task(drain_when_replanned()) if spec.is_first else None
+                if upstream is not None and dials_back(upstream, me):
+                    dial = asyncio.create_task(self._dial_upstream(plan, upstream))
+                    self._dialing.add(dial)
+                    dial.add_done_callback(self._dialing.discard)
                 if downstream is not None:
+                    link = BoundaryLink(
+                        downstream.node_id,
+                        self.counters,
+                        runtime.window,
+                        pace_bps=run.link_pace_bps(spec.index),
+                    )
+                    runtime.downstream = link
+                if downstream is not None and dials_back(me, downstream):
+                    tg.create_task(run_stage())
+                    await self._await_dial_in(link, runtime.accept_from_downstream)
+                elif downstream is not None:
                     async with open_channel(downstream.address, self._transport) as channel:
-                        link = BoundaryLink(
-                            downstream.node_id,
-                            self.counters,
-                            runtime.window,
-                            pace_bps=run.link_pace_bps(spec.index),
-                        )
-                        runtime.downstream = link
                         tg.create_task(run_stage())
                         await run_client_stream(
                             channel,

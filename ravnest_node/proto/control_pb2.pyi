@@ -165,7 +165,7 @@ class JoinRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("block_s", "memory_bytes", "device", "checkpoints", "uplink_bps", "rtt_s", "relay_node_id")
+    __slots__ = ("block_s", "memory_bytes", "device", "checkpoints", "uplink_bps", "rtt_s", "relay_node_id", "peer_links", "relay_address")
     BLOCK_S_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,8 @@ class Capabilities(_message.Message):
     UPLINK_BPS_FIELD_NUMBER: _ClassVar[int]
     RTT_S_FIELD_NUMBER: _ClassVar[int]
     RELAY_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_LINKS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     block_s: _containers.RepeatedScalarFieldContainer[float]
     memory_bytes: int
     device: str
@@ -180,7 +182,21 @@ class Capabilities(_message.Message):
     uplink_bps: float
     rtt_s: float
     relay_node_id: str
-    def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ...) -> None: ...
+    peer_links: _containers.RepeatedCompositeFieldContainer[PeerLink]
+    relay_address: str
+    def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., relay_address: _Optional[str] = ...) -> None: ...
+
+class PeerLink(_message.Message):
+    __slots__ = ("node_id", "to_bps", "from_bps", "rtt_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_BPS_FIELD_NUMBER: _ClassVar[int]
+    FROM_BPS_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    to_bps: float
+    from_bps: float
+    rtt_s: float
+    def __init__(self, node_id: _Optional[str] = ..., to_bps: _Optional[float] = ..., from_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointOffer(_message.Message):
     __slots__ = ("step", "first_block", "stop_block", "run_key", "pipeline", "stage", "plan_epoch")
@@ -311,20 +327,22 @@ class RunSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline")
+    __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline", "relayed")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     STOP_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     index: int
     first_block: int
     stop_block: int
     node_id: str
     address: str
     pipeline: int
-    def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ...) -> None: ...
+    relayed: bool
+    def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ..., relayed: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("epoch", "swarm_id", "run", "stages", "start_step", "pending", "previous", "restore")
@@ -461,7 +479,7 @@ class StatusRequest(_message.Message):
     def __init__(self, brief: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term", "relay", "relay_address", "relayed")
+    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term", "relay", "relay_address", "relayed", "relayed_bytes")
     class RelayedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +487,13 @@ class NodeStatus(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class RelayedBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -493,6 +518,7 @@ class NodeStatus(_message.Message):
     RELAY_FIELD_NUMBER: _ClassVar[int]
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     plan_epoch: int
@@ -517,14 +543,15 @@ class NodeStatus(_message.Message):
     relay: str
     relay_address: str
     relayed: _containers.ScalarMap[str, str]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., relayed: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    relayed_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., relayed: _Optional[_Mapping[str, str]] = ..., relayed_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class SwarmRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SwarmMember(_message.Message):
-    __slots__ = ("node_id", "address", "compute_s", "speed", "silent_s", "lease_expired", "left", "checkpoint_step", "uplink_bps", "rtt_s", "relay_node_id")
+    __slots__ = ("node_id", "address", "compute_s", "speed", "silent_s", "lease_expired", "left", "checkpoint_step", "uplink_bps", "rtt_s", "relay_node_id", "peer_links", "measuring_since")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -536,6 +563,8 @@ class SwarmMember(_message.Message):
     UPLINK_BPS_FIELD_NUMBER: _ClassVar[int]
     RTT_S_FIELD_NUMBER: _ClassVar[int]
     RELAY_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_LINKS_FIELD_NUMBER: _ClassVar[int]
+    MEASURING_SINCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     compute_s: float
@@ -547,10 +576,12 @@ class SwarmMember(_message.Message):
     uplink_bps: float
     rtt_s: float
     relay_node_id: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ..., silent_s: _Optional[float] = ..., lease_expired: _Optional[bool] = ..., left: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ...) -> None: ...
+    peer_links: _containers.RepeatedCompositeFieldContainer[PeerLink]
+    measuring_since: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ..., silent_s: _Optional[float] = ..., lease_expired: _Optional[bool] = ..., left: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., measuring_since: _Optional[float] = ...) -> None: ...
 
 class SwarmView(_message.Message):
-    __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done")
+    __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done", "relays")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -559,6 +590,7 @@ class SwarmView(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     swarm_size: int
     members: _containers.RepeatedCompositeFieldContainer[SwarmMember]
@@ -567,4 +599,13 @@ class SwarmView(_message.Message):
     samples: int
     samples_per_s: float
     done: bool
-    def __init__(self, swarm_id: _Optional[str] = ..., swarm_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[SwarmMember, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., done: _Optional[bool] = ...) -> None: ...
+    relays: _containers.RepeatedCompositeFieldContainer[RelayOffer]
+    def __init__(self, swarm_id: _Optional[str] = ..., swarm_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[SwarmMember, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., done: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayOffer, _Mapping]]] = ...) -> None: ...
+
+class RelayOffer(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...

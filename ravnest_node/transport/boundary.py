@@ -4,6 +4,13 @@ Stage k opens `/ravnest.v1.Pipeline/Boundary` on stage k+1's server. Activations
 request direction, activation gradients in the response direction, both as tensor frames
 (`frames.py`) in raw-bytes messages: no protobuf (de)serialisation of large tensors.
 
+A stage whose node is behind NAT (reached through a relay) and whose previous stage's node is
+not opens the stream itself, straight to the previous stage: `/ravnest.v1.Pipeline/BoundaryBack`
+on stage k's server, opened by stage k+1. Activations then flow in the response direction and
+gradients in the request direction. A server cannot end its half of a stream and still read, so
+stage k ends its activations with one empty message (`END_OF_STREAM`; frames are never empty),
+after which stage k+1 sends its last gradients and ends its half, and stage k's server returns.
+
 Each side of a stream is a `BoundaryLink`: a bounded outbox drained by a writer (so `send`
 blocks when the peer is slow: HTTP/2 flow control is the backpressure) and a reader that parses
 every received message and hands it to an `accept` callback, which validates it against the plan.
@@ -16,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +38,10 @@ log = logging.getLogger(__name__)
 SERVICE = "ravnest.v1.Pipeline"
 METHOD = "Boundary"
 PATH = f"/{SERVICE}/{METHOD}"
+BACK_METHOD = "BoundaryBack"
+BACK_PATH = f"/{SERVICE}/{BACK_METHOD}"
+END_OF_STREAM = b""
+"""On `BoundaryBack`, the upstream stage's last message: no more activations."""
 # Initial metadata of a boundary stream: who is sending, under which plan epoch.
 NODE_ID_KEY = "ravnest-node-id"
 EPOCH_KEY = "ravnest-plan-epoch"
@@ -127,12 +139,17 @@ async def pump_reads(
     limits: FrameLimits,
     accept: Accept,
     on_refused: Callable[[str], None],
-) -> None:
-    """Read, parse and hand over frames until the other side ends its half of the stream.
+    *,
+    until_end: bool = False,
+) -> bool:
+    """Read, parse and hand over frames until the other side ends its half of the stream, or
+    (`until_end`) sends `END_OF_STREAM`; True if it did.
 
     Raises FrameError for the first frame that is malformed or refused by `accept`, after
     telling `on_refused` why."""
     while (message := await read()) is not grpc.aio.EOF:
+        if until_end and message == END_OF_STREAM:
+            return True
         try:
             if not isinstance(message, bytes):
                 raise FrameError("boundary messages must be raw bytes")
@@ -140,6 +157,7 @@ async def pump_reads(
         except FrameError as exc:
             on_refused(str(exc))
             raise
+    return False
 
 
 async def _both(first: Coroutine[Any, Any, None], second: Coroutine[Any, Any, None]) -> None:
@@ -151,6 +169,24 @@ async def _both(first: Coroutine[Any, Any, None], second: Coroutine[Any, Any, No
             tg.create_task(second)
     except BaseExceptionGroup as group:
         raise group.exceptions[0] from None
+
+
+@contextmanager
+def _call_faults(call: Any, peer: str) -> Iterator[None]:
+    """A boundary call's failures as PeerUnavailable / PeerRefused; the call is cancelled on
+    the way out (a no-op once it has ended)."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            raise PeerUnavailable(f"stream to {peer} broke: {exc.details()}") from None
+        raise PeerRefused(
+            f"{peer} refused the boundary stream: {exc.code().name}: {exc.details()}"
+        ) from None
+    except asyncio.InvalidStateError:  # a write after the call ended
+        raise PeerUnavailable(f"{peer} ended the boundary stream early") from None
+    finally:
+        call.cancel()
 
 
 async def run_client_stream(
@@ -180,18 +216,48 @@ async def run_client_stream(
         if not link.closing:
             raise PeerUnavailable(f"{link.peer} ended the boundary stream before the run did")
 
-    try:
+    with _call_faults(call, link.peer):
         await _both(write_all(), read_all())
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-            raise PeerUnavailable(f"stream to {link.peer} broke: {exc.details()}") from None
-        raise PeerRefused(
-            f"{link.peer} refused the boundary stream: {exc.code().name}: {exc.details()}"
-        ) from None
-    except asyncio.InvalidStateError:  # a write after the call ended
-        raise PeerUnavailable(f"{link.peer} ended the boundary stream early") from None
-    finally:
-        call.cancel()
+
+
+async def run_back_stream(
+    channel: grpc.aio.Channel,
+    link: BoundaryLink,
+    *,
+    node_id: str,
+    epoch: int,
+    limits: FrameLimits,
+    accept: Accept,
+    on_refused: Callable[[str], None],
+) -> None:
+    """The downstream stage's side of `BoundaryBack`: open it on the upstream stage's server
+    and move frames both ways (activations in, through `accept`; gradients out, from `link`)
+    until the upstream has said it is done and this side's queued frames are out. Raises
+    PeerRefused / PeerUnavailable for gRPC failures or a stream the upstream ends early, and
+    FrameError for a frame it sent that `accept` refused."""
+    call = channel.stream_stream(BACK_PATH)(
+        metadata=((NODE_ID_KEY, node_id), (EPOCH_KEY, str(epoch))),
+    )
+
+    async def read_all() -> None:
+        if not await pump_reads(call.read, limits, accept, on_refused, until_end=True):
+            raise PeerUnavailable(f"{link.peer} ended the boundary stream before the run did")
+        await link.close()  # the upstream is done: this side's last gradients, then the end
+
+    async def write_all() -> None:
+        await link.pump_writes(call.write)
+        await call.done_writing()
+
+    with _call_faults(call, link.peer):
+        await _both(read_all(), write_all())
+        code = await call.code()
+        if code != grpc.StatusCode.OK:
+            raise PeerRefused(f"{link.peer} ended the boundary stream: {code.name}: "
+                              f"{await call.details()}")  # fmt: skip
+
+
+Finish = Callable[[BaseException | None], None]
+"""Told how a `BoundaryBack` stream ended on the upstream's server (None: cleanly)."""
 
 
 class BoundaryServer:
@@ -199,7 +265,9 @@ class BoundaryServer:
 
     `open_session(peer_node_id, epoch)` returns (link, accept) for the stage that owns this
     boundary, or raises Refusal; `close_session(link, error)` is told how the stream ended;
-    `on_refused(reason)` records why a frame was refused."""
+    `on_refused(reason)` records why a frame was refused. `BoundaryBack` (the downstream stage
+    opens it): `dial_in(peer_node_id, epoch)` returns (link, accept, finish) of the stage whose
+    downstream that peer is, or raises Refusal; `finish(error)` is told how it ended."""
 
     def __init__(
         self,
@@ -207,17 +275,58 @@ class BoundaryServer:
         close_session: Callable[[BoundaryLink, BaseException | None], None],
         on_refused: Callable[[str], None],
         limits: FrameLimits,
+        dial_in: Callable[[str, int], Awaitable[tuple[BoundaryLink, Accept, Finish]]] | None = None,
     ) -> None:
         self._open_session = open_session
         self._close_session = close_session
         self._on_refused = on_refused
         self._limits = limits
+        self._dial_in = dial_in
 
     def handler(self) -> Any:
         """The gRPC generic handler to add to a server."""
-        return grpc.method_handlers_generic_handler(
-            SERVICE, {METHOD: grpc.stream_stream_rpc_method_handler(self._serve)}
-        )
+        methods = {METHOD: grpc.stream_stream_rpc_method_handler(self._serve)}
+        if self._dial_in is not None:
+            methods[BACK_METHOD] = grpc.stream_stream_rpc_method_handler(self._serve_back)
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+    async def _serve_back(self, _requests: object, context: Any) -> None:
+        """`BoundaryBack`: this node's stage is the upstream one; the peer is its downstream."""
+        assert self._dial_in is not None
+        peer_id, epoch = caller(context)
+        try:
+            link, accept, finish = await self._dial_in(peer_id, epoch)
+        except Refusal as refusal:
+            log.warning("refused boundary stream from %s: %s", context.peer(), refusal.reason)
+            await context.abort(refusal.code, refusal.reason)
+            return
+
+        async def write_all() -> None:
+            await link.pump_writes(context.write)
+            await context.write(END_OF_STREAM)
+
+        async def read_all() -> None:
+            await pump_reads(context.read, self._limits, accept, self._on_refused)
+            # The downstream ends its half only after ours is done; earlier is a fault.
+            if not link.closing:
+                raise PeerUnavailable(f"{link.peer} ended the boundary stream before the run did")
+
+        error: BaseException | None = None
+        try:
+            await _both(write_all(), read_all())
+        except FrameError as exc:
+            error = exc
+            reason = f"frame refused: {exc}"
+            log.warning("%s (from %s)", reason, context.peer())
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+        except (LinkAborted, PeerUnavailable) as exc:
+            error = exc
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this stage gave up: {exc}")
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            finish(error)
 
     async def _serve(self, _requests: object, context: Any) -> None:
         peer_id, epoch = caller(context)

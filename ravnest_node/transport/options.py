@@ -45,8 +45,9 @@ def split_host_port(address: str) -> tuple[str, int]:
         len(address) > MAX_ADDRESS_LEN
         or not sep
         or not host
-        or not port.isdigit()
+        or not (port.isascii() and port.isdigit())
         or not 0 <= int(port) <= 65535
+        or not (host.isascii() and host.isprintable())
         or any(c in host for c in "/ ")
     ):
         raise ConfigError(f"{address[:80]!r} is not HOST:PORT (e.g. 127.0.0.1:7070, port 0 = any)")

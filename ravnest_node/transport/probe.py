@@ -4,22 +4,28 @@ A gRPC write completes once HTTP/2 flow control admits the message, not when the
 (grpc/grpc#21348), so write timings overstate a link. A probe is a unary call instead: it ends
 only when the peer has received the whole request and answered, so its duration is what the
 link took. `/ravnest.v1.Pipeline/Probe` is raw bytes (no protobuf): the request is N filler
-bytes, the answer is empty.
+bytes, the answer is empty. A *pulled* probe measures the other direction: its request is empty
+and asks, in the metadata (`PULL_KEY`), for an answer of N filler bytes.
 
 `measure_link` sends a few empty probes (their fastest is the RTT), then probes of growing size
 (64 KiB, doubling) until one takes `target_s` (100 ms) beyond the RTT or reaches `max_bytes`,
 and estimates bandwidth = bytes of the last probe / (its duration - RTT). Growing sizes keep the
 traffic small on a slow link (a 10 Mbit/s link stops at 128 KiB) and give HTTP/2's window time
-to open on a fast one (loopback stops at 1 MiB, ~2 MiB sent in all). Probe bytes are bytes on
-the wire: they are counted in the node's link counters like frames.
+to open on a fast one (loopback stops at 1 MiB, ~2 MiB sent in all). Pushed probe bytes are
+bytes on the wire: the prober counts them in its link counters like frames (a pulled probe's
+answer is sent by the probed node's server, which counts nothing).
 
-The server half refuses a probe larger than `MAX_PROBE_BYTES`, from a node that is not a
-neighbour in the current plan, or beyond a per-peer byte budget (`check`, given by the worker).
+The server half (`check`, given by the node) refuses a probe (either way) larger than
+`MAX_PROBE_BYTES`; under a plan's epoch, one from a node that is not a neighbour of this stage;
+under epoch 0, one from a node that is not a member measuring its links, or from a second
+prober while another measures (`ProbeTurns`); and one beyond a per-peer byte budget, which
+counts both directions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,6 +45,8 @@ from ravnest_node.transport.boundary import (
 
 METHOD = "Probe"
 PATH = f"/{SERVICE}/{METHOD}"
+PULL_KEY = "ravnest-probe-pull-bytes"
+"""Metadata of a pulled probe: the size of the answer it asks for."""
 MAX_PROBE_BYTES = 4 << 20
 """Largest probe request a node accepts."""
 DEFAULT_PROBE_BYTES = 1 << 20
@@ -46,6 +54,11 @@ DEFAULT_PROBE_BYTES = 1 << 20
 even fp32 frames fit, and a measurement then sends about 2 MiB."""
 PROBE_BUDGET_BYTES = 32 << 20
 """Probe bytes a node accepts from one peer per plan (a measurement sends about 2 MiB)."""
+MIN_PROBE_COST = 64 << 10
+"""Under epoch 0, bytes a probe costs its sender's budget at least (an empty one too)."""
+PROBE_TURN_S = 2.0
+"""Under epoch 0, a probe from another peer within this many seconds of the current prober's
+last probe is refused as busy (`ProbeTurns`)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -98,6 +111,32 @@ def estimate_bandwidth_bps(size_bytes: int, elapsed_s: float, rtt_s: float) -> f
     return size_bytes * 8 / max(elapsed_s - rtt_s, 1e-6)
 
 
+class ProbeBusy(PeerUnavailable):
+    """The peer is being measured by another node now (ABORTED): try again a little later."""
+
+
+class ProbeTurns:
+    """One prober at a time. Newcomers that start together would all measure the same early
+    member at once, sharing its link, and each would see a fraction of it. So a probe from
+    another peer within `hold_s` of the current prober's last probe is refused as busy
+    (`Refusal` ABORTED, which the prober's `send` raises as ProbeBusy)."""
+
+    def __init__(self, hold_s: float = PROBE_TURN_S, clock: Callable[[], float] = time.monotonic):
+        self._hold_s = hold_s
+        self._clock = clock
+        self._holder = ""
+        self._last = -math.inf
+
+    def take(self, peer: str) -> None:
+        now = self._clock()
+        if peer != self._holder and now - self._last < self._hold_s:
+            raise Refusal(
+                grpc.StatusCode.ABORTED,
+                "busy: another node is measuring its link to this one; try again",
+            )
+        self._holder, self._last = peer, now
+
+
 Send = Callable[[int], Awaitable[None]]
 """Sends one probe of that many bytes and returns once the peer has answered."""
 
@@ -136,10 +175,12 @@ def probe_sender(
     counters: LinkCounters,
     timeout_s: float,
     pace_bps: float = 0.0,
+    pull: bool = False,
 ) -> Send:
-    """A `Send` that probes `peer` over `channel`, counting the bytes in `counters`. Raises
-    PeerUnavailable / PeerRefused for a failed call. `pace_bps` (test only) delays each probe
-    as a link of that rate would."""
+    """A `Send` that probes `peer` over `channel`, counting the bytes sent in `counters`; with
+    `pull`, each probe asks `peer` for that many bytes instead (nothing to count: the peer sends
+    them). Raises PeerUnavailable / PeerRefused for a failed call, or for a pulled answer of
+    the wrong size. `pace_bps` (test only) delays each probe as a link of that rate would."""
     call = channel.unary_unary(PATH)
     metadata = ((NODE_ID_KEY, node_id), (EPOCH_KEY, str(epoch)))
 
@@ -147,9 +188,20 @@ def probe_sender(
         if pace_bps > 0:
             await asyncio.sleep(nbytes * 8 / pace_bps)
         try:
+            if pull:
+                answer = await call(b"", metadata=(*metadata, (PULL_KEY, str(nbytes))),
+                                    timeout=timeout_s)  # fmt: skip
+                if not isinstance(answer, bytes) or len(answer) != nbytes:
+                    raise PeerRefused(
+                        f"probe of {peer}: asked for {nbytes} bytes, got "
+                        f"{len(answer) if isinstance(answer, bytes) else '?'}"
+                    )
+                return
             await call(bytes(nbytes), metadata=metadata, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             what = f"probe of {peer}: {exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.ABORTED:
+                raise ProbeBusy(what) from None
             if exc.code() in (
                 grpc.StatusCode.UNAVAILABLE,
                 grpc.StatusCode.CANCELLED,
@@ -184,13 +236,28 @@ class ProbeServer:
         if not isinstance(request, bytes):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "probes are raw bytes")
         assert isinstance(request, bytes)
-        if len(request) > MAX_PROBE_BYTES:
+        pull = pulled_bytes(context)
+        if pull is None or (pull and request):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{PULL_KEY} must be a byte count, on an empty probe")  # fmt: skip
+        assert pull is not None
+        size = max(len(request), pull)
+        if size > MAX_PROBE_BYTES:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"probe of {len(request)} bytes exceeds the limit of {MAX_PROBE_BYTES}",
+                f"probe of {size} bytes exceeds the limit of {MAX_PROBE_BYTES}",
             )
         try:
-            await self._check(peer_id, epoch, len(request))
+            await self._check(peer_id, epoch, size)
         except Refusal as refusal:
             await context.abort(refusal.code, refusal.reason)
-        return b""
+        return bytes(pull)
+
+
+def pulled_bytes(context: Any) -> int | None:
+    """The answer's size a probe asks for (0 for a pushed probe); None if malformed."""
+    for key, value in context.invocation_metadata() or ():
+        if key == PULL_KEY:
+            text = str(value)
+            return int(text) if text.isascii() and text.isdigit() and len(text) <= 10 else None
+    return 0

@@ -36,6 +36,7 @@ import hmac
 import logging
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,27 @@ HALF_CLOSE_S = 30.0
 """After one direction of a relayed connection ends, the other gets this long to end too."""
 RECONNECT_FIRST_S = 0.25
 RECONNECT_MAX_S = 4.0
+
+
+async def connect_rtt(address: str, timeout_s: float, tries: int = 3) -> float | None:
+    """The fastest of `tries` TCP connects to `address` (closed at once, nothing sent), in
+    seconds; None if none succeeds within `timeout_s` each."""
+    host, port = split_host_port(address)
+    loop = asyncio.get_running_loop()
+    best: float | None = None
+    for _ in range(tries):
+        started = loop.time()
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError, ValueError):  # ValueError: a host name DNS refuses
+            continue
+        elapsed = loop.time() - started
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        best = elapsed if best is None else min(best, elapsed)
+    return best
 
 
 class TunnelError(Exception):
@@ -136,14 +158,18 @@ def _field(header: dict[str, Any], key: str, kind: type) -> Any:
 async def splice(
     a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
     b: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    count: Callable[[int], None] | None = None,
 ) -> None:
-    """Move bytes both ways between two connections. When one direction ends, the other gets
-    HALF_CLOSE_S to end as well; an error on either side, or the end of that time, closes both."""
+    """Move bytes both ways between two connections (`count` is told each chunk's size). When
+    one direction ends, the other gets HALF_CLOSE_S to end as well; an error on either side, or
+    the end of that time, closes both."""
 
     async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while chunk := await src.read(CHUNK_BYTES):
                 dst.write(chunk)
+                if count is not None:
+                    count(len(chunk))
                 await dst.drain()
             if dst.can_write_eof():
                 dst.write_eof()
@@ -173,6 +199,11 @@ class _Tunnel:
         default_factory=dict
     )
     next_id: int = 0
+    bytes: int = 0
+    """Bytes carried for this node's peers, both ways."""
+
+    def count(self, nbytes: int) -> None:
+        self.bytes += nbytes
 
 
 class RelayServer:
@@ -211,6 +242,10 @@ class RelayServer:
     def tunnels(self) -> dict[str, str]:
         """Node id -> the address peers reach it at, for the tunnels open now."""
         return {n: t.address for n, t in self._tunnels.items() if t.address}
+
+    def bytes_carried(self) -> dict[str, int]:
+        """Node id -> bytes carried for it, for the tunnels open now."""
+        return {n: t.bytes for n, t in self._tunnels.items() if t.address}
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._serve, self._host, self._port)
@@ -357,7 +392,7 @@ class RelayServer:
         nodelay(writer)
         self._connections.add(writer)
         try:
-            await splice((reader, writer), data)
+            await splice((reader, writer), data, tunnel.count)
         finally:
             self._connections.discard(writer)
 
@@ -406,6 +441,11 @@ class TunnelClient:
         """The relay's node id, as it said ("" if it did not, or said something else)."""
         self.registered = asyncio.Event()
         """Set each time the relay has opened (or given back) this node's tunnel."""
+
+    @property
+    def relay(self) -> str:
+        """The relay's address ("host:port"), as given."""
+        return self._relay
 
     async def _connect(self, address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         host, port = split_host_port(address)
