@@ -204,11 +204,12 @@ async def test_probe_method_checks_peer_size_and_budget(probe_server: tuple[str,
 
 
 async def test_pulled_probes_measure_the_way_back_within_the_same_checks() -> None:
-    """A pulled probe asks for its bytes: the answer has exactly that many, the server's check
-    counts them against the same budget, and a malformed request is refused."""
+    """A pulled probe asks for its bytes: the answer has exactly that many, the server counts
+    them as sent and against the same budget, and a malformed request is refused."""
     check = _Check()
+    answered = LinkCounters()
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 8 << 20)])
-    server.add_generic_rpc_handlers([ProbeServer(check).handler()])
+    server.add_generic_rpc_handlers([ProbeServer(check, answered).handler()])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     counters = LinkCounters()
@@ -221,7 +222,8 @@ async def test_pulled_probes_measure_the_way_back_within_the_same_checks() -> No
 
             estimate = await measure_link(puller(), ProbePlan(max_bytes=256 << 10))
             assert estimate.bandwidth_bps > 0 and check.bytes == estimate.probe_bytes
-            assert counters.total_bytes == 0  # the peer sent them
+            assert counters.total_bytes == 0  # the peer sent them, and counts them
+            assert answered.bytes_sent == {"up": estimate.probe_bytes}
             with pytest.raises(PeerRefused, match="PERMISSION_DENIED"):
                 await puller("stranger")(1)
             with pytest.raises(PeerRefused, match="RESOURCE_EXHAUSTED"):

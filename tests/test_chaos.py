@@ -23,8 +23,6 @@ from ravnest_node.coordination.membership import RoundTrips
 from ravnest_node.coordination.static_plan import has_node
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.transport.boundary import Refusal
-from ravnest_node.transport.probe import PROBE_BUDGET_BYTES
 
 from .conftest import Procs, demo_summary, poll_until, progress_events, swarm_view
 from .test_coordinator import Aborted, Clock, FakeContext, _caps, _join
@@ -372,17 +370,6 @@ async def test_a_takeover_does_not_wait_for_a_member_that_stays_silent(tmp_path:
         await svc.Heartbeat(pb.HeartbeatRequest(node_id="b"), ctx)
     assert sorted(c["node_id"] for c in svc._crashes) == ["a", "c"]
     assert svc.plan is not None and svc.plan.epoch == 1 and svc._next is None
-
-
-async def test_only_members_probe_the_coordinators_link_within_a_budget() -> None:
-    clock = Clock()
-    svc = tiny_swarm(clock, 2)
-    await _join(svc, "b", caps=_caps(blocks=4))
-    svc.check_link_probe("b", 1 << 20)
-    with pytest.raises(Refusal, match="not a member"):
-        svc.check_link_probe("stranger", 0)
-    with pytest.raises(Refusal, match="bytes of probes"):
-        svc.check_link_probe("b", PROBE_BUDGET_BYTES)
 
 
 async def test_a_heartbeat_with_malformed_offers_counts_without_them(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import re
 import signal
 import sqlite3
 import subprocess
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +182,36 @@ async def test_a_switch_interrupted_by_a_restart_finishes(tmp_path: Path) -> Non
     pending, started = await anext(plans), await anext(plans)
     assert (pending.epoch, pending.pending, started.epoch, started.pending) == (2, True, 2, False)
     assert started.start_step == 3 and {s.node_id for s in started.stages} == {"a", "b", "c"}
+
+
+async def test_a_restarted_coordinator_remembers_who_was_lost(tmp_path: Path) -> None:
+    """A member lost mid-run stays lost across a restart (it gets no stage until it joins
+    again), with the record of its crash; once it has joined again, it is a member again."""
+    clock = Clock()
+    svc = _service(tmp_path, clock)
+    ctx: Any = FakeContext()
+    await _join(svc, "a")
+    await _join(svc, "b")
+    clock.now += 3 * svc._leases.lease_s  # b falls silent; a's heartbeat is the clock
+    await svc.Heartbeat(pb.HeartbeatRequest(node_id="a"), ctx)
+    assert set(svc._lost) == {"b"} and [c["node_id"] for c in svc._crashes] == ["b"]
+
+    again = _service(tmp_path, clock)
+    assert set(again._lost) == {"b"} and again._crashes == svc._crashes
+    assert again._broken == {0}  # its pipeline lost a member under this plan
+    plan = again.plan
+    assert plan is not None
+    assert [m.node_id for m in again._plan_members(plan)] == ["a"]
+    await _join(again, "b")  # b, restarted, joins again
+    third = _service(tmp_path, clock)
+    assert third._lost == {} and [c["node_id"] for c in third._crashes] == ["b"]
+
+
+def test_a_corrupt_record_of_faults_is_refused(tmp_path: Path) -> None:
+    _service(tmp_path, Clock())
+    with closing(sqlite3.connect(tmp_path / "coordinator.sqlite3")) as db, db:
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('faults', ?)",
+                   ('{"crashes": [{"node_id": 3}], "lost": [], "dropped": 0, '
+                    '"dropped_steps": {}, "restores": [], "redone": 0}',))  # fmt: skip
+    with pytest.raises(ConfigError, match="corrupt coordinator store"):
+        _service(tmp_path, Clock())

@@ -348,6 +348,11 @@ def test_a_node_in_a_namespace_nobody_can_reach_chooses_a_relay_and_trains(
         assert members[hidden["node_id"]].relay_node_id == relay_id
         measured = {p.node_id for p in members[hidden["node_id"]].peer_links}
         assert measured == {n0["node_id"], n1["node_id"]}
+        # Its boundary traffic went straight: the relay carried a sliver of it (status calls,
+        # the coordinator's reachability check).
+        relay_node = {n0["node_id"]: n0, n1["node_id"]: n1}[relay_id]
+        carried = node_status(relay_node["address"]).relayed_bytes[hidden["node_id"]]
+        assert 0 < carried < node_status(hidden["address"]).bytes_sent / 10
         for proc in procs.started:
             proc.send_signal(signal.SIGTERM)
         assert [proc.wait(30) for proc in procs.started] == [0, 0, 0]

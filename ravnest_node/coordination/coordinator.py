@@ -32,7 +32,7 @@ from ravnest_node.coordination.negotiate import (
 )
 from ravnest_node.coordination.placement import SwarmPlan
 from ravnest_node.coordination.static_plan import Member, has_node, same_stages, stage_at
-from ravnest_node.coordination.store import CoordinatorStore
+from ravnest_node.coordination.store import CoordinatorStore, Faults
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
@@ -185,6 +185,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Plan epoch -> its broken pipelines (a late Drain from one is refused)."""
         self._dropped = 0
         """Microbatches of broken pipelines that were never trained (counted at the switch)."""
+        self._dropped_steps: dict[int, list[int]] = {}
+        """Pipeline -> the steps it never trained (NaN in its losses)."""
         self._checkpoints: dict[tuple[int, int], tuple[str, int]] = {}
         """(pipeline, stage) -> (node id, step) of the newest checkpoint its owner reported."""
         self._offers: dict[str, list[pb.CheckpointOffer]] = {}
@@ -241,6 +243,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._started_unix = saved.started_unix
             self._started_at = now - max(0.0, time.time() - saved.started_unix)
         self._pipeline_losses = saved.pipeline_losses
+        faults = saved.faults
+        self._crashes, self._restores = faults.crashes, faults.restores
+        self._dropped, self._redone = faults.dropped, faults.redone
+        self._dropped_steps = faults.dropped_steps
+        self._lost = dict.fromkeys(faults.lost, now)
+        for pipeline, steps in faults.dropped_steps.items():
+            losses = self._pipeline_losses.setdefault(pipeline, {})
+            losses.update(dict.fromkeys(steps, math.nan))
+        if saved.plan is not None:  # pipelines of the plan that lost a member stay broken
+            broken = {int(c["pipeline"]) for c in self._crashes
+                      if c["plan_epoch"] == saved.plan.epoch}  # fmt: skip
+            self._broken = broken
+            if broken:
+                self._broken_in[saved.plan.epoch] = set(broken)
         self._bytes_sent = saved.bytes_sent
         self._final = saved.finals
         self._events = saved.events
@@ -363,6 +379,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._probe_turns.take(node_id)
         self._probe_bytes[node_id] = total
 
+    def _save_faults(self) -> None:
+        if self._store is not None:
+            self._store.save_faults(Faults(
+                crashes=self._crashes, lost=sorted(self._lost), dropped=self._dropped,
+                dropped_steps=self._dropped_steps, restores=self._restores, redone=self._redone,
+            ))  # fmt: skip
+
     def _save_members(self) -> None:
         if self._store is not None:
             self._store.save_members(self._members, self._capabilities)
@@ -459,7 +482,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         self._takeover["waiting"].discard(request.node_id)
                         self._takeover["restarted"].add(request.node_id)
                     in_plan = False
-                self._lost.pop(request.node_id, None)  # back: a newcomer
+                if self._lost.pop(request.node_id, None) is not None:  # back: a newcomer
+                    self._save_faults()
                 self._leases = self._leases.renew(request.node_id, now)
                 if (
                     request.HasField("capabilities")
@@ -590,6 +614,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # Heard from a lease after it was counted lost: alive after all (a stall, a cut
             # link). It may have a stage in a later plan again.
             del self._lost[request.node_id]
+            self._save_faults()
             log.warning("node %s, counted lost, is heard from again: it may have a stage again",
                         request.node_id)  # fmt: skip
             self._maybe_replan()
@@ -699,6 +724,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             log.warning("node %s (pipeline %d stage %d) is lost: %s", s.node_id, s.pipeline,
                         s.index, why or "no heartbeat for "
                         f"{self._leases.silent_s(s.node_id, now):.1f} s")  # fmt: skip
+        self._save_faults()
 
     def _restore_or_wait(self, plan: pb.Plan, lost: list[pb.StageAssignment], now: float) -> None:
         """Restore from checkpoints, or if the members' offers do not make a step yet, try
@@ -770,8 +796,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         "to %d are trained again (%d microbatches redone)", step,
                         len(point.holders), step + 1, completed, redone)  # fmt: skip
         self._previous = plan
+        for p, steps in self._dropped_steps.items():
+            self._dropped_steps[p] = [s for s in steps if s <= step]
         if self._store is not None:
             self._store.roll_back(step, new, self._started_unix)
+        self._save_faults()
         self._adopt(new, placed)
         return True
 
@@ -1204,6 +1233,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             losses[step] = math.nan
         dropped = max(0, stop - last) * self._train.microbatches
         self._dropped += dropped
+        kept = [s for s in self._dropped_steps.get(pipeline, []) if s <= last]
+        self._dropped_steps[pipeline] = kept + list(range(last + 1, stop + 1))
+        if self._store is not None:
+            self._store.forget_losses(pipeline, after=stop)
+        self._save_faults()
         log.warning("pipeline %d of plan epoch %d broke after step %d: %d microbatches of "
                     "steps %d to %d dropped", pipeline, plan.epoch, last, dropped, last + 1,
                     stop)  # fmt: skip

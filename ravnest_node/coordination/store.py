@@ -3,7 +3,8 @@
 `ravnest-node coordinator --state-dir DIR` keeps everything it decided or was told in
 `DIR/coordinator.sqlite3`, one transaction per change, so that a coordinator killed at any
 moment restarts with the state of its last answered call: the members and what they measured,
-the plan, every step's loss, each stage's final report and the progress events. Nodes notice
+the plan, every step's loss, each stage's final report, the progress events, and its record of
+faults (members lost, steps dropped, restores). Nodes notice
 nothing but a gap: their reports wait and are retried until it answers again (worker.py).
 
 The file is ours, not the network's; still, a file that does not parse is refused with a
@@ -14,11 +15,13 @@ leaves the file inconsistent (https://www.sqlite.org/wal.html).
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -62,6 +65,75 @@ class Saved:
     bytes_sent: dict[str, int] = field(default_factory=dict)
     finals: dict[tuple[int, int], pb.StageReport] = field(default_factory=dict)
     events: list[pb.Progress] = field(default_factory=list)
+    faults: Faults = field(default_factory=lambda: Faults())
+    """Who was lost, what was dropped or restored."""
+
+
+@dataclass(slots=True)
+class Faults:
+    """The coordinator's record of faults: members lost (crashes: who, where, when), steps of
+    broken pipelines dropped, restores from checkpoints and the microbatches they redo."""
+
+    crashes: list[dict[str, Any]] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    """Members counted lost and not back since."""
+    dropped: int = 0
+    dropped_steps: dict[int, list[int]] = field(default_factory=dict)
+    """Pipeline -> steps it never trained (NaN in its losses)."""
+    restores: list[dict[str, Any]] = field(default_factory=list)
+    redone: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "crashes": self.crashes, "lost": self.lost, "dropped": self.dropped,
+            "dropped_steps": {str(p): steps for p, steps in self.dropped_steps.items()},
+            "restores": self.restores, "redone": self.redone,
+        })  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> Faults:
+        """ValueError / TypeError if `text` is not what `to_json` writes."""
+        data = json.loads(text)
+        faults = cls(
+            crashes=_dicts(
+                data["crashes"], ("pipeline", "stage", "plan_epoch", "after_step"), ("node_id",)
+            ),
+            lost=[_str(n) for n in data["lost"]],
+            dropped=_int(data["dropped"]),
+            dropped_steps={
+                int(p): [_int(s) for s in steps] for p, steps in dict(data["dropped_steps"]).items()
+            },
+            restores=_dicts(data["restores"], ("plan_epoch", "restored_step")),
+            redone=_int(data["redone"]),
+        )
+        return faults
+
+
+def _dicts(
+    value: object, counts: tuple[str, ...], strings: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """A list of objects, each with a count under every key of `counts` and a string under
+    every key of `strings`."""
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise TypeError("expected a list of objects")
+    for entry in value:
+        for key in counts:
+            _int(entry[key])
+        for key in strings:
+            _str(entry[key])
+    return list(value)
+
+
+def _str(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"expected a count, got {value!r}")
+    return value
 
 
 class CoordinatorStore:
@@ -98,7 +170,7 @@ class CoordinatorStore:
         """Everything the store holds; ConfigError naming the file if any of it is corrupt."""
         try:
             return self._load()
-        except (sqlite3.DatabaseError, DecodeError, ValueError, TypeError) as exc:
+        except (sqlite3.DatabaseError, DecodeError, ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"{self.path}: corrupt coordinator store ({exc})") from None
 
     def _load(self) -> Saved:
@@ -129,6 +201,8 @@ class CoordinatorStore:
             saved.finals[(int(pipeline), int(stage))] = pb.StageReport.FromString(report)
         for (event,) in db.execute("SELECT event FROM events ORDER BY seq"):
             saved.events.append(pb.Progress.FromString(event))
+        if "faults" in meta:
+            saved.faults = Faults.from_json(str(meta["faults"]))
         return saved
 
     # ----- writing ----------------------------------------------------------------------------
@@ -164,6 +238,16 @@ class CoordinatorStore:
         rows = [("plan", plan.SerializeToString()), ("started_unix", started_unix)]
         with self._transaction() as cur:
             cur.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", rows)
+
+    def forget_losses(self, pipeline: int, *, after: int) -> None:
+        """A broken pipeline's losses past the step its plan ended at are of steps dropped."""
+        with self._transaction() as cur:
+            cur.execute("DELETE FROM losses WHERE pipeline = ? AND step > ?", (pipeline, after))
+
+    def save_faults(self, faults: Faults) -> None:
+        """Replace the record of faults (a member lost, steps dropped, a restore)."""
+        with self._transaction() as cur:
+            cur.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ("faults", faults.to_json()))
 
     def roll_back(self, step: int, plan: pb.Plan, started_unix: float) -> None:
         """A restore from checkpoints (coordinator.py): the losses after `step` and every final

@@ -536,7 +536,7 @@ class NodeDaemon:
             dial_in=worker.dial_in,
         )
         server.add_generic_rpc_handlers([boundary.handler()])
-        server.add_generic_rpc_handlers([ProbeServer(self._check_probe).handler()])
+        server.add_generic_rpc_handlers([ProbeServer(self._check_probe, self._counters).handler()])
         pb_grpc.add_NodeServicer_to_server(NodeService(self), server)
         if cfg.is_coordinator:
             self.coordinator = self._coordinator_service(epoch=1)

@@ -12,8 +12,8 @@ and asks, in the metadata (`PULL_KEY`), for an answer of N filler bytes.
 and estimates bandwidth = bytes of the last probe / (its duration - RTT). Growing sizes keep the
 traffic small on a slow link (a 10 Mbit/s link stops at 128 KiB) and give HTTP/2's window time
 to open on a fast one (loopback stops at 1 MiB, ~2 MiB sent in all). Pushed probe bytes are
-bytes on the wire: the prober counts them in its link counters like frames (a pulled probe's
-answer is sent by the probed node's server, which counts nothing).
+bytes on the wire: the prober counts them in its link counters like frames, and the probed
+node counts a pulled probe's answer in its own.
 
 The server half (`check`, given by the node) refuses a probe (either way) larger than
 `MAX_PROBE_BYTES`; under a plan's epoch, one from a node that is not a neighbour of this stage;
@@ -220,10 +220,12 @@ raises Refusal otherwise."""
 
 
 class ProbeServer:
-    """The server half: a generic raw-bytes unary handler for `PATH`."""
+    """The server half: a generic raw-bytes unary handler for `PATH`. The answers of pulled
+    probes are bytes this node sends: counted in `counters`, for the prober."""
 
-    def __init__(self, check: Check) -> None:
+    def __init__(self, check: Check, counters: LinkCounters | None = None) -> None:
         self._check = check
+        self._counters = counters
 
     def handler(self) -> Any:
         """The gRPC generic handler to add to a server."""
@@ -251,6 +253,8 @@ class ProbeServer:
             await self._check(peer_id, epoch, size)
         except Refusal as refusal:
             await context.abort(refusal.code, refusal.reason)
+        if pull and self._counters is not None:
+            self._counters.add(peer_id, pull)
         return bytes(pull)
 
 
