@@ -18,6 +18,7 @@ import msgpack
 import pytest
 
 from ravnest_node.bench.links import LinkSpec, NetnsSwarm, netns_available
+from ravnest_node.bench.runner import free_port
 from ravnest_node.daemon.node import NodeConfig
 from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.proto import control_pb2 as pb
@@ -206,6 +207,42 @@ async def test_a_second_tunnel_for_one_node_and_one_too_many_are_refused() -> No
         second.close()
 
 
+async def _until_closed(relay: RelayServer, node_id: str) -> None:
+    """Wait for the relay to close `node_id`'s tunnel (its control connection ended)."""
+    tunnel = relay._tunnels.get(node_id)
+    if tunnel is not None:
+        await asyncio.wait_for(tunnel.closed.wait(), 5)
+
+
+async def test_a_relay_with_a_port_range_opens_tunnels_only_there() -> None:
+    """--relay-ports: each tunnel gets a free port of the range, in turn; when none is left,
+    the next node is refused (and told why); a port asked for outside it is not given."""
+    low = free_port()
+    ports = range(low, low + 2)
+    relay = RelayServer("127.0.0.1:0", "127.0.0.1", max_tunnels=4, ports=ports)
+    relay_port = await relay.start()
+    clients = [TunnelClient(f"127.0.0.1:{relay_port}", f"node-{i}", "127.0.0.1:1",
+                            connect_timeout_s=5) for i in range(3)]  # fmt: skip
+    try:
+        opened = [split_host_port(await c.open())[1] for c in clients[:2]]
+        assert sorted(opened) == list(ports)
+        with pytest.raises(PeerRefused, match=f"no free port in {low}-{low + 1}"):
+            await clients[2].open()
+        clients[0].close()
+        await _until_closed(relay, "node-0")
+        # A node asking for a port outside the range gets the one that is free again.
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay_port)
+        writer.write(encode_header({"op": "register", "node": "node-9", "port": 22}))
+        reply = await read_header(reader)
+        assert reply["ok"] is True
+        assert split_host_port(str(reply["address"]))[1] == opened[0]
+        writer.close()
+    finally:
+        for client in clients:
+            client.close()
+        await relay.close()
+
+
 async def test_a_connection_the_node_does_not_answer_is_closed() -> None:
     """A registered node that never answers `open` (hung): the peer's connection is closed
     after the relay's timeout, not left waiting."""
@@ -286,6 +323,9 @@ def test_a_node_the_coordinator_cannot_reach_is_refused_with_advice(
         ({"relay": "r:1"}, "a coordinator must accept connections"),
         ({"relay": "r:1", "join": "auto", "mdns": True}, "drop --mdns"),
         ({"relay_listen": "0.0.0.0:7000"}, "give --advertise"),
+        ({"relay_ports": "7100-7115"}, "add --relay-listen"),
+        ({"relay_listen": "127.0.0.1:7000", "relay_ports": "7115-7100"}, "LOW <= HIGH"),
+        ({"relay_listen": "127.0.0.1:7000", "relay_ports": "7100"}, "give LOW-HIGH"),
     ],
 )
 def test_bad_relay_settings_say_what_is_wrong(changes: dict[str, object], needle: str) -> None:

@@ -161,6 +161,9 @@ class NodeConfig:
     """Serve as a relay on HOST:PORT for nodes that cannot accept connections (--relay). The
     ports it opens for them are on this node's advertised (or listen) host, and their traffic
     crosses this node's link twice."""
+    relay_ports: str | None = None
+    """With --relay-listen: LOW-HIGH, the ports the relay opens for its nodes (one each), for a
+    firewall that lets only those through (default: any port the system picks)."""
     lease_s: float = DEFAULT_LEASE_S
     """On the coordinator: seconds a member stays a member without a heartbeat (members send
     one every third of it); before the plan, a member silent longer loses its place."""
@@ -274,6 +277,10 @@ class NodeConfig:
                                   "--mdns (a LAN needs no relay)")  # fmt: skip
             if self.relay_listen is not None:
                 raise ConfigError(f"{what}: a node reached through a relay cannot be one")
+        if self.relay_ports is not None:
+            if self.relay_listen is None:
+                raise ConfigError("relay_ports: only a relay opens ports: add --relay-listen")
+            parse_port_range(self.relay_ports)
         if self.relay_listen is not None:
             host, _ = split_host_port(self.relay_listen)
             public = split_host_port(self.advertise)[0] if self.advertise else host
@@ -655,7 +662,8 @@ class NodeDaemon:
             self._tunnel, self._relay_node_id = tunnel, tunnel.relay_node_id
         if cfg.relay_listen is not None:
             public = split_host_port(cfg.advertise or cfg.relay_listen)[0]
-            relay = RelayServer(cfg.relay_listen, public, node_id=self.node_id)
+            ports = parse_port_range(cfg.relay_ports) if cfg.relay_ports else None
+            relay = RelayServer(cfg.relay_listen, public, node_id=self.node_id, ports=ports)
             try:
                 await relay.start()
             except OSError as exc:
@@ -1078,6 +1086,16 @@ class NodeDaemon:
             if not brief:  # the digest waits for the compute thread
                 status.params_sha256 = await runtime.params_digest()
         return status
+
+
+def parse_port_range(text: str) -> range:
+    """The ports of "LOW-HIGH" (both included, 1 to 65535); ConfigError if it is not one."""
+    low, sep, high = text.partition("-")
+    if not (sep and low.isascii() and low.isdigit() and high.isascii() and high.isdigit()):
+        raise ConfigError(f"relay_ports={text!r}: give LOW-HIGH, e.g. 7100-7115")
+    if not 1 <= int(low) <= int(high) <= 65535:
+        raise ConfigError(f"relay_ports={text!r}: need 1 <= LOW <= HIGH <= 65535")
+    return range(int(low), int(high) + 1)
 
 
 def _is_address(text: str) -> bool:

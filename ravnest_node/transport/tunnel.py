@@ -16,6 +16,8 @@ length and a msgpack map of at most MAX_HEADER_BYTES:
 
 - `{"op": "register", "node": ID, "port": P}` asks for a tunnel (P: the port wanted, 0 for any:
   a node that reconnects asks for its old port, as its peers know that address). The relay
+  gives a port of its `--relay-ports` range if it has one (P only if it is in it), else one the
+  system picks (P only if it is 1024 or above). The relay
   answers `{"ok": true, "address": "HOST:PORT", "secret": HEX}` or `{"ok": false, "error":
   WHY}`, then sends `{"op": "open", "id": N}` on this connection, one per peer connection.
 - `{"op": "data", "node": ID, "secret": HEX, "id": N}` answers `open` N; from then on the
@@ -60,6 +62,8 @@ for CONTROL_SILENCE_S counts its control connection dead (a NAT that forgot it) 
 CONTROL_SILENCE_S = 3 * PING_S
 HALF_CLOSE_S = 30.0
 """After one direction of a relayed connection ends, the other gets this long to end too."""
+MIN_ASKED_PORT = 1024
+"""Without --relay-ports, a node asking for a port below this gets one the system picks."""
 RECONNECT_FIRST_S = 0.25
 RECONNECT_MAX_S = 4.0
 
@@ -219,8 +223,12 @@ class RelayServer:
         max_pending: int = 64,
         open_timeout_s: float = 10.0,
         node_id: str = "",
+        ports: range | None = None,
     ) -> None:
         self._host, self._port = split_host_port(listen)
+        self._ports = ports
+        """The ports tunnels get (--relay-ports); None: any port the system picks."""
+        self._next_port = 0
         self._node_id = node_id
         """The node this relay runs in (told to the nodes it relays, for the planner)."""
         self._public_host = public_host
@@ -296,6 +304,31 @@ class RelayServer:
             self._connections.discard(writer)
             writer.close()
 
+    async def _open_port(self, tunnel: _Tunnel, port: int) -> asyncio.Server:
+        """The public port of `tunnel`: `port` if given (a node back for its old one), else one
+        of `--relay-ports` that is free (in turn), else any. TunnelError if none opens."""
+        candidates = [port]
+        if not port and self._ports is not None:
+            start = self._next_port % len(self._ports)
+            candidates = [self._ports[(start + i) % len(self._ports)]
+                          for i in range(len(self._ports))]  # fmt: skip
+        error: OSError | None = None
+        for candidate in candidates:
+            try:
+                server = await asyncio.start_server(
+                    lambda r, w: self._public(tunnel, r, w), self._host, candidate
+                )
+            except OSError as exc:
+                error = exc
+                continue
+            if self._ports is not None and candidate in self._ports:
+                self._next_port = self._ports.index(candidate) + 1
+            return server
+        assert error is not None
+        if port or self._ports is None:
+            raise TunnelError(f"cannot open port {port}: {error.strerror or error}")
+        raise TunnelError(f"no free port in {self._ports.start}-{self._ports.stop - 1}")
+
     async def _register(
         self, header: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
@@ -305,6 +338,8 @@ class RelayServer:
             raise TunnelError("not a node id")
         if not 0 <= port <= 65535:
             raise TunnelError(f"port {port} out of range")
+        if port and (port < MIN_ASKED_PORT if self._ports is None else port not in self._ports):
+            port = 0  # not a port this relay gives out: the node gets another
         old = self._tunnels.get(node_id)
         if old is not None:
             # The node reconnects before this relay saw its old control connection die: with
@@ -322,12 +357,7 @@ class RelayServer:
         tunnel = _Tunnel(node_id, secrets.token_hex(16), writer)
         self._tunnels[node_id] = tunnel
         try:
-            try:
-                tunnel.server = await asyncio.start_server(
-                    lambda r, w: self._public(tunnel, r, w), self._host, port
-                )
-            except OSError as exc:
-                raise TunnelError(f"cannot open port {port}: {exc.strerror or exc}") from None
+            tunnel.server = await self._open_port(tunnel, port)
             public_port = tunnel.server.sockets[0].getsockname()[1]
             tunnel.address = host_port(self._public_host, public_port)
             nodelay(writer)
