@@ -269,6 +269,11 @@ def test_a_host_on_a_slow_link_is_measured_and_left_spare(procs: Procs, tmp_path
         links = {(m.node_id, p.node_id): p for m in view.members for p in m.peer_links}
         assert len(links) == 3
         for (a, b), link in links.items():
+            print(
+                f"{a} -> {b}: {link.to_bps / 1e6:.1f} Mbit/s, back {link.from_bps / 1e6:.1f}, "
+                f"round trip {link.rtt_s * 1e3:.2f} ms"
+                + (" (the capped host)" if slow in (a, b) else "")
+            )
             rate = min(link.to_bps, link.from_bps)
             if slow in (a, b):
                 assert 1e6 < rate < 3e6, (a, b, link)
