@@ -1832,13 +1832,15 @@ class Worker:
             reports.put_nowait(None)
 
         # `auto` codecs: measure the links this stage sends on before its first frame. Not to
-        # a downstream behind NAT that opens the stream itself: probes would go through its
-        # relay, the activations straight (the codec keeps the smallest, as for a link that
-        # cannot be measured).
-        reached = downstream if downstream is not None and not dials_back(me, downstream) else None
+        # a neighbour behind NAT when this node is not: that neighbour opens their stream,
+        # straight to this node, while probes would go through its relay (the codec keeps the
+        # smallest, as for a link that cannot be measured).
+        def probed(peer: pb.StageAssignment | None) -> pb.StageAssignment | None:
+            return None if peer is None or (peer.relayed and not me.relayed) else peer
+
         neighbours = [
-            (reached, runtime.activation_codec, run.link_pace_bps(spec.index)),
-            (upstream, runtime.gradient_codec, run.link_pace_bps(spec.index - 1)),
+            (probed(downstream), runtime.activation_codec, run.link_pace_bps(spec.index)),
+            (probed(upstream), runtime.gradient_codec, run.link_pace_bps(spec.index - 1)),
         ]
         await self._measure_links(
             plan, [(p, c, pace) for p, c, pace in neighbours if p is not None]
