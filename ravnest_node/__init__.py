@@ -15,6 +15,7 @@ from ravnest_node.errors import (
     RavnestError,
     RunFailed,
     StartupError,
+    Unreachable,
 )
 from ravnest_node.models import BlockModel, TensorSpec, get_model, model_names
 from ravnest_node.pipeline.run import TrainConfig
@@ -36,6 +37,7 @@ __all__ = [
     "TensorSpec",
     "TrainConfig",
     "TransportConfig",
+    "Unreachable",
     "__version__",
     "get_model",
     "model_names",

@@ -9,6 +9,7 @@ RavnestError
 ├── PeerError            a peer misbehaved or went away
 │   ├── PeerUnavailable  a peer could not be reached, or its stream broke
 │   └── PeerRefused      a peer answered with an error status
+│       └── Unreachable  the coordinator cannot open a connection to this node (behind NAT)
 └── RunFailed            the training run stopped because of a fault (the message says which node)
 ```
 
@@ -45,6 +46,11 @@ class PeerUnavailable(PeerError):
 
 class PeerRefused(PeerError):
     """A peer answered with an error status."""
+
+
+class Unreachable(PeerRefused):
+    """The coordinator refused this node's Join: it cannot open a connection to the node at
+    its address (behind NAT, or a firewall); the node may go through a relay instead."""
 
 
 class RunFailed(RavnestError):

@@ -100,14 +100,15 @@ def test_bench_codecs(tmp_path: Path) -> None:
     assert micro[("activation", "none")]["relative_error"] == 0
     assert ("activation", "topk-ef") not in micro  # refused for activations
     conv = {r["codec"]: r for r in rows if r["table"] == "convergence"}
+    assert set(conv) == {"none/none", "int8-block/int8-block", "int4-block/int4-block"}
     assert conv["none/none"]["loss_gap"] == 0
     # Quantised frames are measured, not estimated: int8 moves about a quarter of fp32's bytes.
     assert 3.5 < conv["int8-block/int8-block"]["bytes_ratio_vs_fp32"] < 4.1
     assert abs(conv["int8-block/int8-block"]["loss_gap"]) < 0.01
-    assert (tmp_path / "codecs.md").read_text().count("|") > 50
+    assert (tmp_path / "codecs.md").read_text().count("|") > 40
     # The multi-epoch table: aq-delta sends a sample's first visit whole, then 2-bit deltas.
     epochs = {r["codec"]: r for r in rows if r["table"] == "epochs"}
-    assert set(epochs) == {"none/none", "int4-block/none", "aq-delta/none", "aq-delta2/none"}
+    assert set(epochs) == {"none/none", "aq-delta/none", "aq-delta2/none"}  # --quick's
     assert epochs["none/none"]["epochs"] == 6
     aq2, aq4 = epochs["aq-delta2/none"], epochs["aq-delta/none"]
     # 6 visits: (32 + 5 x 2.5) / 6 = 7.4 bits per element on average, 4.3x fewer than fp32.

@@ -70,12 +70,43 @@ asyncio.run(main())
 """
 
 
-def test_a_stuck_stop_ends_at_its_deadline_and_says_what_it_waited_for(procs: Procs) -> None:
-    proc = procs.popen([sys.executable, "-c", STUCK_STOP], stderr=subprocess.PIPE)
+STOP_STUCK_HOLDING_THE_GIL = """
+import asyncio, re
+from ravnest_node.cli.signals import install_stop_handlers
+
+def stop():
+    # A stop stuck in C code that never lets go of the GIL (a regex that backtracks for ages),
+    # so the Python watchdog thread never runs.
+    re.match(r"(a|aa)+$", "a" * 64 + "b")
+
+async def main():
+    install_stop_handlers(asyncio.get_running_loop(), stop, deadline_s=1.0)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def _stop_script(procs: Procs, script: str) -> tuple[int, str]:
+    """Start `script`, SIGTERM it once ready: its exit status and standard error."""
+    proc = procs.popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
     assert wait_for_line(proc, "ready", timeout_s=30)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(10) == 0
+    status = proc.wait(10)
     assert proc.stderr is not None
-    err = proc.stderr.read().decode()
+    return status, proc.stderr.read().decode()
+
+
+def test_a_stop_stuck_holding_the_gil_is_ended_with_every_threads_stack(procs: Procs) -> None:
+    status, err = _stop_script(procs, STOP_STUCK_HOLDING_THE_GIL)
+    assert status == 1
+    assert "did not finish within" not in err  # the Python watchdog could not run
+    assert "Timeout (0:00:02)!" in err and "in stop" in err  # faulthandler's, with the culprit
+
+
+def test_a_stuck_stop_ends_at_its_deadline_and_says_what_it_waited_for(procs: Procs) -> None:
+    status, err = _stop_script(procs, STUCK_STOP)
+    assert status == 0
     assert "did not finish within 1 s" in err
     assert "pending <Task" in err and "in main" in err  # the task that never finished

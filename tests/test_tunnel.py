@@ -264,33 +264,39 @@ async def test_a_connection_the_node_does_not_answer_is_closed() -> None:
 def test_a_node_reached_only_through_a_relay_trains_with_the_swarm(
     procs: Procs, tmp_path: Path
 ) -> None:
-    """n2 is started as a node behind NAT (--no-inbound --relay): its address for the swarm is
-    the port the coordinator's relay opened for it, every connection to it comes through that
-    relay, and the three train the run to its end."""
+    """n1 and n2 are started as nodes behind NAT: n2 names its relay (--no-inbound --relay), n1
+    takes the one the coordinator offers (--no-inbound). The address of each for the swarm is
+    the port the relay opened for it, every connection to it comes through that relay (their
+    boundary too: neither can accept one), and the three train the run to its end."""
     _, ready = procs.start_node(tmp_path / "n0", "--swarm-size", "3", "--model", "tiny",
                                 "--steps", "20", "--relay-listen", "127.0.0.1:0")  # fmt: skip
     coordinator = ready["address"]
     relay = node_status(coordinator).relay_address
     assert relay
-    procs.start_node(tmp_path / "n1", "--join", coordinator)
+    _, chose = procs.start_node(tmp_path / "n1", "--join", coordinator, "--no-inbound")
     _, hidden = procs.start_node(
         tmp_path / "n2", "--join", coordinator, "--no-inbound", "--relay", relay
     )
-    status = node_status(hidden["address"])  # answered through the relay
-    assert status.node_id == hidden["node_id"] and status.relay == relay
-    assert dict(node_status(coordinator).relayed) == {hidden["node_id"]: hidden["address"]}
+    for node in (chose, hidden):
+        status = node_status(node["address"])  # answered through the relay
+        assert status.node_id == node["node_id"] and status.relay == relay
+    assert dict(node_status(coordinator).relayed) == {
+        node["node_id"]: node["address"] for node in (chose, hidden)
+    }
+    assert "relay chosen" in (tmp_path / "n1" / "node.log").read_text()
     done = [e for e in progress_events(coordinator) if e.done]
     assert len(done) == 1 and not done[0].error
     summary = json.loads(done[0].summary_json)
-    (stage,) = [s for s in summary["stages"] if s["node_id"] == hidden["node_id"]]
-    assert stage["address"] == hidden["address"] and not stage.get("lost")
+    for node in (chose, hidden):
+        (stage,) = [s for s in summary["stages"] if s["node_id"] == node["node_id"]]
+        assert stage["address"] == node["address"] and not stage.get("lost")
     command = ravnest("status", "--swarm", "default", "--peer", coordinator, "--json")
     view = json.loads(subprocess.run(
         command, env=NODE_ENV, capture_output=True, text=True, timeout=60,
         stdin=subprocess.DEVNULL, check=True,
     ).stdout)  # fmt: skip
     relays = {m["node_id"]: m["relay"] for m in view["members"]}
-    assert relays[hidden["node_id"]] == relay and relays[ready["node_id"]] == ""
+    assert relays == {ready["node_id"]: "", chose["node_id"]: relay, hidden["node_id"]: relay}
     assert view["relays"] == [{"node_id": ready["node_id"], "address": relay}]
     # On one machine nobody measures a link to the coordinator: loopback is not a network.
     assert all(m["uplink_bps"] == 0 for m in view["members"])
@@ -299,18 +305,48 @@ def test_a_node_reached_only_through_a_relay_trains_with_the_swarm(
     assert [proc.wait(30) for proc in procs.started] == [0, 0, 0]
 
 
-def test_a_node_the_coordinator_cannot_reach_is_refused_with_advice(
+def _closed_port() -> int:
+    with socket.socket() as unused:  # a port nobody listens on
+        unused.bind(("127.0.0.1", 0))
+        return int(unused.getsockname()[1])
+
+
+def test_a_node_the_coordinator_cannot_reach_and_no_relay_is_refused_with_advice(
     procs: Procs, tmp_path: Path
 ) -> None:
     _, ready = procs.start_node(tmp_path / "n0", "--swarm-size", "2", "--model", "tiny")
-    with socket.socket() as unused:  # a port nobody listens on
-        unused.bind(("127.0.0.1", 0))
-        closed = unused.getsockname()[1]
     proc, _ = procs.start_node(tmp_path / "n1", "--join", ready["address"], "--advertise",
-                               f"127.0.0.1:{closed}")  # fmt: skip
+                               f"127.0.0.1:{_closed_port()}")  # fmt: skip
     assert proc.wait(60) == 1
     log = (tmp_path / "n1" / "node.log").read_text()
     assert "cannot reach node" in log and "--relay HOST:PORT" in log
+    assert "offers no relay" in log
+
+
+def test_a_node_the_coordinator_cannot_reach_goes_through_a_relay_it_offers(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """n1 advertises an address nobody answers at (as a node behind NAT advertises its private
+    address): the coordinator's reachability check refuses its Join, so it takes the relay the
+    coordinator offers, joins again at the port the relay opened for it, and trains."""
+    _, ready = procs.start_node(tmp_path / "n0", "--swarm-size", "2", "--model", "tiny",
+                                "--steps", "10", "--relay-listen", "127.0.0.1:0")  # fmt: skip
+    coordinator = ready["address"]
+    relay = node_status(coordinator).relay_address
+    _, n1 = procs.start_node(tmp_path / "n1", "--join", coordinator, "--advertise",
+                             f"127.0.0.1:{_closed_port()}")  # fmt: skip
+    done = [e for e in progress_events(coordinator) if e.done]
+    assert len(done) == 1 and not done[0].error
+    log = (tmp_path / "n1" / "node.log").read_text()
+    assert "cannot reach node" in log and "relay chosen" in log
+    (address,) = dict(node_status(coordinator).relayed).values()
+    status = node_status(address)  # answered through the relay
+    assert status.node_id == n1["node_id"] and status.relay == relay
+    summary = json.loads(done[0].summary_json)
+    assert {s["node_id"]: s["address"] for s in summary["stages"]}[n1["node_id"]] == address
+    for p in procs.started:
+        p.send_signal(signal.SIGTERM)
+    assert [p.wait(30) for p in procs.started] == [0, 0]
 
 
 @pytest.mark.parametrize(
@@ -337,11 +373,11 @@ def test_a_node_in_a_namespace_nobody_can_reach_chooses_a_relay_and_trains(
     procs: Procs, tmp_path: Path
 ) -> None:
     """The same across network namespaces, where it is true: n2's server listens on its own
-    namespace's loopback, so no other host can open a connection to it. Started with
-    --no-inbound and no --relay, it asks the coordinator for relays (n0 and n1 serve one) and
-    takes the one with the lowest round trip; it reaches the others (and they it) only through
-    that relay, over connections it opened. Before the plan it measures its links to n0 and n1
-    (its own connections, both ways)."""
+    namespace's loopback, so no other host can open a connection to it. Started with no relay
+    setting at all, it is refused by the coordinator's reachability check, asks it for relays
+    (n0 and n1 serve one) and takes the one with the lowest round trip; it reaches the others
+    (and they it) only through that relay, over connections it opened. Before the plan it
+    measures its links to n0 and n1 (its own connections, both ways)."""
     ok, reason = netns_available()
     if not ok:
         pytest.skip(reason)
@@ -357,15 +393,24 @@ def test_a_node_in_a_namespace_nobody_can_reach_chooses_a_relay_and_trains(
         n1 = start(1, "--listen", f"{hosts[1]}:7070", "--join", coordinator, "--relay-listen",
                    f"{hosts[1]}:7071")  # fmt: skip
         poll_until(lambda: len(swarm_view(coordinator).relays) == 2, 30)
-        hidden = start(2, "--listen", "127.0.0.1:7070", "--join", coordinator, "--no-inbound")
+        hidden = start(2, "--listen", "127.0.0.1:7070", "--join", coordinator)
         relays = {n0["node_id"]: f"{hosts[0]}:7071", n1["node_id"]: f"{hosts[1]}:7071"}
         assert {(r.node_id, r.address) for r in swarm_view(coordinator).relays} == set(
             relays.items()
         )
-        chosen = node_status(hidden["address"]).relay  # answered through the relay
+
+        # Its ready file has the address it listens on: the one nobody else can reach.
+        def relayed() -> set[str]:
+            return {a for r in (n0, n1) for a in node_status(r["address"]).relayed.values()}
+
+        poll_until(lambda: len(relayed()) == 1, 60)
+        (address,) = relayed()
+        hidden["address"] = address
+        chosen = node_status(address).relay  # answered through the relay
         assert chosen in relays.values()
         assert hidden["address"].startswith(f"{chosen.split(':')[0]}:")  # a port of its host
-        assert "relay chosen" in (tmp_path / "n2" / "node.log").read_text()
+        log = (tmp_path / "n2" / "node.log").read_text()
+        assert "cannot reach node" in log and "relay chosen" in log
         done = [e for e in progress_events(coordinator) if e.done]
         assert len(done) == 1 and not done[0].error
         summary = json.loads(done[0].summary_json)

@@ -195,10 +195,13 @@ PAIRS = [
     ("int4-block", "int4-block"),
     ("int8-block", "topk-ef"),
 ]
+QUICK_PAIRS = [("none", "none"), ("int8-block", "int8-block"), ("int4-block", "int4-block")]
+"""--quick: fp32 and the two block quantisers only (each row is a swarm run of ~10 s)."""
 
 
 # Activation codecs the multi-epoch table compares (gradients travel as fp32 there).
 EPOCH_CODECS = ["none", "int4-block", "aq-delta", "aq-delta2"]
+QUICK_EPOCH_CODECS = ["none", "aq-delta", "aq-delta2"]
 
 
 def convergence_table(
@@ -248,15 +251,15 @@ def convergence_table(
 
 
 def epochs_table(
-    train: TrainConfig, work_dir: Path, dataset_samples: int, epochs: int
+    train: TrainConfig, work_dir: Path, dataset_samples: int, epochs: int, codecs: list[str]
 ) -> list[Record]:
     """The multi-epoch runs: `epochs` passes over a fixed dataset, each activation codec of
-    EPOCH_CODECS with fp32 gradients; loss gap over the last epoch."""
+    `codecs` with fp32 gradients; loss gap over the last epoch."""
     steps_per_epoch = dataset_samples // train.batch_size
     run = dataclasses.replace(
         train, dataset_samples=dataset_samples, steps=epochs * steps_per_epoch
     )
-    pairs = [(codec, "none") for codec in EPOCH_CODECS]
+    pairs = [(codec, "none") for codec in codecs]
     return convergence_table(run, work_dir / "epochs", pairs, last=steps_per_epoch)
 
 
@@ -299,7 +302,8 @@ def run_codec_bench(
     steps = 10 if quick else train.steps
     print(f"convergence: {train.model}, {steps} steps, 3 nodes, codecs activation/gradient",
           file=out, flush=True)  # fmt: skip
-    conv = convergence_table(dataclasses.replace(train, steps=steps), work_dir, PAIRS)
+    pairs = QUICK_PAIRS if quick else PAIRS
+    conv = convergence_table(dataclasses.replace(train, steps=steps), work_dir, pairs)
     conv_md = _md(
         conv,
         [
@@ -316,7 +320,9 @@ def run_codec_bench(
     dataset, epochs = (2 * train.batch_size, 6) if quick else (8 * train.batch_size, 12)
     print(f"epochs: {train.model}, {epochs} epochs of a fixed dataset of {dataset} samples, "
           "3 nodes, activation codecs (gradients fp32)", file=out, flush=True)  # fmt: skip
-    multi = epochs_table(train, work_dir, dataset, epochs)
+    multi = epochs_table(
+        train, work_dir, dataset, epochs, QUICK_EPOCH_CODECS if quick else EPOCH_CODECS
+    )
     multi_md = _md(
         multi,
         [

@@ -70,7 +70,8 @@ class BenchConfig:
     scenario: Literal["lan", "home", "internet", "all"] = "home"
     """Link to emulate: lan (1000 Mbit/s, 1 ms), home (50, 20), internet (10, 50), or all."""
     quick: bool = False
-    """Shrink the run to 10 steps per system (about a minute per scenario)."""
+    """Shrink the run to 10 steps per system (about a minute per scenario); `bench codecs`
+    also trains fewer codecs."""
     jsonl: Path = Path("bench.jsonl")
     """Where to write one JSON object per run; the table (.md) and plot (.png) go beside it."""
     systems: str = ",".join(SYSTEMS)

@@ -12,6 +12,13 @@ pending tasks to standard error and exits. Rarely (a few runs in a hundred, unde
 coordinator whose own worker was still joining when SIGTERM came did not finish its stop: the
 loop kept running, waiting on something after the stop had reached it. The dump is there to find
 that wait; the deadline keeps a stuck stop from needing SIGKILL.
+
+That watchdog is a Python thread: it runs only if the main thread lets go of the GIL. Once (a
+coordinator elected over mDNS, stopping at the end of its run, just after it closed its server
+and channels) the process hung with no dump at all, as if a call into grpc's C core held the GIL
+(grpc/grpc#42247 describes such a deadlock in channel close). So a second watchdog, faulthandler's
+own C thread, which needs no GIL, dumps every thread's stack and ends the process with status 1
+a moment after the first should have.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from types import FrameType
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_DEADLINE_S = 8.0
 """Seconds a graceful stop may take (the transport's stop grace, 3 s by default, included)."""
+GIL_WATCHDOG_AFTER_S = 1.0
+"""The C watchdog (for a stop stuck holding the GIL) fires this long after the deadline."""
 
 
 def install_stop_handlers(
@@ -47,6 +56,9 @@ def install_stop_handlers(
             timer.daemon = True  # it must never keep an exiting process alive
             timer.start()
             watchdog.append(timer)
+            faulthandler.dump_traceback_later(
+                deadline_s + GIL_WATCHDOG_AFTER_S, exit=True, file=sys.stderr
+            )
         with contextlib.suppress(RuntimeError):  # the loop is closed: we are exiting anyway
             loop.call_soon_threadsafe(stop)
 

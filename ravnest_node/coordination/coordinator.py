@@ -47,6 +47,9 @@ from ravnest_node.transport.probe import MIN_PROBE_COST, PROBE_BUDGET_BYTES, Pro
 log = logging.getLogger(__name__)
 
 PROTOCOL = "ravnest.v1"
+UNREACHABLE_KEY = "ravnest-unreachable"
+"""Trailing metadata of a Join refused because this coordinator cannot reach the node at its
+address: the node may then go through a relay (SwarmView.relays) and join again."""
 # Members a swarm may grow to after its first plan (before it, exactly --swarm-size).
 MAX_MEMBERS = 1024
 LOST_AFTER_LEASES = 2
@@ -432,10 +435,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this coordinator cannot reach node {request.node_id} at {request.address}: "
-                "its neighbours could not either. Behind NAT, start it with --no-inbound "
-                "(it uses a relay this coordinator offers) or --no-inbound --relay HOST:PORT "
-                "(a reachable node started with --relay-listen); otherwise check --advertise "
-                "and the firewall",
+                "its neighbours could not either. Behind NAT, it is reached through a relay: "
+                "one this coordinator offers, or --relay HOST:PORT (a reachable node started "
+                "with --relay-listen); otherwise check --advertise and the firewall",
+                trailing_metadata=((UNREACHABLE_KEY, "1"),),
             )
         now = self._clock()
         if self._plan is None:

@@ -57,6 +57,7 @@ from ravnest_node.errors import (
     RavnestError,
     RunFailed,
     StartupError,
+    Unreachable,
 )
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
@@ -437,6 +438,8 @@ class NodeDaemon:
         """This node's coordinator service: from the start, after an election, or never."""
         self._votes = VoteBook(config.state_dir) if config.elects else None
         self._relay_node_id = ""
+        self._listening = ("", 0)
+        """The host and port this node's server listens on (a tunnel's local end)."""
         self._tunnel: TunnelClient | None = None
         """This node's tunnel through its relay (--relay)."""
         self._relay: RelayServer | None = None
@@ -504,6 +507,7 @@ class NodeDaemon:
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {cfg.listen}: {_bind_reason(exc)}") from None
         self.address = cfg.advertise or f"{host}:{port}"
+        self._listening = host, port
         if cfg.no_inbound and cfg.relay is None:
             await self._open_chosen_relay(host, port)
         await self._open_relays(host, port, cfg.relay)
@@ -558,9 +562,7 @@ class NodeDaemon:
                 if cfg.mdns:  # left after _serve: goodbye packets before the server stops
                     mdns = await self._mdns_discovery()
                     self._mdns = await stack.enter_async_context(mdns)
-                info = NodeInfo(self.node_id, self.address, os.getpid(), cfg.is_coordinator)
-                if cfg.state_dir is not None:
-                    write_atomic(cfg.state_dir / READY_FILE, json.dumps(asdict(info)).encode())
+                info = self._write_ready()
                 log.info("node %s listening on %s", self.node_id, self.address)
                 on_ready(info)
                 await self._serve(worker, server)
@@ -577,10 +579,44 @@ class NodeDaemon:
         if self.run_error is not None:
             raise RunFailed(str(self.run_error)) from self.run_error
 
+    def _write_ready(self) -> NodeInfo:
+        """This node's NodeInfo, written to READY_FILE in its state dir (again when its address
+        changes: it went through a relay)."""
+        cfg = self.config
+        info = NodeInfo(self.node_id, self.address, os.getpid(), cfg.is_coordinator)
+        if cfg.state_dir is not None:
+            write_atomic(cfg.state_dir / READY_FILE, json.dumps(asdict(info)).encode())
+        return info
+
+    async def _join_through_relay(self, worker: Worker, refused: Unreachable) -> bool:
+        """The coordinator cannot reach this node at its address: open a tunnel through a
+        relay it offers and make the port there this node's address. False if asked to stop
+        meanwhile; Unreachable, with what to do, if this node may not go through a relay
+        (announced over mDNS, serving a relay, or reached through one already)."""
+        cfg = self.config
+        if self._tunnel is not None:
+            raise Unreachable(f"{refused}. {_relay_advice(self._tunnel.relay)}")
+        if cfg.mdns or cfg.relay_listen is not None:
+            why = (
+                "it serves a relay (--relay-listen), which must be reachable itself"
+                if cfg.relay_listen is not None
+                else "it is announced over mDNS, at its address on the LAN; across NAT, start "
+                "it with --join or --peer and no --mdns"
+            )
+            raise Unreachable(f"{refused}. This node does not go through a relay: {why}")
+        log.warning("%s. Going through a relay it offers", refused)
+        await self._open_chosen_relay(*self._listening)
+        if self._stop.is_set():
+            return False
+        assert self._tunnel is not None
+        worker.reached_through(self.address, self._relay_node_id)
+        self._write_ready()
+        return True
+
     async def _open_chosen_relay(self, host: str, port: int) -> None:
-        """--no-inbound without --relay: open this node's tunnel through the relay with the
-        lowest round trip of those the coordinator offers, or the next if it cannot
-        (`_choose_relays`). StartupError if none can."""
+        """--no-inbound without --relay, or a node the coordinator cannot reach: open this
+        node's tunnel through the relay with the lowest round trip of those the coordinator
+        offers, or the next if it cannot (`_choose_relays`). StartupError if none can."""
         relays = await self._choose_relays()
         for i, relay in enumerate(relays):
             try:
@@ -618,19 +654,19 @@ class NodeDaemon:
                     )
         except PeerError as exc:
             raise StartupError(
-                f"--no-inbound: cannot ask the coordinator for a relay: {exc}"
+                f"behind NAT: cannot ask the coordinator for a relay: {exc}"
             ) from None
         offers = [o for o in view.relays[:MAX_RELAY_OFFERS] if _is_address(o.address)]
         if not offers:
             raise StartupError(
-                f"--no-inbound: coordinator {address} offers no relay: start a reachable node "
+                f"behind NAT: coordinator {address} offers no relay: start a reachable node "
                 "with --relay-listen HOST:PORT, or name one with --relay"
             )
         rtts = await asyncio.gather(*(connect_rtt(o.address, RELAY_RTT_TIMEOUT_S) for o in offers))
         answered = [(rtt, o) for rtt, o in zip(rtts, offers, strict=True) if rtt is not None]
         if not answered:
             raise StartupError(
-                "--no-inbound: no relay the coordinator offers answers: "
+                "behind NAT: no relay the coordinator offers answers: "
                 + ", ".join(f"{o.node_id} at {o.address}" for o in offers)
             )
         answered.sort(key=lambda a: a[0])
@@ -659,6 +695,9 @@ class NodeDaemon:
                 raise StartupError(
                     f"cannot be reached through relay {relay_address}: {exc}"
                 ) from None
+            except BaseException:  # cancelled (stopped) while it opened
+                tunnel.close()
+                raise
             self._tunnel, self._relay_node_id = tunnel, tunnel.relay_node_id
         if cfg.relay_listen is not None:
             public = split_host_port(cfg.advertise or cfg.relay_listen)[0]
@@ -997,7 +1036,18 @@ class NodeDaemon:
                     await self._elect(worker)
                 elif not worker.coordinator:
                     await self._find_coordinator(worker)
-                await worker.run()
+                try:
+                    await worker.run()
+                except Unreachable as exc:
+                    if not await self._join_through_relay(worker, exc):
+                        return
+                    assert self._tunnel is not None
+                    tasks.append(tg.create_task(self._keep_tunnel(self._tunnel)))
+                    try:
+                        await worker.run()
+                    except Unreachable as again:
+                        advice = _relay_advice(self._tunnel.relay)
+                        raise Unreachable(f"{again}. {advice}") from None
             except Exception as exc:
                 error = _first_error(exc)
                 if self._stop.is_set():
@@ -1086,6 +1136,15 @@ class NodeDaemon:
             if not brief:  # the digest waits for the compute thread
                 status.params_sha256 = await runtime.params_digest()
         return status
+
+
+def _relay_advice(relay: str) -> str:
+    """What to check when the coordinator cannot reach a node at the port its relay opened."""
+    return (
+        f"That is the port relay {relay} opened for this node: check the relay's --advertise "
+        "(the host its ports are reached at) and that its firewall lets the swarm reach its "
+        "ports (--relay-ports LOW-HIGH)"
+    )
 
 
 def parse_port_range(text: str) -> range:

@@ -41,7 +41,7 @@ from ravnest_node.checkpoint import (
     parse_manifest,
     run_key,
 )
-from ravnest_node.coordination.coordinator import LOST_AFTER_LEASES, PROTOCOL
+from ravnest_node.coordination.coordinator import LOST_AFTER_LEASES, PROTOCOL, UNREACHABLE_KEY
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S, heartbeat_interval
 from ravnest_node.coordination.negotiate import MAX_OFFERS, MAX_PEER_LINKS
 from ravnest_node.coordination.static_plan import (
@@ -59,6 +59,7 @@ from ravnest_node.errors import (
     PeerRefused,
     PeerUnavailable,
     RunFailed,
+    Unreachable,
 )
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
@@ -809,9 +810,17 @@ class Worker:
                 if choice.auto:
                     tg.create_task(measure(peer, choice, pace_bps))
 
+    def reached_through(self, address: str, relay_node_id: str) -> None:
+        """Before this node has joined: its address for the others is now `address`, a port
+        the relay `relay_node_id` opened for it (the coordinator could not reach it)."""
+        assert not self._joined.is_set()
+        self._address, self.relay_node_id = address, relay_node_id
+
     # ----- the run ----------------------------------------------------------------------------
     async def run(self) -> None:
-        """Join, wait for the plan, train the stage; returns when this stage's run is done."""
+        """Join, wait for the plan, train the stage; returns when this stage's run is done.
+        Unreachable if the coordinator cannot reach this node at its address (nothing has
+        changed then: the daemon may go through a relay and call this again)."""
         if not self.coordinator:
             raise RuntimeError("Worker.run() before the coordinator's address is known")
         async with open_channel(self.coordinator, self._transport):  # answers within the timeout
@@ -823,7 +832,13 @@ class Worker:
                 protocol=PROTOCOL,
             )
             with coordinator_errors(self.coordinator):
-                reply = await stub.Join(join, timeout=self._transport.connect_timeout_s)
+                try:
+                    reply = await stub.Join(join, timeout=self._transport.connect_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    if any(k == UNREACHABLE_KEY for k, _ in exc.trailing_metadata() or ()):
+                        what = f"coordinator {self.coordinator}: {exc.code().name}: {exc.details()}"
+                        raise Unreachable(what) from None
+                    raise
             self._lease_s = reply.lease_s or DEFAULT_LEASE_S
             self._model_name = reply.model
             self._joined_epoch = reply.started_epoch
@@ -1738,7 +1753,7 @@ class Worker:
         upstream_id = "" if upstream is None else upstream.node_id
         loop = asyncio.get_running_loop()
         self.plan = plan
-        self._session = _Session(
+        self._session = session = _Session(
             runtime,
             upstream_id,
             loop.create_future(),
@@ -1802,8 +1817,6 @@ class Worker:
                     return
 
         async def watch_upstream() -> None:
-            session = self._session
-            assert session is not None
             await session.upstream_failed  # raises PeerUnavailable if the stream breaks
 
         async def drain_when_replanned() -> None:
@@ -1851,7 +1864,7 @@ class Worker:
                 tg.create_task(send_reports())
                 upstream_watch = tg.create_task(watch_upstream())
                 drain = tg.create_task(drain_when_replanned()) if spec.is_first else None
-                if upstream is not None and dials_back(upstream, me):
+                if upstream is not None and session.opens_upstream:
                     dial = asyncio.create_task(self._dial_upstream(plan, upstream))
                     self._dialing.add(dial)
                     dial.add_done_callback(self._dialing.discard)
@@ -1863,7 +1876,7 @@ class Worker:
                         pace_bps=run.link_pace_bps(spec.index),
                     )
                     runtime.downstream = link
-                if downstream is not None and dials_back(me, downstream):
+                if downstream is not None and session.downstream_opens:
                     tg.create_task(run_stage())
                     await self._await_dial_in(link, runtime.accept_from_downstream)
                 elif downstream is not None:
