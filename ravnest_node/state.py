@@ -19,14 +19,18 @@ def valid_node_id(node_id: str) -> bool:
     )
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Replace `path` with `data`: readers see the old file or the new one, never a mix.
 
-    Writes a temporary file beside it, fsyncs it, renames it over `path`, fsyncs the directory."""
+    Writes a temporary file beside it (created with `mode`, less the umask: 0o600 for a secret
+    is never readable by others, not even for a moment), fsyncs it, renames it over `path`,
+    fsyncs the directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)  # a stale one (a crash) could have another mode
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        with open(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -18,6 +18,7 @@ import pytest
 
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.transport.options import TransportConfig, grpc_sync_channel
 
 # Keep the suite predictable on a 2-core machine: one torch thread per node process.
 NODE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RAVNEST_")} | {
@@ -135,9 +136,9 @@ def procs() -> Iterator[Procs]:
         p.cleanup()
 
 
-def node_status(address: str) -> pb.NodeStatus:
-    """A running node's `Node.Status`."""
-    with grpc.insecure_channel(address) as channel:
+def node_status(address: str, transport: TransportConfig | None = None) -> pb.NodeStatus:
+    """A running node's `Node.Status` (with a protected swarm's credentials in `transport`)."""
+    with grpc_sync_channel(address, transport or TransportConfig()) as channel:
         status: pb.NodeStatus = pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=30)
         return status
 
@@ -197,9 +198,11 @@ def _close_streams() -> Iterator[None]:
         _STREAMS.pop().close()
 
 
-def progress_events(coordinator: str, timeout_s: float = 120) -> Iterator[pb.Progress]:
+def progress_events(
+    coordinator: str, timeout_s: float = 120, transport: TransportConfig | None = None
+) -> Iterator[pb.Progress]:
     """The coordinator's progress stream (blocking), ending with the summary event."""
-    channel = grpc.insecure_channel(coordinator)
+    channel = grpc_sync_channel(coordinator, transport or TransportConfig())
     _STREAMS.append(channel)
     try:
         stub = pb_grpc.CoordinatorStub(channel)

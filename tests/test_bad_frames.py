@@ -67,6 +67,12 @@ UNKNOWN_DTYPE = _header_frame(
          "nbytes": 16}]},
     b"\0" * 16,
 )  # fmt: skip
+CLAIMED_100_GB = _header_frame(
+    {"kind": 1, "seq": 12, "version": 3, "tensors": [
+        {"name": "hidden", "shape": [25600, 1024, 1024], "dtype": "float32", "codec": "none",
+         "nbytes": 100 * 2**30}]},
+    b"\0" * 16,
+)  # fmt: skip
 OVERSIZED_HEADER = _header_frame(
     {"kind": 1, "seq": 12, "version": 3, "tensors": [], "pad": "x" * 10_000}, b""
 )
@@ -78,10 +84,18 @@ OVERSIZED_HEADER = _header_frame(
         (_frame((MB, 32, 63)), "shape [4, 32, 63] does not match the plan's [4, 32, 64]"),
         (UNKNOWN_DTYPE, "unknown dtype 'float128'"),
         (OVERSIZED_HEADER, "exceeds the limit of 4096"),
+        (CLAIMED_100_GB, "larger than the message"),
         (b"\x80\x04pickle", "bad magic"),
         (_frame(HIDDEN, seq=12), "past the plan's last microbatch"),
     ],
-    ids=["wrong-shape", "unknown-dtype", "oversized-header", "not-a-frame", "past-the-run"],
+    ids=[
+        "wrong-shape",
+        "unknown-dtype",
+        "oversized-header",
+        "claimed-100-gb",
+        "not-a-frame",
+        "past-the-run",
+    ],
 )
 def test_bad_frame_is_refused_and_changes_nothing(
     swarm: tuple[str, str], message: bytes, reason: str
@@ -108,6 +122,10 @@ def test_unknown_peer_and_stale_epoch_are_refused(swarm: tuple[str, str]) -> Non
     assert "unknown peer 'intruder'" in (error.details() or "")
     error = _send(node, _frame(HIDDEN), before.upstream_node_id, epoch=0)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # An epoch far past any plan: refused at once, not held while the node waits for it.
+    error = _send(node, _frame(HIDDEN), before.upstream_node_id, epoch=10**9)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "far past this node's newest" in (error.details() or "")
     after = node_status(node)
     assert (after.version, after.params_sha256) == (before.version, before.params_sha256)
 

@@ -187,7 +187,8 @@ def test_status_of_a_bad_or_silent_address_fails_in_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "ravnest-node: error: 'nowhere' is not HOST:PORT (e.g. 127.0.0.1:7070, port 0 = any)",
-        f"ravnest-node: status: no answer from 127.0.0.1:{port} (UNAVAILABLE)",
+        f"ravnest-node: status: no answer from 127.0.0.1:{port} (UNAVAILABLE); a protected "
+        "swarm's node answers only with its credentials: --swarm-dir DIR",
     ]
 
 

@@ -26,6 +26,7 @@ that split matrices, and its partial sums would be sums of factors, not of delta
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -133,13 +134,15 @@ class ReplicaAverager:
         counters: LinkCounters | None = None,
         first_round: int = 0,
         layout: Sequence[Sequence[int]] | None = None,
+        transport: TransportConfig | None = None,
     ) -> None:
         """A member `node_id` of the group `members` (itself included) averaging deltas of
         `numel` elements in messages of at most `max_message_bytes` (use the node's
         TransportConfig.max_message_bytes: its server accepts nothing larger), starting with
         round `first_round` (a member that joins late starts with the group's next round).
-        `channel_factory` makes a channel to an address (default: an insecure grpc.aio channel
-        with the transport's options); `counters` also counts the bytes pushed per peer.
+        `channel_factory` makes a channel to an address (default: a grpc.aio channel with the
+        options and credentials of `transport`, the node's: mutual TLS in a protected swarm);
+        `counters` also counts the bytes pushed per peer.
         `layout` (the shapes of the stage's parameters, in the order of the flat delta) is
         needed by the powersgd codec only. ConfigError for a group without this node, duplicate
         ids, a delta that cannot fit one message, or powersgd without a layout of `numel`
@@ -173,7 +176,9 @@ class ReplicaAverager:
         self._other_ids = tuple(m.node_id for m in self._others)
         self._bounds = ring_chunks(numel, n) if self.topology is Topology.RING else []
         self._states: dict[str, object | None] = {}
-        transport = TransportConfig(max_message_bytes=max_message_bytes)
+        transport = dataclasses.replace(
+            transport or TransportConfig(), max_message_bytes=max_message_bytes
+        )
         # parse_frame bounds what decoding costs: the float32 result plus the payload (for an
         # envelope, its uint8 tensor counts 4 bytes an element, and the payload once more).
         payload = payload_nbytes(self._codec, numel)

@@ -20,7 +20,8 @@ import grpc
 
 from ravnest_node.errors import PeerRefused, PeerUnavailable
 from ravnest_node.transport.boundary import NODE_ID_KEY, LinkCounters, Refusal
-from ravnest_node.transport.options import TransportConfig, channel_options
+from ravnest_node.transport.gate import peer_address
+from ravnest_node.transport.options import TransportConfig, grpc_channel
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,12 @@ def push_handler(receiver: Callable[[], PushReceiver | None]) -> Any:
                 )
             await target.receive(request, sender)
         except Refusal as refusal:
-            log.warning("refused a push from %r (%s): %s", sender, context.peer(), refusal.reason)
+            log.warning(
+                "refused a push from %r (%s): %s",
+                sender,
+                peer_address(context.peer()),
+                refusal.reason,
+            )
             await context.abort(refusal.code, refusal.reason)
         return b""
 
@@ -107,11 +113,12 @@ class Pusher:
         channel_factory: ChannelFactory | None = None,
         counters: LinkCounters | None = None,
     ) -> None:
-        """Pushes as `node_id`; channels from `channel_factory` (default: insecure grpc.aio
-        channels with the transport's options); `counters` counts delivered bytes per peer."""
+        """Pushes as `node_id`; channels from `channel_factory` (default: grpc.aio channels
+        with the transport's options and credentials); `counters` counts delivered bytes per
+        peer."""
         self.node_id = node_id
         self._factory: ChannelFactory = channel_factory or functools.partial(
-            grpc.aio.insecure_channel, options=channel_options(transport)
+            grpc_channel, cfg=transport
         )
         self._counters = counters
         self._channels: dict[str, Any] = {}

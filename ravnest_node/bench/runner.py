@@ -52,9 +52,12 @@ from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.transport.credentials import create_swarm
 from ravnest_node.transport.options import TransportConfig
 
-SYSTEMS = ("compute-bound", "naive", "ours", "torch-pipelining", "hivemind")
+SYSTEMS = ("compute-bound", "naive", "ours", "torch-pipelining", "hivemind", "ours-tls")
+DEFAULT_SYSTEMS = SYSTEMS[:5]
+"""`ours-tls` (ours in a protected swarm: mutual TLS and the TLS gate) runs when asked for."""
 QUICK_STEPS = 10
 NODES = 3
 NODE_PORT = 7070
@@ -74,8 +77,11 @@ class BenchConfig:
     also trains fewer codecs."""
     jsonl: Path = Path("bench.jsonl")
     """Where to write one JSON object per run; the table (.md) and plot (.png) go beside it."""
-    systems: str = ",".join(SYSTEMS)
-    """Comma-separated systems to run: compute-bound, naive, ours, torch-pipelining, hivemind."""
+    systems: str = ",".join(DEFAULT_SYSTEMS)
+    """Comma-separated systems to run: compute-bound, naive, ours, torch-pipelining, hivemind.
+
+    Also `ours-tls`, ours in a protected swarm (mutual TLS through the TLS gate), not run unless
+    named."""
     emulation: Literal["auto", "netns", "relay"] = "auto"
     """netns: namespaces, tbf, delay relays (root); relay: loopback relays; auto: netns if root."""
     work_dir: Path | None = None
@@ -113,6 +119,14 @@ class BenchConfig:
 
 class _Interrupted(Exception):
     """A stop was requested (Ctrl-C, SIGTERM) while a system ran."""
+
+
+def _bench_swarm(work_dir: Path) -> Path:
+    """Credentials of a protected swarm for `ours-tls`, made once per bench work dir."""
+    out = work_dir / "swarm-credentials"
+    if not (out / "member.pem").exists():
+        create_swarm("bench", out)
+    return out
 
 
 def _cores() -> int:
@@ -361,6 +375,14 @@ class Bench:
                 why = "needs network namespaces (root): gloo links peer to peer, past any relay"
                 return base | {"skipped": why}
             return base | await self._run_torch(system, links)
+        if system == "ours-tls":  # what protecting the swarm costs
+            protected = dataclasses.replace(
+                self.cfg.transport, swarm_dir=_bench_swarm(links.work_dir), token=None
+            )
+            threads = self.cfg.compute_threads
+            return base | await self._run_ours(
+                system, self.train, links.slots, links, threads, transport=protected
+            )
         if system == "compute-bound":  # the ceiling: one process with every core
             ceiling = await self._run_ours(system, self.train, [NodeSlot()], links, _cores())
             return base | ceiling
@@ -382,7 +404,13 @@ class Bench:
         )
 
     async def _run_ours(
-        self, system: str, train: TrainConfig, slots: list[NodeSlot], links: _Links, threads: int
+        self,
+        system: str,
+        train: TrainConfig,
+        slots: list[NodeSlot],
+        links: _Links,
+        threads: int,
+        transport: TransportConfig | None = None,
     ) -> Record:
         run_dir = links.work_dir / system
         cfg = DemoConfig(
@@ -390,7 +418,7 @@ class Bench:
             work_dir=run_dir,
             compute_threads=threads,
             train=train,
-            transport=self.cfg.transport,
+            transport=transport or self.cfg.transport,
         )
         log_path = run_dir / "progress.log"
         run_dir.mkdir(parents=True, exist_ok=True)

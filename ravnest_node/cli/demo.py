@@ -34,7 +34,7 @@ from ravnest_node.pipeline.run import TrainConfig, check_frame_limit, check_swar
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import write_atomic
-from ravnest_node.transport.options import TransportConfig, channel_options
+from ravnest_node.transport.options import TransportConfig, grpc_channel
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -240,9 +240,7 @@ class Demo:
             stop.cancel()
 
     async def _follow(self, coordinator: str) -> dict[str, Any] | None:
-        async with grpc.aio.insecure_channel(
-            coordinator, options=channel_options(self.cfg.transport)
-        ) as channel:
+        async with grpc_channel(coordinator, self.cfg.transport) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             call = stub.WatchProgress(pb.WatchProgressRequest())
             try:

@@ -27,8 +27,11 @@ from ravnest_node.cli.demo import DemoConfig, run_demo
 from ravnest_node.cli.signals import STOP_DEADLINE_S, ignore_stop_signals, install_stop_handlers
 from ravnest_node.cli.status import run_status, run_swarm_status
 from ravnest_node.daemon.node import NodeConfig, NodeDaemon, NodeInfo
+from ravnest_node.discovery import valid_swarm_name
 from ravnest_node.errors import ConfigError, RunFailed, StartupError
 from ravnest_node.models import model_names
+from ravnest_node.transport.credentials import MEMBER_DAYS, TOKEN_FILE, create_swarm
+from ravnest_node.transport.options import TransportConfig
 
 PROG = "ravnest-node"
 
@@ -106,9 +109,40 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--mdns-interface", metavar="IP", help="with --swarm: the interface for mDNS"
     )
+    status.add_argument(
+        "--swarm-dir",
+        type=Path,
+        metavar="DIR",
+        help="a protected swarm's credentials (init-swarm); --swarm defaults to its name",
+    )
+    status.add_argument(
+        "--token", help="the same credentials as one line (or RAVNEST_TRANSPORT_TOKEN)"
+    )
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument(
         "--timeout-s", type=float, default=10.0, help="seconds to wait for an answer (default: 10)"
+    )
+
+    init = commands.add_parser(
+        "init-swarm",
+        help="create a protected swarm's certificate authority and member credentials",
+        description="Write a new certificate authority for swarm NAME and a member certificate "
+        "signed by it to --out DIR (ca.pem, ca.key, member.pem, member.key, and token: the "
+        "same as one line). Start every node with --swarm-dir DIR (without ca.key) or "
+        "--token: they then use mutual TLS with every peer and refuse anyone without the "
+        "swarm's certificate. --renew issues new member credentials under the authority "
+        "already in DIR.",
+    )
+    init.add_argument("name", metavar="NAME", help="the swarm's name")
+    init.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write")
+    init.add_argument(
+        "--days",
+        type=int,
+        default=MEMBER_DAYS,
+        help=f"member certificate validity (default: {MEMBER_DAYS})",
+    )
+    init.add_argument(
+        "--renew", action="store_true", help="new member credentials, the same authority"
     )
 
     demo = commands.add_parser(
@@ -141,6 +175,25 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(bench, BenchConfig)
     return parser
+
+
+def run_init_swarm(name: str, out: Path, *, days: int, renew: bool) -> int:
+    """`init-swarm`: write the credentials, say what they are for."""
+    if not valid_swarm_name(name):
+        return _fail(f"swarm name {name[:80]!r}: 1 to 64 printable characters without '='")
+    try:
+        creds = create_swarm(name, out, days=days, renew=renew)
+    except OSError as exc:
+        return _fail(f"cannot write to {out}: {exc.strerror or exc}")
+    what = "new member credentials" if renew else "a new authority and member credentials"
+    token = out / TOKEN_FILE
+    print(
+        f"swarm {name!r}: {what} in {out} (member certificate valid until "
+        f"{creds.expires:%Y-%m-%d}).\nStart each node with --swarm-dir {out} (copy ca.pem, "
+        f"member.pem and member.key; keep ca.key off the nodes), or with the token in {token}:"
+        f"\n  RAVNEST_TRANSPORT_TOKEN=$(cat {token}) ravnest-node start ..."
+    )
+    return 0
 
 
 def _fail(message: str) -> int:
@@ -202,17 +255,26 @@ def _run(args: argparse.Namespace) -> int:
             )
             return _start(node_cfg)
         if args.command == "status":
-            if (args.address is None) == (args.swarm is None):
+            token = args.token or os.environ.get(settings.env_name(("transport", "token")))
+            transport = TransportConfig(swarm_dir=args.swarm_dir, token=token)
+            creds = transport.credentials
+            swarm = args.swarm or (creds.swarm if creds and args.address is None else None)
+            if (args.address is None) == (swarm is None):
                 return _fail("status: give a node's HOST:PORT or --swarm NAME (one of them)")
-            if args.swarm is not None:
+            if swarm is not None:
                 return run_swarm_status(
-                    args.swarm,
+                    swarm,
                     peers=args.peer,
                     interface=args.mdns_interface,
                     as_json=args.json,
                     timeout_s=args.timeout_s,
+                    transport=transport,
                 )
-            return run_status(args.address, as_json=args.json, timeout_s=args.timeout_s)
+            return run_status(
+                args.address, as_json=args.json, timeout_s=args.timeout_s, transport=transport
+            )
+        if args.command == "init-swarm":
+            return run_init_swarm(args.name, args.out, days=args.days, renew=args.renew)
         if args.command == "bench":
             bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
             if args.suite == "planner":

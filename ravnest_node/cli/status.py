@@ -27,7 +27,12 @@ from ravnest_node.discovery.mdns import MdnsDiscovery
 from ravnest_node.errors import ConfigError, PeerError, StartupError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.transport.options import TransportConfig, channel_options, split_host_port
+from ravnest_node.transport.options import (
+    TransportConfig,
+    grpc_channel,
+    grpc_sync_channel,
+    split_host_port,
+)
 
 _ENUMS = {"role": ("NODE_ROLE_", pb.NodeRole), "coordinator_found_via": ("FOUND_VIA_", pb.FoundVia)}
 
@@ -78,6 +83,11 @@ def describe(status: pb.NodeStatus) -> str:
             f"{s['plan_epoch']}, weight version {s['version']}, "
             f"{s['microbatches_in_flight']} microbatches in flight{done}"
         )
+    if s["security"] == "mtls":
+        lines.append(f"security: protected (mutual TLS); {s['refused_connections']} "
+                     "connections refused")  # fmt: skip
+    else:
+        lines.append("security: open (anyone who can reach it may call it)")
     lines.append(
         f"frames accepted {s['frames_accepted']}, refused {s['frames_refused']}; "
         f"bytes sent {s['bytes_sent']}"
@@ -85,47 +95,68 @@ def describe(status: pb.NodeStatus) -> str:
     return "\n".join(lines)
 
 
-def run_status(address: str, *, as_json: bool, timeout_s: float) -> int:
-    """Print the node's status; exit status 0, 1 if it does not answer, 2 for a bad address."""
+def run_status(
+    address: str, *, as_json: bool, timeout_s: float, transport: TransportConfig | None = None
+) -> int:
+    """Print the node's status; exit status 0, 1 if it does not answer, 2 for a bad address.
+    `transport` carries a protected swarm's credentials (--swarm-dir, --token)."""
+    transport = transport or TransportConfig()
     try:
         split_host_port(address)
     except ConfigError as exc:
         print(f"ravnest-node: error: {exc}", file=sys.stderr)
         return 2
     try:
-        with grpc.insecure_channel(address) as channel:
+        with grpc_sync_channel(address, transport) as channel:
             status: pb.NodeStatus = pb_grpc.NodeStub(channel).Status(
                 pb.StatusRequest(), timeout=timeout_s
             )
     except grpc.RpcError as exc:
         code = exc.code().name if isinstance(exc, grpc.Call) else "UNAVAILABLE"
-        print(f"ravnest-node: status: no answer from {address} ({code})", file=sys.stderr)
+        print(f"ravnest-node: status: no answer from {address} ({code}){_hint(code, transport)}",
+              file=sys.stderr)  # fmt: skip
         return 1
     print(json.dumps(status_dict(status)) if as_json else describe(status))
     return 0
 
 
 # ----- the whole swarm --------------------------------------------------------------------------
-async def _swarm_view(address: str, timeout_s: float) -> pb.SwarmView:
-    async with grpc.aio.insecure_channel(address, options=channel_options(TransportConfig())) as ch:
+def _hint(code: str, transport: TransportConfig) -> str:
+    """Why a node may not answer: a protected node refuses a caller without its credentials."""
+    if code != "UNAVAILABLE":
+        return ""
+    if transport.credentials is None:
+        return "; a protected swarm's node answers only with its credentials: --swarm-dir DIR"
+    return "; or it is not of this swarm (another authority), or an open node"
+
+
+async def _swarm_view(address: str, timeout_s: float, transport: TransportConfig) -> pb.SwarmView:
+    async with grpc_channel(address, transport) as ch:
         view: pb.SwarmView = await pb_grpc.CoordinatorStub(ch).Swarm(
             pb.SwarmRequest(), timeout=timeout_s
         )
         return view
 
 
-async def _member_status(address: str, timeout_s: float) -> pb.NodeStatus | str:
+async def _member_status(
+    address: str, timeout_s: float, transport: TransportConfig
+) -> pb.NodeStatus | str:
     """The member's status, or why it did not answer."""
     try:
-        return await grpc_status_asker(TransportConfig())(address, timeout_s)
+        return await grpc_status_asker(transport)(address, timeout_s)
     except PeerError as exc:
         return str(exc)
 
 
 def swarm_dict(
-    swarm: str, found: Found, view: pb.SwarmView, statuses: Sequence[pb.NodeStatus | str]
+    swarm: str,
+    found: Found,
+    view: pb.SwarmView,
+    statuses: Sequence[pb.NodeStatus | str],
+    security: str = "open",
 ) -> dict[str, Any]:
-    """The swarm as one JSON-able object: the coordinator, the plan and every member. Pure."""
+    """The swarm as one JSON-able object: the coordinator, the plan and every member (reached
+    with `security`: "mtls" with the swarm's credentials, or "open"). Pure."""
     stages = {s.node_id: s for s in view.plan.stages}
     members = []
     for member, status in zip(view.members, statuses, strict=True):
@@ -161,11 +192,14 @@ def swarm_dict(
                 bytes_sent=status.bytes_sent,
                 run_done=status.run_done,
                 relay=status.relay,
+                security=status.security,
             )
         members.append(entry)
     return {
         "swarm": swarm,
         "swarm_id": view.swarm_id,
+        # "mtls": a protected swarm, asked with its credentials; "open": anyone may join.
+        "security": security,
         "coordinator": {
             "address": found.address,
             "found_via": found.via_name,
@@ -199,6 +233,12 @@ def describe_swarm(s: dict[str, Any]) -> str:
         + f", {len(s['members'])} of {s['swarm_size']} members; step {s['step']}, "
         f"{s['samples']} samples, {s['samples_per_s']:.1f} samples/s"
         + (", run done" if s["done"] else ""),
+        "security: "
+        + (
+            "protected (mutual TLS, the swarm's certificate)"
+            if s["security"] == "mtls"
+            else "open (anyone who can reach a node may join)"
+        ),
     ]
     if s["relays"]:
         lines.append("relays offered: " + ", ".join(
@@ -231,7 +271,11 @@ def describe_swarm(s: dict[str, Any]) -> str:
 
 
 async def _find_swarm(
-    swarm: str, peers: Sequence[str], interface: str | None, timeout_s: float
+    swarm: str,
+    peers: Sequence[str],
+    interface: str | None,
+    timeout_s: float,
+    transport: TransportConfig,
 ) -> dict[str, Any]:
     async with contextlib.AsyncExitStack() as stack:
         mdns = await stack.enter_async_context(
@@ -243,17 +287,20 @@ async def _find_swarm(
             swarm=swarm,
             discovery=mdns,
             peers=peers,
-            ask=grpc_status_asker(TransportConfig()),
+            ask=grpc_status_asker(transport),
             timeout_s=timeout_s,
         )
     try:
-        view = await _swarm_view(found.address, timeout_s)
+        view = await _swarm_view(found.address, timeout_s, transport)
     except grpc.aio.AioRpcError as exc:
         raise PeerError(
             f"coordinator {found.address}: {exc.code().name}: {exc.details()}"
         ) from None
-    statuses = await asyncio.gather(*(_member_status(m.address, timeout_s) for m in view.members))
-    return swarm_dict(swarm, found, view, statuses)
+    statuses = await asyncio.gather(
+        *(_member_status(m.address, timeout_s, transport) for m in view.members)
+    )
+    security = "open" if transport.credentials is None else "mtls"
+    return swarm_dict(swarm, found, view, statuses, security)
 
 
 def run_swarm_status(
@@ -263,12 +310,14 @@ def run_swarm_status(
     interface: str | None,
     as_json: bool,
     timeout_s: float,
+    transport: TransportConfig | None = None,
 ) -> int:
     """Print the swarm's status; exit status 0, 1 if it cannot be found, 2 for bad settings."""
+    transport = transport or TransportConfig()
     try:
         for peer in peers:
             split_host_port(peer)
-        shown = asyncio.run(_find_swarm(swarm, peers, interface, timeout_s))
+        shown = asyncio.run(_find_swarm(swarm, peers, interface, timeout_s, transport))
     except (ConfigError, StartupError) as exc:
         print(f"ravnest-node: error: {exc}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ from ravnest_node.discovery import Discovery
 from ravnest_node.errors import ConfigError, PeerError, PeerRefused, PeerUnavailable
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.transport.options import TransportConfig, channel_options, split_host_port
+from ravnest_node.transport.options import TransportConfig, grpc_channel, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def grpc_status_asker(transport: TransportConfig) -> AskStatus:
             split_host_port(address)
         except ConfigError as exc:
             raise PeerRefused(f"not an address: {exc}") from None
-        channel = grpc.aio.insecure_channel(address, options=channel_options(transport))
+        channel = grpc_channel(address, transport)
         try:
             stub = pb_grpc.NodeStub(channel)
             # No wait_for_ready: a peer that is down fails at once, and the next round retries.
@@ -88,7 +88,7 @@ def grpc_vote_asker(
     """Asks a node for its vote (`Election.Vote`) over a real gRPC channel."""
 
     async def ask(address: str, request: pb.VoteRequest) -> pb.VoteReply:
-        channel = grpc.aio.insecure_channel(address, options=channel_options(transport))
+        channel = grpc_channel(address, transport)
         try:
             reply: pb.VoteReply = await pb_grpc.ElectionStub(channel).Vote(
                 request, timeout=ATTEMPT_TIMEOUT_S

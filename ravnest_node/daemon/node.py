@@ -64,9 +64,10 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import load_or_create_node_id, write_atomic
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters, Refusal
+from ravnest_node.transport.gate import TlsGate
 from ravnest_node.transport.options import (
     TransportConfig,
-    channel_options,
+    grpc_channel,
     server_options,
     split_host_port,
 )
@@ -96,6 +97,9 @@ FAILOVER_STATUS_S = 2.0
 JOIN_AUTO = "auto"
 JOIN_ELECT = "elect"
 MAX_PEERS = 64
+DEFAULT_SWARM = "default"
+"""The swarm name when none is given (a protected swarm's name comes from its credentials)."""
+
 # --no-inbound without --relay: of the relays the coordinator offers, at most this many are
 # timed, each connect within this many seconds.
 MAX_RELAY_OFFERS = 16
@@ -134,7 +138,7 @@ class NodeConfig:
     coordinator_grace_s: float = 600.0
     """Worker: seconds to keep training and retrying reports while the coordinator does not
     answer (a lab coordinator being restarted); after that the run fails."""
-    swarm_name: str = "default"
+    swarm_name: str = DEFAULT_SWARM
     """Name of the swarm: part of its id; over mDNS a node sees only nodes of the same name."""
     compute_threads: int = field(default=0, metadata={"flag": "--threads"})
     """Threads torch may use for this node's compute (0 = torch's default)."""
@@ -245,6 +249,14 @@ class NodeConfig:
         if self.compute_threads < 0:
             raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
         self._check_relay()
+        creds = self.transport.credentials
+        if creds is not None and self.swarm_name != creds.swarm:
+            if self.swarm_name != DEFAULT_SWARM:
+                raise ConfigError(
+                    f"swarm_name={self.swarm_name!r}, but the credentials are swarm "
+                    f"{creds.swarm!r}'s: drop --swarm-name, or give that swarm's credentials"
+                )
+            object.__setattr__(self, "swarm_name", creds.swarm)  # frozen: set once, here
         if self.is_coordinator or self.elects:
             check_frame_limit(self.train, self.transport.max_message_bytes)
             check_swarm_shape(self.swarm_size, self.train)
@@ -356,13 +368,15 @@ class NodeService(pb_grpc.NodeServicer):
             raise  # not reached: abort raises
 
 
-async def probe_node(node_id: str, address: str, timeout_s: float, tries: int = 2) -> bool:
+async def probe_node(
+    node_id: str, address: str, timeout_s: float, tries: int = 2, *, transport: TransportConfig
+) -> bool:
     """Is node `node_id` alive at `address`? It answers a brief Node.Status (no compute)
     within `timeout_s` with its id, on the first or a later try (Coordinator.Suspect).
     Another node at that address is not it. (The node started again there is: its Join tells
     the coordinator of the restart.)"""
     for _ in range(tries):
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with grpc_channel(address, transport) as channel:
             try:
                 status = await pb_grpc.NodeStub(channel).Status(
                     pb.StatusRequest(brief=True), timeout=timeout_s
@@ -444,6 +458,8 @@ class NodeDaemon:
         """This node's tunnel through its relay (--relay)."""
         self._relay: RelayServer | None = None
         """The relay this node serves (--relay-listen)."""
+        self._gate: TlsGate | None = None
+        """A protected swarm's TLS gate in front of this node's gRPC server."""
         self.led_term = 0
         """The election term this node won and leads as coordinator (0: none)."""
         self._lost_coordinators: set[str] = set()
@@ -502,10 +518,23 @@ class NodeDaemon:
         )
         host, port = split_host_port(cfg.listen)
         _check_bindable(host, port, cfg.listen)
+        creds = cfg.transport.credentials
         try:
-            port = server.add_insecure_port(cfg.listen)
+            # Protected: the gRPC server listens on loopback, behind the TLS gate.
+            grpc_port = server.add_insecure_port("127.0.0.1:0" if creds else cfg.listen)
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {cfg.listen}: {_bind_reason(exc)}") from None
+        if creds is not None:
+            gate = TlsGate(host, port, ("127.0.0.1", grpc_port), creds.server_context())
+            try:
+                port = await gate.start()
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot listen on {cfg.listen}: {exc.strerror or exc}"
+                ) from None
+            self._gate = gate
+        else:
+            port = grpc_port
         self.address = cfg.advertise or f"{host}:{port}"
         self._listening = host, port
         if cfg.no_inbound and cfg.relay is None:
@@ -564,6 +593,14 @@ class NodeDaemon:
                     self._mdns = await stack.enter_async_context(mdns)
                 info = self._write_ready()
                 log.info("node %s listening on %s", self.node_id, self.address)
+                if creds is None:
+                    log.warning("swarm %r is open: anyone who can reach this node may join it "
+                                "(protect it with --swarm-dir DIR from `ravnest-node init-swarm`)",
+                                cfg.swarm_name)  # fmt: skip
+                else:
+                    log.info("swarm %r is protected: mutual TLS with every peer (member "
+                             "certificate valid until %s)", cfg.swarm_name,
+                             f"{creds.expires:%Y-%m-%d}")  # fmt: skip
                 on_ready(info)
                 await self._serve(worker, server)
         finally:
@@ -574,6 +611,8 @@ class NodeDaemon:
                 self._tunnel.close()
             if self._relay is not None:
                 await self._relay.close()
+            if self._gate is not None:
+                await self._gate.close()
             # Wait for the torch op in progress (if any); nothing new is submitted after stop.
             await asyncio.to_thread(self._compute.shutdown, wait=True, cancel_futures=True)
         if self.run_error is not None:
@@ -645,9 +684,7 @@ class NodeDaemon:
                         ask=grpc_status_asker(cfg.transport), timeout_s=timeout_s,
                     )  # fmt: skip
             address = self.found.address
-            async with grpc.aio.insecure_channel(
-                address, options=channel_options(cfg.transport)
-            ) as channel:
+            async with grpc_channel(address, cfg.transport) as channel:
                 with coordinator_errors(address):
                     view: pb.SwarmView = await pb_grpc.CoordinatorStub(channel).Swarm(
                         pb.SwarmRequest(), timeout=timeout_s
@@ -682,11 +719,13 @@ class NodeDaemon:
         cfg = self.config
         if relay_address is not None and self._tunnel is None:
             local = f"{'127.0.0.1' if ipaddress_is_wildcard(host) else host}:{port}"
+            creds = cfg.transport.credentials
             tunnel = TunnelClient(
                 relay_address,
                 self.node_id,
                 local,
                 connect_timeout_s=cfg.transport.connect_timeout_s,
+                tls=creds.client_context() if creds is not None else None,
             )
             try:
                 self.address = await tunnel.open()
@@ -702,7 +741,14 @@ class NodeDaemon:
         if cfg.relay_listen is not None:
             public = split_host_port(cfg.advertise or cfg.relay_listen)[0]
             ports = parse_port_range(cfg.relay_ports) if cfg.relay_ports else None
-            relay = RelayServer(cfg.relay_listen, public, node_id=self.node_id, ports=ports)
+            creds = cfg.transport.credentials
+            relay = RelayServer(
+                cfg.relay_listen,
+                public,
+                node_id=self.node_id,
+                ports=ports,
+                tls=creds.server_context() if creds is not None else None,
+            )
             try:
                 await relay.start()
             except OSError as exc:
@@ -741,8 +787,8 @@ class NodeDaemon:
             epoch=epoch,
             lease_s=cfg.lease_s,
             store=store,
-            probe=probe_node,
-            reach=partial(probe_node, tries=1),
+            probe=partial(probe_node, transport=cfg.transport),
+            reach=partial(probe_node, tries=1, transport=cfg.transport),
             node_id=self.node_id,
             relay_address=self._relay.address if self._relay is not None else "",
         )
@@ -1108,6 +1154,12 @@ class NodeDaemon:
             if self._votes is not None
             else 0,
         )
+        creds = self.config.transport.credentials
+        status.security = "open" if creds is None else "mtls"
+        if creds is not None:
+            status.certificate_expires = creds.expires.timestamp()
+        if self._gate is not None:
+            status.refused_connections = self._gate.refused
         if self._tunnel is not None:
             status.relay = self._tunnel.relay
         if self._relay is not None:

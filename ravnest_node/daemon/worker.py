@@ -41,7 +41,12 @@ from ravnest_node.checkpoint import (
     parse_manifest,
     run_key,
 )
-from ravnest_node.coordination.coordinator import LOST_AFTER_LEASES, PROTOCOL, UNREACHABLE_KEY
+from ravnest_node.coordination.coordinator import (
+    LOST_AFTER_LEASES,
+    MAX_EPOCH_AHEAD,
+    PROTOCOL,
+    UNREACHABLE_KEY,
+)
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S, heartbeat_interval
 from ravnest_node.coordination.negotiate import MAX_OFFERS, MAX_PEER_LINKS
 from ravnest_node.coordination.static_plan import (
@@ -81,7 +86,7 @@ from ravnest_node.transport.boundary import (
 from ravnest_node.transport.frames import FrameLimits
 from ravnest_node.transport.options import (
     TransportConfig,
-    channel_options,
+    grpc_channel,
     is_loopback,
     split_host_port,
 )
@@ -145,7 +150,7 @@ def _peer_fault(exc: BaseException) -> PeerUnavailable | PeerRefused | None:
 @asynccontextmanager
 async def open_channel(address: str, transport: TransportConfig) -> AsyncIterator[grpc.aio.Channel]:
     """A channel to a peer, ready to use; PeerUnavailable if it does not answer in time."""
-    channel = grpc.aio.insecure_channel(address, options=channel_options(transport))
+    channel = grpc_channel(address, transport)
     try:
         try:
             await asyncio.wait_for(channel.channel_ready(), transport.connect_timeout_s)
@@ -461,9 +466,7 @@ class Worker:
         new coordinator after a failover (`follow`), retries included."""
         channel = self._channels.get(self.coordinator)
         if channel is None:
-            channel = grpc.aio.insecure_channel(
-                self.coordinator, options=channel_options(self._transport)
-            )
+            channel = grpc_channel(self.coordinator, self._transport)
             self._channels[self.coordinator] = channel
         return pb_grpc.CoordinatorStub(channel)
 
@@ -528,7 +531,14 @@ class Worker:
     async def _session_at(self, epoch: int, what: str) -> _Session:
         """This node's session once it has a stage of plan `epoch` (a neighbour may get the
         plan a moment earlier: wait for it, within the connect timeout), if the peer's `what`
-        is for that epoch; Refusal otherwise."""
+        is for that epoch; Refusal otherwise, at once for an epoch far past any plan this node
+        has heard of (a hostile caller must not hold the handler for the whole wait)."""
+        newest = self.latest_plan.epoch if self.latest_plan is not None else 0
+        if epoch > newest + MAX_EPOCH_AHEAD:
+            raise Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{what} is for plan epoch {epoch}, far past this node's newest ({newest})",
+            )
         await self._wait(
             lambda: self._session is not None and self.plan is not None
             and self.plan.epoch >= epoch,
@@ -1676,6 +1686,7 @@ class Worker:
                 max_message_bytes=self._transport.max_message_bytes,
                 counters=self.counters,
                 layout=[tuple(p.shape) for p in params],
+                transport=self._transport,
             )
         except ConfigError as exc:
             raise RunFailed(f"cannot average stage {me.index}: {exc}") from None

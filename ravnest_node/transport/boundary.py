@@ -32,6 +32,7 @@ import grpc
 
 from ravnest_node.errors import FrameError, PeerRefused, PeerUnavailable
 from ravnest_node.transport.frames import Frame, FrameLimits, parse_frame
+from ravnest_node.transport.gate import peer_address
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +298,9 @@ class BoundaryServer:
         try:
             link, accept, finish = await self._dial_in(peer_id, epoch)
         except Refusal as refusal:
-            log.warning("refused boundary stream from %s: %s", context.peer(), refusal.reason)
+            log.warning(
+                "refused boundary stream from %s: %s", peer_address(context.peer()), refusal.reason
+            )
             await context.abort(refusal.code, refusal.reason)
             return
 
@@ -317,7 +320,7 @@ class BoundaryServer:
         except FrameError as exc:
             error = exc
             reason = f"frame refused: {exc}"
-            log.warning("%s (from %s)", reason, context.peer())
+            log.warning("%s (from %s)", reason, peer_address(context.peer()))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
         except (LinkAborted, PeerUnavailable) as exc:
             error = exc
@@ -333,7 +336,9 @@ class BoundaryServer:
         try:
             link, accept = await self._open_session(peer_id, epoch)
         except Refusal as refusal:
-            log.warning("refused boundary stream from %s: %s", context.peer(), refusal.reason)
+            log.warning(
+                "refused boundary stream from %s: %s", peer_address(context.peer()), refusal.reason
+            )
             await context.abort(refusal.code, refusal.reason)
             return
 
@@ -348,7 +353,7 @@ class BoundaryServer:
         except FrameError as exc:
             error = exc
             reason = f"frame refused: {exc}"
-            log.warning("%s (from %s)", reason, context.peer())
+            log.warning("%s (from %s)", reason, peer_address(context.peer()))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
         except LinkAborted as exc:
             error = exc

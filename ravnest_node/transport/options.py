@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
 
 from ravnest_node.errors import ConfigError
+from ravnest_node.transport.credentials import TLS_NAME, SwarmCredentials, load_credentials
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -20,6 +24,15 @@ class TransportConfig:
     """Seconds that open streams get to finish when a node stops."""
     connect_timeout_s: float = 30.0
     """Seconds to wait for a peer's server (coordinator, neighbour) to answer before giving up."""
+    swarm_dir: Path | None = None
+    """Protect the swarm with the credentials in DIR, made by `ravnest-node init-swarm`.
+
+    Mutual TLS with every peer; peers without the swarm's certificate are refused and logged.
+    Without it (or --token) the swarm is open: anyone who can reach a node may join."""
+    token: str | None = field(default=None, repr=False)
+    """Protect the swarm with the same credentials as one line (DIR/token), not --swarm-dir.
+
+    Give it as RAVNEST_TRANSPORT_TOKEN to keep it out of the process list."""
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_message_bytes <= 2**31 - 1:
@@ -33,6 +46,12 @@ class TransportConfig:
             )
         if self.stop_grace_s < 0 or self.connect_timeout_s <= 0:
             raise ConfigError("stop_grace_s must be >= 0 and connect_timeout_s > 0 (seconds)")
+        load_credentials(self.swarm_dir, self.token)  # ConfigError now, not at the first call
+
+    @property
+    def credentials(self) -> SwarmCredentials | None:
+        """The swarm's credentials (None: an open swarm)."""
+        return load_credentials(self.swarm_dir, self.token)
 
 
 MAX_ADDRESS_LEN = 255
@@ -102,3 +121,32 @@ def channel_options(cfg: TransportConfig) -> list[tuple[str, int]]:
         # not after gRPC's default back-off of up to 120 s.
         ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
+
+
+ChannelArgs = tuple[list[tuple[str, int | str]], grpc.ChannelCredentials | None]
+
+
+def _channel_args(cfg: TransportConfig) -> ChannelArgs:
+    creds = cfg.credentials
+    options: list[tuple[str, int | str]] = [*channel_options(cfg)]
+    if creds is None:
+        return options, None
+    options.append(("grpc.ssl_target_name_override", TLS_NAME))
+    return options, grpc.ssl_channel_credentials(creds.ca_pem, creds.key_pem, creds.cert_pem)
+
+
+def grpc_channel(address: str, cfg: TransportConfig) -> grpc.aio.Channel:
+    """A channel to the node at `address`: mutual TLS with the swarm's credentials, or plain
+    in an open swarm."""
+    options, creds = _channel_args(cfg)
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, creds, options=options)
+
+
+def grpc_sync_channel(address: str, cfg: TransportConfig) -> grpc.Channel:
+    """The same as `grpc_channel`, for blocking code (the status command)."""
+    options, creds = _channel_args(cfg)
+    if creds is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, creds, options=options)

@@ -38,6 +38,7 @@ import hmac
 import logging
 import secrets
 import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ import msgpack
 
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable
 from ravnest_node.state import valid_node_id
+from ravnest_node.transport.credentials import TLS_NAME
 from ravnest_node.transport.options import split_host_port
 
 log = logging.getLogger(__name__)
@@ -224,8 +226,12 @@ class RelayServer:
         open_timeout_s: float = 10.0,
         node_id: str = "",
         ports: range | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._host, self._port = split_host_port(listen)
+        self._tls = tls
+        """A protected swarm: control and data connections must pass mutual TLS first (the
+        tunnels' public ports carry the nodes' own TLS, and are joined as they are)."""
         self._ports = ports
         """The ports tunnels get (--relay-ports); None: any port the system picks."""
         self._next_port = 0
@@ -281,6 +287,16 @@ class RelayServer:
         try:
             self._handshakes += 1
             try:
+                if self._tls is not None:
+                    try:
+                        await writer.start_tls(self._tls, ssl_handshake_timeout=HEADER_TIMEOUT_S)
+                    except (ConnectionError, ssl.SSLEOFError):
+                        raise  # closed before TLS was done (a node timing its round trip)
+                    except (ssl.SSLError, OSError, TimeoutError) as exc:
+                        self.refused += 1  # nothing to answer it with: it has no TLS
+                        log.warning("relay: refused a connection from %s: mutual TLS failed: "
+                                    "%s", peer, exc)  # fmt: skip
+                        return
                 async with asyncio.timeout(HEADER_TIMEOUT_S):
                     header = await read_header(reader)
             finally:
@@ -454,9 +470,12 @@ class TunnelClient:
         local: str,
         *,
         connect_timeout_s: float = 30.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         split_host_port(relay)
         self._relay = relay
+        self._tls = tls
+        """A protected swarm: connections to the relay use mutual TLS (not those to `local`)."""
         self._node_id = node_id
         self._local = local
         self._connect_timeout_s = connect_timeout_s
@@ -477,11 +496,16 @@ class TunnelClient:
         """The relay's address ("host:port"), as given."""
         return self._relay
 
-    async def _connect(self, address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect(
+        self, address: str, tls: bool = False
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         host, port = split_host_port(address)
+        secure: dict[str, Any] = (
+            {"ssl": self._tls, "server_hostname": TLS_NAME} if tls and self._tls else {}
+        )
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await asyncio.open_connection(host, port, **secure)
         except (TimeoutError, OSError) as exc:
             raise PeerUnavailable(f"cannot connect to {address}: {exc}") from None
         nodelay(writer)
@@ -491,7 +515,7 @@ class TunnelClient:
         """Register with the relay (asking for the port this node had, if any); the address
         peers reach this node at. PeerUnavailable / PeerRefused if the relay cannot be reached
         or refuses."""
-        reader, writer = await self._connect(self._relay)
+        reader, writer = await self._connect(self._relay, tls=True)
         port = split_host_port(self.address)[1] if self.address else 0
         register: dict[str, Any] = {"op": "register", "node": self._node_id, "port": port}
         if self._secret:  # replaces the old tunnel if the relay still holds it
@@ -577,7 +601,7 @@ class TunnelClient:
         """One peer connection: a data connection to the relay joined to the local server."""
         relay: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         try:
-            relay = await self._connect(self._relay)
+            relay = await self._connect(self._relay, tls=True)
             relay[1].write(encode_header({"op": "data", "node": self._node_id,
                                           "secret": self._secret, "id": conn_id}))  # fmt: skip
             await relay[1].drain()
