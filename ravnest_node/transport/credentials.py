@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgpack
 from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -301,7 +301,7 @@ def _checked(ca_pem: bytes, cert_pem: bytes, key_pem: bytes, where: str) -> Swar
         raise ConfigError(f"{where}: the credentials are not ECDSA (made by init-swarm)")
     try:
         cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, Exception) as exc:  # InvalidSignature has no common base
+    except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm) as exc:
         raise ConfigError(
             f"{where}: the member certificate is not signed by this swarm's authority ({exc!r})"
         ) from None
