@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -79,6 +80,8 @@ class Procs:
 
     def __init__(self) -> None:
         self.started: list[subprocess.Popen[bytes]] = []
+        self._leaders: set[int] = set()
+        """Pids of those started in a session of their own (start_new_session=True)."""
 
     def popen(self, args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         kwargs.setdefault("env", NODE_ENV)
@@ -86,6 +89,8 @@ class Procs:
         kwargs.setdefault("stdin", subprocess.DEVNULL)
         proc = subprocess.Popen(args, **kwargs)
         self.started.append(proc)
+        if kwargs.get("start_new_session"):
+            self._leaders.add(proc.pid)
         return proc
 
     def start_node(
@@ -123,6 +128,11 @@ class Procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(10)
+            # Started in a session of its own (a demo, with its node processes): they go too,
+            # rather than stay behind as orphans when a test fails midway.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if proc.pid in self._leaders:
+                    os.killpg(proc.pid, signal.SIGKILL)
             if proc.stdout is not None:
                 proc.stdout.close()
 

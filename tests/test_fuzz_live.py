@@ -73,6 +73,7 @@ def _demo(procs: Procs, tmp_path: Path, name: str, *args: str) -> subprocess.Pop
         ravnest("demo", "--work-dir", str(tmp_path / name), "--summary-json",
                 str(tmp_path / f"{name}.json"), *ARGS, *args),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a failed test kills its node processes too (Procs.cleanup)
     )  # fmt: skip
 
 
