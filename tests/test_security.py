@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import datetime
 import json
 import logging
@@ -165,17 +166,11 @@ async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 def _client_context(creds: SwarmCredentials | None, ca: SwarmCredentials) -> ssl.SSLContext:
     """What a peer's TLS looks like: the swarm's authority, and `creds`' certificate (if any)."""
-    context = ssl.create_default_context(cadata=ca.ca_pem.decode())
-    context.set_alpn_protocols(["h2"])
-    if creds is not None:
-        cert, key = Path("/dev/shm") / f"c{id(creds)}.pem", Path("/dev/shm") / f"k{id(creds)}.pem"
-        cert.write_bytes(creds.cert_pem)
-        key.write_bytes(creds.key_pem)
-        try:
-            context.load_cert_chain(cert, key)
-        finally:
-            cert.unlink()
-            key.unlink()
+    if creds is None:
+        context = ssl.create_default_context(cadata=ca.ca_pem.decode())
+    else:  # another swarm's member certificate, checking this swarm's authority
+        context = dataclasses.replace(creds, ca_pem=ca.ca_pem).client_context()
+    context.set_alpn_protocols(["h2"])  # as gRPC's own TLS asks
     return context
 
 

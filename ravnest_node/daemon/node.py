@@ -717,9 +717,9 @@ class NodeDaemon:
         relay's port for it). --relay-listen: start serving as a relay. StartupError if either
         cannot."""
         cfg = self.config
+        creds = cfg.transport.credentials  # a protected swarm: relays use mutual TLS too
         if relay_address is not None and self._tunnel is None:
             local = f"{'127.0.0.1' if ipaddress_is_wildcard(host) else host}:{port}"
-            creds = cfg.transport.credentials
             tunnel = TunnelClient(
                 relay_address,
                 self.node_id,
@@ -741,7 +741,6 @@ class NodeDaemon:
         if cfg.relay_listen is not None:
             public = split_host_port(cfg.advertise or cfg.relay_listen)[0]
             ports = parse_port_range(cfg.relay_ports) if cfg.relay_ports else None
-            creds = cfg.transport.credentials
             relay = RelayServer(
                 cfg.relay_listen,
                 public,

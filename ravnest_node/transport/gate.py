@@ -18,8 +18,6 @@ their peer (`context.peer()` is a loopback address), and `peer_address` gives th
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ipaddress
 import logging
 import math
 import ssl
@@ -27,6 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from ravnest_node.transport.options import is_loopback_host
 from ravnest_node.transport.tunnel import host_port, nodelay, splice
 
 log = logging.getLogger(__name__)
@@ -153,7 +152,7 @@ class TlsGate:
             if len(self._tasks) > self._max_connections:
                 self._refuse(address, f"{self._max_connections} connections are open")
             elif self._per_host[host] > self._max_per_host and (
-                self._limit_loopback or not _is_loopback(host)
+                self._limit_loopback or not is_loopback_host(host)
             ):
                 self._refuse(address, f"{self._max_per_host} connections from {host} are open")
             else:
@@ -201,13 +200,6 @@ class TlsGate:
             self._open.discard(backend[1])
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _reason(exc: BaseException) -> str:
     """Why a TLS handshake failed, for a person."""
     text = str(exc)
@@ -225,7 +217,5 @@ def _reason(exc: BaseException) -> str:
             return reason
     if isinstance(exc, TimeoutError):
         return "no TLS handshake in time"
-    with contextlib.suppress(AttributeError):
-        if exc.reason:  # type: ignore[attr-defined]
-            return f"TLS: {exc.reason}"  # type: ignore[attr-defined]
-    return f"TLS: {text or type(exc).__name__}"
+    detail = getattr(exc, "reason", None) or text or type(exc).__name__
+    return f"TLS: {detail}"

@@ -75,7 +75,11 @@ def split_host_port(address: str) -> tuple[str, int]:
 
 def is_loopback(address: str) -> bool:
     """Is HOST:PORT on this machine's loopback (127.0.0.0/8, ::1, localhost)?"""
-    host = split_host_port(address)[0]
+    return is_loopback_host(split_host_port(address)[0])
+
+
+def is_loopback_host(host: str) -> bool:
+    """Is HOST (a name or an IP, no port) this machine's loopback?"""
     if host == "localhost":
         return True
     try:
