@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo bench test check lint typecheck protos docs clean
+.PHONY: setup demo bench test check lint typecheck protos docs clean browser
 
 setup: $(STAMP)
 
@@ -31,7 +31,14 @@ typecheck: setup
 
 check: lint typecheck
 
-test: check
+# Best effort: Debian's Chromium for tests/test_web.py's browser test (skipped without it).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		chromium chromium-driver >/dev/null) ; } \
+		|| echo "no chromium: the browser test will be skipped"
+
+test: check browser
 	$(PY) -m pytest -q
 
 # Regenerate the committed protobuf/gRPC code (tests/test_protos.py checks it is up to date).

@@ -9,15 +9,18 @@ It serves `/ravnest.v1.Averaging/Push` on 127.0.0.1 (port 0) and talks JSON line
     stdout {"event": "round", ...}        one per round (an honest member), naming the file
                                           (in --out) that holds the parameters before and
                                           after the round and the mean
-    stdout {"event": "pushed", ...}       one per round (a poisoning member)
+    stdout {"event": "pushed", ...}       one per round (a poisoning member, which reads
+                                          `again` on stdin before the last)
     stdout {"event": "done"}
     stdin  EOF                            then it exits 0
 
 An honest member starts from the same parameters as every other (seed 0), takes a random "local
 training" step of its own (--seed) before each round, and averages with OuterOptimizer and
-ReplicaAverager. A poisoning member (--poison) pushes, in round 0, a delta full of NaN and, in
-round 1, a delta --huge times larger than the others', each after the honest members' pushes of
-that round reached it (so they have begun the round and admit it).
+ReplicaAverager. A poisoning member (--poison) pushes, in rounds 0-3: a delta full of NaN, one
+--huge times the size of an honest member's, one --moderate times that size, and a --huge one
+again, each after the honest members' pushes of that round reached it (so they have begun the
+round and admit it). Then, once told `again` on stdin, it pushes a delta of round 4 without
+waiting (the honest members have banned it by then).
 """
 
 from __future__ import annotations
@@ -104,6 +107,8 @@ async def honest(
             participants=list(result.participants),
             missing=list(result.missing),
             rejected=list(result.rejected),
+            clipped=list(result.clipped),
+            banned=list(result.banned),
             bytes_sent=result.bytes_sent,
             wait_s=result.wait_s,
         )
@@ -137,19 +142,25 @@ async def poison(args: argparse.Namespace, sink: Sink, members: list[Member]) ->
     pusher = Pusher(args.node_id, TransportConfig(max_message_bytes=MAX_MESSAGE_BYTES))
     emit(event="attached")
     assert (await read_stdin()).strip() == "go"
-    bad = [
-        torch.full((numel,), float("nan")),
-        torch.randn(numel, generator=torch.Generator().manual_seed(args.seed)) * args.huge,
-    ]
-    for r, delta in enumerate(bad):
-        async with sink.changed:
-            await sink.changed.wait_for(
-                lambda r=r: all((m.node_id, r) in sink.seen for m in others)
-            )
+    noise = torch.Generator().manual_seed(args.seed)
+
+    def sized(times: float) -> torch.Tensor:
+        return torch.randn(numel, generator=noise) * LOCAL_STEP * times  # times an honest step
+
+    deltas = [torch.full((numel,), float("nan")), sized(args.huge), sized(args.moderate)]
+    deltas += [sized(args.huge), sized(1.0)]
+    deadline = asyncio.get_running_loop().time() + 60
+    for r, delta in enumerate(deltas):
+        if r < 4:
+            async with sink.changed:
+                await sink.changed.wait_for(
+                    lambda r=r: all((m.node_id, r) in sink.seen for m in others)
+                )
+        else:
+            assert (await read_stdin()).strip() == "again"
         codec = get_codec("none" if r == 0 else "int8-block")
         message = encode_frame(FrameKind.DELTA, r, 0, [Outgoing("delta", delta, codec)])
         status = {}
-        deadline = asyncio.get_running_loop().time() + 30
         for m in others:
             try:
                 await pusher.push(m, message, deadline)
@@ -172,6 +183,7 @@ async def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--poison", action="store_true")
     parser.add_argument("--huge", type=float, default=1e4)
+    parser.add_argument("--moderate", type=float, default=6.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     server = grpc.aio.server(options=server_options(TransportConfig()))

@@ -44,6 +44,29 @@ def demo_summary(tmp_path: Path, name: str, *args: str, timeout: float = 600) ->
     return data
 
 
+def demo_summaries(
+    tmp_path: Path, runs: dict[str, Sequence[str]], timeout: float = 600
+) -> dict[str, dict[str, Any]]:
+    """`demo_summary` of several runs (name -> args) side by side, for runs whose results do
+    not depend on timing (synchronous, fixed codec): their summaries by name."""
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
+    procs = {}
+    for name, args in runs.items():
+        summary = str(tmp_path / f"{name}.json")
+        command = ravnest("demo", "--work-dir", str(tmp_path / name), "--summary-json", summary)
+        procs[name] = subprocess.Popen([*command, *args], env=NODE_ENV, text=True, **pipes)
+    try:
+        for name, proc in procs.items():
+            out, _ = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"demo {name}:\n{out}"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in runs}
+
+
 def read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
     """One line of the process's stdout, or b"" at EOF; fails the test after `timeout_s`."""
     assert proc.stdout is not None

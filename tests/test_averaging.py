@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from ravnest_node.averaging import (
     AveragingConfig,
     AveragingService,
+    BanList,
     Member,
     OuterOptimizer,
     ReplicaAverager,
@@ -44,7 +45,7 @@ from ravnest_node.averaging.topology import (
 from ravnest_node.averaging.wire import PATH
 from ravnest_node.compression import get_codec
 from ravnest_node.errors import ConfigError
-from ravnest_node.transport.boundary import NODE_ID_KEY
+from ravnest_node.transport.boundary import NODE_ID_KEY, Refusal
 from ravnest_node.transport.frames import FrameKind, Outgoing, encode_frame
 from ravnest_node.transport.options import TransportConfig, server_options
 
@@ -215,6 +216,24 @@ def test_norm_guard() -> None:
     # An even count: the median is the mean of the middle two.
     s = screen_norms({"a": 1.0, "b": 2.0, "c": 3.0, "d": 100.0}, 10.0)
     assert s.median_norm == 2.5 and s.rejected == ("d",)
+    # Clipping: over clip_ratio x median (but within max_norm_ratio), scaled down to it.
+    s = screen_norms({"a": 1.0, "b": 2.0, "c": 3.0, "d": 12.0, "e": 40.0}, 10.0, 3.0)
+    assert s.accepted == ("a", "b", "c", "d") and s.rejected == ("e",)
+    assert s.clipped == ("d",) and s.scales == {"d": 0.75}  # to 3 x the median 3
+    assert screen_norms({"a": 1.0, "b": 2.0, "c": 8.0}, 10.0, math.inf).clipped == ()
+    assert screen_norms({"a": 1.0, "b": 9.0}, 10.0, 3.0).clipped == ()  # too few for a median
+
+
+def test_a_member_whose_deltas_keep_being_rejected_is_banned() -> None:
+    bans = BanList()
+    assert not bans.strike("c", "not finite", 3) and not bans.strike("c", "huge", 3)
+    assert not bans.strike("d", "huge", 3)
+    assert bans.strike("c", "huge again", 3) and "c" in bans.banned and "d" not in bans.banned
+    assert bans.banned["c"] == "3 rejected deltas, the last: huge again"
+    bans.clear("d")  # d sent a good delta: its strike was not one in a row
+    assert not bans.strike("d", "huge", 3) and not bans.strike("d", "huge", 3)
+    assert not bans.strike("c", "more", 3)  # banned once
+    assert not any(bans.strike("e", "huge", 0) for _ in range(10))  # 0: never
 
 
 def test_round_admission() -> None:
@@ -236,6 +255,9 @@ def test_round_admission() -> None:
         {"codec": "aq-delta"},
         {"timeout_s": math.inf},
         {"max_norm_ratio": 0.5},
+        {"clip_ratio": 0.9},
+        {"clip_ratio": math.nan},
+        {"ban_after": -1},
     ],
 )
 def test_config_validation(field: dict[str, Any]) -> None:
@@ -406,11 +428,18 @@ async def test_bad_pushes_are_refused_with_a_status_and_change_nothing() -> None
         result = await averager.average(0, torch.zeros(numel))
         assert result.rejected == ("b",) and result.participants == ("a",) and not result.missing
         assert result.wait_s < 1.0  # b was settled: no waiting for the deadline
+        assert averager.bans.strikes["b"] == 1  # it came from b's host
         assert await _push(address, _delta_frame(0, ok), "b") == code.OK  # old round: dropped
         assert await _push(address, _delta_frame(1, ok * 3), "b") == code.OK  # the next round
         result = await averager.average(1, torch.ones(numel))
         assert result.participants == ("a", "b")
         torch.testing.assert_close(result.mean, torch.full((numel,), 2.0))
+        assert averager.bans.strikes["b"] == 0  # a good delta: the strike was not one in a row
+        # A NaN delta in b's name from another host: rejected, not counted toward a ban.
+        with pytest.raises(Refusal):
+            await averager.receive(_delta_frame(2, nan), "b", source="203.0.113.9")
+        result = await averager.average(2, torch.ones(numel))
+        assert result.rejected == ("b",) and averager.bans.strikes["b"] == 0
     finally:
         await averager.close()
         await server.stop(0)
@@ -448,9 +477,12 @@ def _tell(proc: subprocess.Popen[bytes], line: str) -> None:
     proc.stdin.flush()
 
 
-def _rounds(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> list[dict[str, Any]]:
-    """A member's round events up to "done", each with the tensors it saved, if any."""
-    lines = wait_for_line(proc, '"done"', timeout_s)
+def _rounds(
+    proc: subprocess.Popen[bytes], timeout_s: float = 30, until: str = '"done"'
+) -> list[dict[str, Any]]:
+    """A member's round events up to the line with `until` ("done"), each with the tensors it
+    saved, if any."""
+    lines = wait_for_line(proc, until, timeout_s)
     events = [json.loads(line) for line in lines]
     rounds = [e for e in events if e["event"] in ("round", "pushed")]
     for e in rounds:
@@ -527,22 +559,41 @@ def test_a_member_that_never_answers_is_left_out(procs: Procs, tmp_path: Path) -
     _finish({m: started[m] for m in "ab"})
 
 
-def test_poisoned_deltas_are_rejected_and_reported(procs: Procs, tmp_path: Path) -> None:
-    peers = {m: ["--seed", str(seed), "--rounds", "2"] for seed, m in enumerate("ab", 1)}
+def test_poisoned_deltas_are_rejected_clipped_and_their_sender_banned(
+    procs: Procs, tmp_path: Path
+) -> None:
+    peers = {m: ["--seed", str(seed), "--rounds", "5"] for seed, m in enumerate("ab", 1)}
     peers["c"] = ["--seed", "3", "--poison"]
     started = _start_peers(procs, tmp_path, peers)
-    pushed = _rounds(started["c"])
-    by_member = {m: _rounds(started[m]) for m in "ab"}
+    pushed = [json.loads(wait_for_line(started["c"], '"pushed"', 30)[-1]) for _ in range(4)]
+    early = {m: _rounds(started[m], until='"round": 3') for m in "ab"}
     # Round 0: c's NaN delta is refused on arrival, and c is told why.
     assert all("INVALID_ARGUMENT" in s and "not finite" in s for s in pushed[0]["status"].values())
-    # Round 1: c's huge delta arrives, and the norm guard leaves it out.
-    assert pushed[1]["status"] == {"a": "OK", "b": "OK"}
+    # Rounds 1-3 arrive; the norm guard rejects the huge ones and clips the moderate one.
+    assert all(p["status"] == {"a": "OK", "b": "OK"} for p in pushed[1:])
+    _tell(started["c"], "again")  # the honest members have banned c: its next push is refused
+    last = json.loads(wait_for_line(started["c"], '"pushed"', 30)[-1])
+    assert all("PERMISSION_DENIED" in s and "banned" in s for s in last["status"].values())
+    by_member = {m: early[m] + _rounds(started[m]) for m in "ab"}
     previous = _initial()
-    for r in range(2):
+    for r in range(5):
         rounds = {m: events[r] for m, events in by_member.items()}
         for event in rounds.values():
-            assert event["participants"] == ["a", "b"] and event["rejected"] == ["c"]
             assert event["missing"] == []
-        _check_mean(rounds, _codec_tolerance(rounds, previous))
+            assert event["rejected"] == (["c"] if r in (0, 1, 3) else [])
+            assert event["clipped"] == (["c"] if r == 2 else [])
+            assert event["banned"] == (["c"] if r >= 3 else [])
+            assert event["participants"] == (["a", "b", "c"] if r == 2 else ["a", "b"])
+        if r == 2:  # c's delta entered scaled to 3 x the median norm (the larger honest one)
+            means = [e["mean"] for e in rounds.values()]
+            assert torch.equal(means[0], means[1])
+            honest = [previous - e["before"] for e in rounds.values()]
+            clipped = float(torch.linalg.vector_norm(3 * means[0] - sum(honest)))
+            median = max(float(torch.linalg.vector_norm(d)) for d in honest)
+            assert abs(clipped / (3.0 * median) - 1) < 0.05, (clipped, median)
+        else:
+            _check_mean(rounds, _codec_tolerance(rounds, previous))
+        if r == 4:  # nobody waited for a banned member
+            assert all(e["wait_s"] < 5.0 for e in rounds.values())
         previous = rounds["a"]["after"]
     _finish(started)

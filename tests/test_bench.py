@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from ravnest_node.bench.links import netns_available
+from ravnest_node.transport.credentials import create_swarm
 
 from .conftest import NODE_ENV, ravnest
 
@@ -29,12 +30,12 @@ def _bench(tmp_path: Path, *args: str) -> tuple[list[dict[str, Any]], str]:
     return records, result.stdout
 
 
-def _suite(tmp_path: Path, suite: str) -> tuple[list[dict[str, Any]], str]:
-    """`bench SUITE --quick` on the tiny model: its JSON lines and what it printed."""
+def _suite(tmp_path: Path, suite: str, *args: str) -> tuple[list[dict[str, Any]], str]:
+    """`bench SUITE --quick ARGS` on the tiny model: its JSON lines and what it printed."""
     jsonl = tmp_path / f"{suite}.jsonl"
     result = subprocess.run(
         ravnest("bench", suite, "--model", "tiny", "--quick", "--jsonl", str(jsonl),
-                "--work-dir", str(tmp_path / "work")),
+                "--work-dir", str(tmp_path / "work"), *args),
         env=NODE_ENV, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -118,7 +119,11 @@ def test_bench_codecs(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_replicas(tmp_path: Path) -> None:
-    (one, double, two), stdout = _suite(tmp_path, "replicas")
+    # In a protected swarm: every suite passes --swarm-dir on to its nodes.
+    create_swarm("bench", tmp_path / "swarm")
+    (one, double, two), stdout = _suite(
+        tmp_path, "replicas", "--swarm-dir", str(tmp_path / "swarm")
+    )
     assert (one["pipelines"], double["pipelines"], two["pipelines"]) == (1, 1, 2)
     assert one["samples"] == double["samples"] == two["samples"]
     assert one["steps"] == 2 * two["steps"] == 2 * double["steps"]
@@ -129,3 +134,6 @@ def test_bench_replicas(tmp_path: Path) -> None:
     assert two["hivemind_bytes_per_sample"] < two["fp32_every_step_bytes_per_sample"]
     assert 0 <= two["averaging_wait_share"] < 1
     assert "loss gap, two pipelines vs one pipeline" in stdout
+    logs = [p.read_text() for p in (tmp_path / "work").glob("*/node-*/node.log")]
+    assert len(logs) == 3 + 3 + 6
+    assert all("swarm 'bench' is protected: mutual TLS with every peer" in log for log in logs)

@@ -23,6 +23,17 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def _run_all(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """`_run` of each command, side by side (each spends seconds importing torch)."""
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "stdin": subprocess.DEVNULL}
+    procs = [subprocess.Popen(ravnest(*a), env=NODE_ENV, text=True, **pipes) for a in commands]
+    results = []
+    for args, proc in zip(commands, procs, strict=True):
+        out, err = proc.communicate(timeout=60)
+        results.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+    return results
+
+
 def _one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -57,8 +68,9 @@ def test_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
 
 
 def test_unknown_model_is_a_one_line_error() -> None:
-    _one_line_error(_run("start", "--model", "gpt-9"), "unknown model 'gpt-9'", "bench-small")
-    _one_line_error(_run("demo", "--model", "gpt-9"), "unknown model 'gpt-9'")
+    start, demo = _run_all(("start", "--model", "gpt-9"), ("demo", "--model", "gpt-9"))
+    _one_line_error(start, "unknown model 'gpt-9'", "bench-small")
+    _one_line_error(demo, "unknown model 'gpt-9'")
 
 
 @pytest.mark.parametrize(
@@ -107,5 +119,6 @@ def test_an_unbounded_staleness_is_refused() -> None:
 
 
 def test_gradient_only_codec_is_refused_for_activations() -> None:
-    _one_line_error(_run("demo", "--codec", "topk-ef"), "topk-ef is for gradients only")
-    _one_line_error(_run("demo", "--gradient-codec", "zstd"), "gradient_codec='zstd'")
+    topk, zstd = _run_all(("demo", "--codec", "topk-ef"), ("demo", "--gradient-codec", "zstd"))
+    _one_line_error(topk, "topk-ef is for gradients only")
+    _one_line_error(zstd, "gradient_codec='zstd'")

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from ravnest_node.bench.runner import BenchConfig
+from ravnest_node.cli.demo import DemoConfig
 from ravnest_node.cli.reference import render
+from ravnest_node.cli.settings import field_docs
+from ravnest_node.daemon.node import NodeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -12,3 +21,21 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_configuration_reference_is_current() -> None:
     committed = (ROOT / "docs" / "configuration.md").read_text()
     assert committed == render(), "docs/configuration.md is stale: run `make docs`"
+
+
+def _fields(cls: type, prefix: str = "") -> Iterator[tuple[str, str, bool]]:
+    """(dotted setting, its docstring, whether it is a leaf) of a config class tree."""
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        section = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None
+        yield f"{prefix}{f.name}", docs.get(f.name, ""), section is None
+        if section is not None:
+            yield from _fields(section, f"{prefix}{f.name}.")
+
+
+@pytest.mark.parametrize("cls", [NodeConfig, DemoConfig, BenchConfig])
+def test_every_setting_has_a_docstring_and_is_in_the_reference(cls: type) -> None:
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    for name, doc, leaf in _fields(cls):
+        assert doc, f"{cls.__name__}.{name} has no docstring"
+        assert not leaf or f"| `{name}` |" in reference, f"{name} is not in the reference"

@@ -9,24 +9,21 @@ from typing import Any
 
 import pytest
 
-from .conftest import demo_summary
+from .conftest import demo_summaries, demo_summary
 
 RTOL = 1e-5
 
 
+SYNC = ("--seed", "0", "--max-staleness", "0", "--codec", "none")
+
+
 def _demo(tmp_path: Path, name: str, *args: str, timeout: float = 600) -> dict[str, Any]:
-    return demo_summary(
-        tmp_path,
-        name,
-        "--seed",
-        "0",
-        "--max-staleness",
-        "0",
-        "--codec",
-        "none",
-        *args,
-        timeout=timeout,
-    )
+    return demo_summary(tmp_path, name, *SYNC, *args, timeout=timeout)
+
+
+def _demos(tmp_path: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, dict[str, Any]]:
+    """Synchronous fp32 runs side by side: what they train does not depend on timing."""
+    return demo_summaries(tmp_path, {name: (*SYNC, *args) for name, args in runs.items()})
 
 
 def assert_same_training(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -50,8 +47,15 @@ def _check_summary(s: dict[str, Any], nodes: int, steps: int) -> None:
 
 def test_three_nodes_train_exactly_like_one(tmp_path: Path) -> None:
     args = ("--model", "tiny", "--steps", "12")
-    one = _demo(tmp_path, "one", "--nodes", "1", *args)
-    three = _demo(tmp_path, "three", "--nodes", "3", *args)
+    runs = _demos(
+        tmp_path,
+        {
+            "one": ("--nodes", "1", *args),
+            "three": ("--nodes", "3", *args),
+            "broken": ("--nodes", "3", "--fault-skip-step-stage", "1", *args),
+        },
+    )
+    one, three, broken = runs["one"], runs["three"], runs["broken"]
     _check_summary(one, 1, 12)
     _check_summary(three, 3, 12)
     assert_same_training(three, one)
@@ -61,7 +65,6 @@ def test_three_nodes_train_exactly_like_one(tmp_path: Path) -> None:
     per_step = 4 * 2 * 2 * activation  # 4 microbatches, 2 boundaries, both directions
     assert 12 * per_step < three["bytes_on_wire"] < 12 * per_step * 1.05
     # The check has teeth: a stage that skips its optimizer step is caught.
-    broken = _demo(tmp_path, "broken", "--nodes", "3", "--fault-skip-step-stage", "1", *args)
     with pytest.raises(AssertionError):
         assert_same_training(broken, one)
 
@@ -69,8 +72,9 @@ def test_three_nodes_train_exactly_like_one(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bench_small_as_the_issue_states_it(tmp_path: Path) -> None:
     """`demo --nodes 3 --steps 40 --seed 0 --max-staleness 0 --codec none` == `--nodes 1`."""
-    one = _demo(tmp_path, "one", "--nodes", "1", "--steps", "40")
-    three = _demo(tmp_path, "three", "--nodes", "3", "--steps", "40")
+    runs = _demos(tmp_path, {"one": ("--nodes", "1", "--steps", "40"),
+                             "three": ("--nodes", "3", "--steps", "40")})  # fmt: skip
+    one, three = runs["one"], runs["three"]
     _check_summary(three, 3, 40)
     assert three["model"] == "bench-small"
     assert_same_training(three, one)

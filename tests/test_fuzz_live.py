@@ -1,5 +1,6 @@
-"""A live, training swarm under a storm of random and mutated frames and control messages: no
-handler fails, every node keeps training, and the run ends exactly as an undisturbed one."""
+"""A live, training swarm under a storm of random and mutated frames and control messages, then
+a flood of streams from one peer: no handler fails, every node keeps training, and the run ends
+exactly as an undisturbed one."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ravnest_node.averaging import wire
 from ravnest_node.compression import get_codec
 from ravnest_node.transport import boundary, probe
 from ravnest_node.transport.frames import FrameKind, encode_frame
+from ravnest_node.transport.options import TransportConfig
 
 from .conftest import Procs, node_status, poll_until, ravnest
 from .test_equivalence import assert_same_training
@@ -26,6 +28,8 @@ from .test_equivalence import assert_same_training
 STEPS = 400
 ARGS = ("--model", "tiny", "--steps", str(STEPS), "--seed", "0", "--max-staleness", "0",
         "--codec", "none")  # fmt: skip
+FLOOD = 100
+PEER_MAX_CALLS = TransportConfig().peer_max_calls
 ENTRIES = [
     ("/ravnest.v1.Coordinator/Join", "unary"),
     ("/ravnest.v1.Coordinator/Report", "unary"),
@@ -161,8 +165,22 @@ def test_a_training_swarm_shrugs_off_thousands_of_hostile_messages(
     assert set(hits) == {path for path, _ in ENTRIES} and min(hits.values()) >= 20, hits
     for refusal in ("FAILED_PRECONDITION", "PERMISSION_DENIED", "NOT_FOUND"):
         assert codes.get(refusal, 0) >= 10, codes
+    # Then a flood: one peer opens 100 long-lived streams at the coordinator. It gets
+    # peer_max_calls of them; the swarm's own calls are still served.
+    coordinator = nodes[0]["address"]
+    limited_before = node_status(coordinator).calls_limited
+    flood = grpc.insecure_channel(coordinator, options=[("grpc.use_local_subchannel_pool", 1)])
+    watch = flood.unary_stream("/ravnest.v1.Coordinator/WatchProgress")
+    calls = [watch(b"") for _ in range(FLOOD)]  # b"": an empty WatchProgressRequest
+    poll_until(lambda: sum(c.done() for c in calls) >= FLOOD - PEER_MAX_CALLS, 30)
+    refused = [c for c in calls if c.done()]
+    assert len(refused) == FLOOD - PEER_MAX_CALLS
+    assert all(c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refused)
+    assert node_status(coordinator).calls_limited - limited_before == len(refused)
+    assert not node_status(middle).run_done, "the flood should hit a swarm that is still training"
     # Every node lived and trained to the end (the demo exits 0 only then), exactly as one
     # process trains the same run undisturbed: nothing refused changed a parameter.
     assert storm.wait(300) == 0 and reference.wait(300) == 0
+    flood.close()
     same = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("storm", "reference")]
     assert_same_training(*same)

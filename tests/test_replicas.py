@@ -4,6 +4,7 @@ on disjoint data shards and average each stage with its replica every few steps.
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +43,37 @@ def test_two_pipelines_average_and_end_as_one_model(tmp_path: Path) -> None:
     assert s["bytes_on_wire"] > sum(
         st["activation_bytes_sent"] + st["gradient_bytes_sent"] for st in s["stages"]
     )
+
+
+def test_a_poisoning_replica_is_banned_and_the_others_train_on(tmp_path: Path) -> None:
+    """Three pipelines of one stage; the replica of pipeline 2 trains honestly but pushes deltas
+    10^4 times their size. The others reject them, ban it after 3 rounds and stop waiting for
+    it, and train as well as it did on its own (its pushes never entered their means)."""
+    steps, every = 24, 4
+    s = _demo(
+        tmp_path, "poisoned", "--nodes", "3", "--pipelines", "3", "--steps", str(steps),
+        "--average-every", str(every), "--average-timeout-s", "1", "--fault-poison-pipeline", "2",
+    )  # fmt: skip
+    stages = {st["pipeline"]: st for st in s["stages"]}
+    dirs = (tmp_path / "poisoned").glob("node-*")
+    by_id = {(d / "node_id").read_text().strip(): (d / "node.log").read_text() for d in dirs}
+    logs = {p: by_id[st["node_id"]] for p, st in stages.items()}
+    bad = stages[2]["node_id"]
+    for p in (0, 1):
+        assert logs[p].count(f"rejected {bad}'s delta: its norm exceeds 10 x the median") == 3
+        assert f"banned {bad} from averaging for the rest of the run" in logs[p]
+        # Every round went on without the poisoner: rejected, then banned.
+        assert stages[p]["averaging_rounds"] == stages[p]["averaging_rounds_incomplete"] == 6
+    assert f"node '{bad}' is banned from averaging for this run" in logs[2]  # when it pushed
+    lines = (logs[0] + logs[1]).splitlines()
+    assert all(bad in line for line in lines if "banned" in line)  # nobody else
+    # The honest replicas end as one model, as large as the poisoner's own (which only its
+    # pushes poisoned): 10^4-times deltas in their means would have blown it up.
+    a, b, own = (stages[p]["params_sq_sum"] for p in (0, 1, 2))
+    assert math.isclose(a, b, rel_tol=1e-9)
+    assert math.isclose(a, own, rel_tol=0.01)
+    # Their loss fell as far as the poisoner's (each reads its own shard: the last 6 steps).
+    tail = [statistics.mean(h[-6:]) for h in s["loss_history_per_pipeline"]]
+    for p in (0, 1):
+        assert tail[p] < 0.85 * s["loss_history_per_pipeline"][p][0]
+        assert math.isclose(tail[p], tail[2], rel_tol=0.05), tail

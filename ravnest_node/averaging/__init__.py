@@ -10,7 +10,7 @@ docs/averaging.md.
 from ravnest_node.averaging.config import DELTA_CODECS, AveragingConfig, delta_codec
 from ravnest_node.averaging.exchange import ReplicaAverager, RoundResult
 from ravnest_node.averaging.outer import OuterOptimizer
-from ravnest_node.averaging.robust import Screening, screen_norms
+from ravnest_node.averaging.robust import BanList, Screening, screen_norms
 from ravnest_node.averaging.topology import Topology, choose_topology, round_payload_bytes
 from ravnest_node.averaging.wire import AveragingService, Member
 
@@ -18,6 +18,7 @@ __all__ = [
     "DELTA_CODECS",
     "AveragingConfig",
     "AveragingService",
+    "BanList",
     "Member",
     "OuterOptimizer",
     "ReplicaAverager",

@@ -39,6 +39,12 @@ class AveragingConfig:
     max_norm_ratio: float = 10.0
     """Poisoning guard: with 3 or more deltas, one whose L2 norm exceeds this many times the
     median norm of the round is rejected (math.inf turns the guard off)."""
+    clip_ratio: float = 3.0
+    """Poisoning guard: with 3 or more deltas, one whose L2 norm exceeds this many times the
+    median norm (but not max_norm_ratio times) is scaled down to it before averaging
+    (math.inf: no clipping)."""
+    ban_after: int = 3
+    """A replica whose delta is rejected in this many rounds is banned for the run (0: never)."""
 
     def __post_init__(self) -> None:
         if type(self.every_steps) is not int or self.every_steps < 1:
@@ -59,6 +65,13 @@ class AveragingConfig:
             raise ConfigError(
                 f"max_norm_ratio={self.max_norm_ratio!r}: must be >= 1 (math.inf turns it off)"
             )
+
+        if not self.clip_ratio >= 1:  # also refuses NaN
+            raise ConfigError(
+                f"clip_ratio={self.clip_ratio!r}: must be >= 1 (math.inf turns clipping off)"
+            )
+        if type(self.ban_after) is not int or self.ban_after < 0:
+            raise ConfigError(f"ban_after={self.ban_after!r}: must be an int >= 0 (0: never ban)")
 
     def round_due(self, step: int) -> bool:
         """Whether an outer round starts after optimizer step `step` (1-based count of steps

@@ -48,7 +48,7 @@ from ravnest_node.averaging.inbox import (
     part_name,
     part_of,
 )
-from ravnest_node.averaging.robust import Screening, screen_norms
+from ravnest_node.averaging.robust import BanList, Screening, screen_norms, stable_norm
 from ravnest_node.averaging.topology import (
     Topology,
     choose_topology,
@@ -72,7 +72,7 @@ from ravnest_node.transport.frames import (
     encode_frame,
     parse_frame,
 )
-from ravnest_node.transport.options import TransportConfig
+from ravnest_node.transport.options import TransportConfig, same_host, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,10 @@ class RoundResult:
     """The topology the group runs."""
     fell_back: bool = False
     """The ring broke and this round exchanged whole deltas instead."""
+    clipped: tuple[str, ...] = ()
+    """Members whose delta entered the mean scaled down to the guard's bound (robust.py)."""
+    banned: tuple[str, ...] = ()
+    """Members banned for the run (robust.py), left out without being waited for."""
 
 
 @dataclass(slots=True)
@@ -135,6 +139,8 @@ class ReplicaAverager:
         first_round: int = 0,
         layout: Sequence[Sequence[int]] | None = None,
         transport: TransportConfig | None = None,
+        bans: BanList | None = None,
+        fault_push_scale: float = 1.0,
     ) -> None:
         """A member `node_id` of the group `members` (itself included) averaging deltas of
         `numel` elements in messages of at most `max_message_bytes` (use the node's
@@ -144,9 +150,12 @@ class ReplicaAverager:
         options and credentials of `transport`, the node's: mutual TLS in a protected swarm);
         `counters` also counts the bytes pushed per peer.
         `layout` (the shapes of the stage's parameters, in the order of the flat delta) is
-        needed by the powersgd codec only. ConfigError for a group without this node, duplicate
-        ids, a delta that cannot fit one message, or powersgd without a layout of `numel`
-        elements."""
+        needed by the powersgd codec only. `bans` is the node's record of rejected deltas and
+        banned members (robust.py), kept across groups (default: this averager's own).
+        `fault_push_scale` (test only, != 1): whole deltas are pushed that many times their
+        size while this member averages its own as it is (a poisoning member).
+        ConfigError for a group without this node, duplicate ids, a delta that cannot fit one
+        message, or powersgd without a layout of `numel` elements."""
         ids = [m.node_id for m in members]
         if len(set(ids)) != len(ids):
             raise ConfigError(f"replica group lists a node id twice: {sorted(ids)}")
@@ -172,8 +181,10 @@ class ReplicaAverager:
         ring_ok = numel >= n and self._envelope is None
         self.topology = choose_topology(n) if ring_ok else Topology.ALL_TO_ALL
         self._ids = frozenset(ids)
-        self._others = tuple(m for m in self.members if m.node_id != node_id)
-        self._other_ids = tuple(m.node_id for m in self._others)
+        self._all_others = tuple(m for m in self.members if m.node_id != node_id)
+        self._hosts = {m.node_id: split_host_port(m.address)[0] for m in self.members}
+        self.bans = bans if bans is not None else BanList()
+        self._fault_push_scale = fault_push_scale
         self._bounds = ring_chunks(numel, n) if self.topology is Topology.RING else []
         self._states: dict[str, object | None] = {}
         transport = dataclasses.replace(
@@ -200,6 +211,16 @@ class ReplicaAverager:
         self._busy = False
         self._changed = asyncio.Condition()
 
+    @property
+    def _others(self) -> tuple[Member, ...]:
+        """The other members, less those banned for the run."""
+        return tuple(m for m in self._all_others if m.node_id not in self.bans.banned)
+
+    @property
+    def banned(self) -> tuple[str, ...]:
+        """Members of this group banned for the run, sorted."""
+        return tuple(m.node_id for m in self._all_others if m.node_id in self.bans.banned)
+
     # ---- the server side ----
 
     def handler(self) -> Any:
@@ -208,14 +229,21 @@ class ReplicaAverager:
         and attaches this averager to it)."""
         return push_handler(lambda: self)
 
-    async def receive(self, request: bytes, sender: str) -> None:
-        """Validate, decode and keep one pushed part; Refusal (with the status to answer) if it
-        is not wanted. A refused part changes nothing, except that a whole delta which cannot
-        be used counts as that member's rejected delta of the round."""
+    async def receive(self, request: bytes, sender: str, source: str = "") -> None:
+        """Validate, decode and keep one pushed part from the host `source`; Refusal (with the
+        status to answer) if it is not wanted. A refused part changes nothing, except that a
+        whole delta which cannot be used counts as that member's rejected delta of the round
+        (toward a ban only if it came from the member's host)."""
         if sender not in self._ids or sender == self.node_id:
             raise Refusal(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"node {sender!r} is not a member of this replica group",
+            )
+        if sender in self.bans.banned:
+            raise Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"node {sender!r} is banned from averaging for this run: "
+                f"{self.bans.banned[sender]}",
             )
         try:
             frame, part, chunk = self._check(request, sender)
@@ -234,6 +262,8 @@ class ReplicaAverager:
             raise Refusal(
                 grpc.StatusCode.ALREADY_EXISTS, f"round {frame.seq}: this part arrived already"
             )
+        if part == WHOLE and not same_host(source, self._hosts[sender]):
+            self._inbox(frame.seq).elsewhere.add(sender)
         try:
             value = await self._in_executor(self._decode, frame)
         except FrameError as exc:
@@ -338,7 +368,7 @@ class ReplicaAverager:
             del self._inboxes[old]
         try:
             traffic = _Traffic()
-            if self.topology is Topology.RING:
+            if self.topology is Topology.RING and not self.banned:  # a ring needs everyone
                 result = await self._ring_round(round, step, flat, started, deadline, traffic)
             else:
                 result = await self._whole_round(round, step, flat, started, deadline, traffic)
@@ -370,6 +400,11 @@ class ReplicaAverager:
     ) -> RoundResult:
         """All-to-all: push the whole delta to every other member and collect theirs."""
         message, own = await self._in_executor(self._encode_decoded, round, step, WHOLE, flat)
+        if self._fault_push_scale != 1.0:
+            poisoned = flat * self._fault_push_scale  # with an error-feedback state of its own
+            message = await self._in_executor(
+                self._encode, round, step, WHOLE, poisoned, None, "fault"
+            )
         inbox = self._inbox(round)
         unreachable: set[str] = set()
 
@@ -385,6 +420,7 @@ class ReplicaAverager:
             # What the round uses is fixed here; later arrivals change nothing.
             deltas = {self.node_id: own, **inbox.deltas}
             refused = dict(inbox.rejected)
+            elsewhere = set(inbox.elsewhere)
         screening, mean = await self._in_executor(self._combine, deltas)
         missing = tuple(
             m.node_id for m in self._others if m.node_id not in deltas and m.node_id not in refused
@@ -396,22 +432,36 @@ class ReplicaAverager:
                 ", ".join(missing),
                 self.config.timeout_s,
             )
-        for sender, reason in refused.items():
-            log.warning("round %d: rejected %s's delta: %s", round, sender, reason)
+        median = screening.median_norm or 0.0
         for sender in screening.rejected:
-            log.warning(
-                "round %d: rejected %s's delta: its norm exceeds %g x the median norm %.4g",
-                round,
-                sender,
-                self.config.max_norm_ratio,
-                screening.median_norm or 0.0,
+            refused[sender] = (
+                f"its norm exceeds {self.config.max_norm_ratio:g} x the median norm {median:.4g}"
             )
+        for sender, reason in sorted(refused.items()):
+            log.warning("round %d: rejected %s's delta: %s", round, sender, reason)
+            if sender == self.node_id:
+                continue
+            if sender in elsewhere:
+                log.warning("round %d: %s's rejected delta came from another host than %s: "
+                            "not counted toward a ban", round, sender,
+                            self._hosts[sender])  # fmt: skip
+            elif self.bans.strike(sender, reason, self.config.ban_after):
+                log.error("round %d: banned %s from averaging for the rest of the run (%s)",
+                          round, sender, self.bans.banned[sender])  # fmt: skip
+        for sender in screening.accepted:
+            if sender not in screening.scales:
+                self.bans.clear(sender)  # a good delta: the strikes were not in a row
+        for sender, scale in sorted(screening.scales.items()):
+            log.warning("round %d: clipped %s's delta to %g x the median norm %.4g (scaled by "
+                        "%.3g)", round, sender, self.config.clip_ratio, median, scale)  # fmt: skip
         return RoundResult(
             round=round,
             mean=mean,
             participants=screening.accepted,
             missing=missing,
-            rejected=tuple(sorted({*refused, *screening.rejected})),
+            rejected=tuple(sorted(refused)),
+            clipped=screening.clipped,
+            banned=self.banned,
             bytes_sent=traffic.bytes_sent,
             wait_s=asyncio.get_running_loop().time() - started,
             topology=self.topology,
@@ -420,12 +470,12 @@ class ReplicaAverager:
 
     def _combine(self, deltas: dict[str, torch.Tensor]) -> tuple[Screening, torch.Tensor]:
         """The guard's decision and the mean of the accepted deltas (runs in the executor)."""
-        norms = {k: float(torch.linalg.vector_norm(v)) for k, v in deltas.items()}
-        screening = screen_norms(norms, self.config.max_norm_ratio)
+        norms = {k: stable_norm(v) for k, v in deltas.items()}
+        screening = screen_norms(norms, self.config.max_norm_ratio, self.config.clip_ratio)
         total = torch.zeros(self.numel, dtype=torch.float32)
         # In sorted order: members that accepted the same deltas compute bit-identical means.
         for k in screening.accepted:
-            total.add_(deltas[k])
+            total.add_(deltas[k], alpha=screening.scales.get(k, 1.0))
         if screening.accepted:  # always: the guard keeps the median
             total.div_(len(screening.accepted))
         return screening, total
@@ -532,22 +582,25 @@ class ReplicaAverager:
         name: str,
         tensor: torch.Tensor,
         plus: torch.Tensor | None = None,
+        state_key: str | None = None,
     ) -> bytes:
         """The frame of `tensor` (+ `plus`) as part `name`, with that part's error-feedback
-        state. ValueError if it is not finite. Runs in the executor."""
+        state (or the state called `state_key`). ValueError if it is not finite. Runs in the
+        executor."""
         if plus is not None:
             tensor = tensor + plus
         if not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"round {round}: this member's {name} is not finite")
-        if name not in self._states:
-            self._states[name] = self._codec.new_state()
+        key = state_key or name
+        if key not in self._states:
+            self._states[key] = self._codec.new_state()
         if self._envelope is not None:
-            params, payload = self._envelope.encode(tensor, self._states[name])
+            params, payload = self._envelope.encode(tensor, self._states[key])
             assert params == self._envelope.params  # the receivers assume them (module doc)
             carrier = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             out = Outgoing(name, carrier, CODECS["none"])
         else:
-            out = Outgoing(name, tensor.contiguous(), self._codec, self._states[name])
+            out = Outgoing(name, tensor.contiguous(), self._codec, self._states[key])
         return encode_frame(FrameKind.DELTA, round, step, [out])
 
     def _encode_decoded(

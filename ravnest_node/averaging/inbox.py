@@ -76,6 +76,9 @@ class RoundInbox:
     gathered: dict[int, tuple[bytes, torch.Tensor]] = field(default_factory=dict)
     """Ring all-gather chunks from the predecessor, by chunk: (the message, to pass on as it
     is, and its decoded sum)."""
+    elsewhere: set[str] = field(default_factory=set)
+    """Senders whose whole delta came from another host than the member's address: a rejection
+    of it does not count toward a ban (the sender's id may be claimed by someone else)."""
     ring_fault: str | None = None
     """Why the ring of this round broke, if it did (a part that could not be used, a push that
     failed): the members fall back to exchanging whole deltas."""

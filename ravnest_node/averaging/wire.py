@@ -18,9 +18,10 @@ from typing import Any, Protocol
 
 import grpc
 
+from ravnest_node.averaging.robust import BanList
 from ravnest_node.errors import PeerRefused, PeerUnavailable
 from ravnest_node.transport.boundary import NODE_ID_KEY, LinkCounters, Refusal
-from ravnest_node.transport.gate import peer_address
+from ravnest_node.transport.gate import peer_address, peer_host
 from ravnest_node.transport.options import TransportConfig, grpc_channel
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,10 @@ class Member:
 class PushReceiver(Protocol):
     """What takes the pushes a node's server receives (a ReplicaAverager)."""
 
-    async def receive(self, request: bytes, sender: str) -> None:
-        """Take one pushed message from node `sender`; raises Refusal (with the gRPC status to
-        answer) if it is not wanted, and then changes nothing."""
+    async def receive(self, request: bytes, sender: str, source: str = "") -> None:
+        """Take one pushed message from node `sender` (as it claims), which came from the host
+        `source`; raises Refusal (with the gRPC status to answer) if it is not wanted, and then
+        changes nothing."""
         ...
 
 
@@ -70,7 +72,7 @@ def push_handler(receiver: Callable[[], PushReceiver | None]) -> Any:
                 raise Refusal(
                     grpc.StatusCode.FAILED_PRECONDITION, "this node has no replica group (yet)"
                 )
-            await target.receive(request, sender)
+            await target.receive(request, sender, peer_host(context.peer())[0])
         except Refusal as refusal:
             log.warning(
                 "refused a push from %r (%s): %s",
@@ -93,6 +95,8 @@ class AveragingService:
     def __init__(self) -> None:
         """A service with no averager attached: pushes are refused until `attach`."""
         self._receiver: PushReceiver | None = None
+        self.bans = BanList()
+        """The node's record of rejected deltas and banned replicas, kept across groups."""
 
     def attach(self, receiver: PushReceiver | None) -> None:
         """Route pushes to `receiver` from now on (None: refuse them)."""

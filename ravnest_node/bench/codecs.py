@@ -13,19 +13,18 @@ Two tables:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
-import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
 from ravnest_node.averaging import delta_codec
-from ravnest_node.cli.demo import Demo, DemoConfig
+from ravnest_node.bench.suite import Suite
+from ravnest_node.cli.demo import DemoConfig, train_quietly
 from ravnest_node.compression import (
     ACTIVATION_ONLY,
     CODECS,
@@ -44,6 +43,7 @@ from ravnest_node.transport.frames import (
     encode_frame,
     parse_frame,
 )
+from ravnest_node.transport.options import TransportConfig
 
 Record = dict[str, Any]
 
@@ -181,10 +181,6 @@ def micro_table(repeats: int = 10) -> list[Record]:
         torch.set_num_threads(threads)
 
 
-async def _train(cfg: DemoConfig, log: TextIO) -> dict[str, Any] | None:
-    return await Demo(cfg, log).run()
-
-
 # (activation codec, gradient codec) pairs the convergence table trains with.
 PAIRS = [
     ("none", "none"),
@@ -205,7 +201,11 @@ QUICK_EPOCH_CODECS = ["none", "aq-delta", "aq-delta2"]
 
 
 def convergence_table(
-    train: TrainConfig, work_dir: Path, pairs: list[tuple[str, str]], last: int = 5
+    train: TrainConfig,
+    work_dir: Path,
+    pairs: list[tuple[str, str]],
+    last: int = 5,
+    transport: TransportConfig | None = None,
 ) -> list[Record]:
     """Train on 3 local nodes with each (activation, gradient) codec pair; loss against fp32
     (the mean of the last `last` steps' losses)."""
@@ -221,10 +221,9 @@ def convergence_table(
             train=dataclasses.replace(
                 train, activation_codec=act, gradient_codec=grad, max_staleness=0
             ),
+            transport=transport or TransportConfig(),
         )
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / "progress.log", "w") as log:
-            summary = asyncio.run(_train(cfg, log))
+        summary = train_quietly(cfg)
         if summary is None:
             break
         rows.append(
@@ -251,7 +250,12 @@ def convergence_table(
 
 
 def epochs_table(
-    train: TrainConfig, work_dir: Path, dataset_samples: int, epochs: int, codecs: list[str]
+    train: TrainConfig,
+    work_dir: Path,
+    dataset_samples: int,
+    epochs: int,
+    codecs: list[str],
+    transport: TransportConfig | None = None,
 ) -> list[Record]:
     """The multi-epoch runs: `epochs` passes over a fixed dataset, each activation codec of
     `codecs` with fp32 gradients; loss gap over the last epoch."""
@@ -260,7 +264,7 @@ def epochs_table(
         train, dataset_samples=dataset_samples, steps=epochs * steps_per_epoch
     )
     pairs = [(codec, "none") for codec in codecs]
-    return convergence_table(run, work_dir / "epochs", pairs, last=steps_per_epoch)
+    return convergence_table(run, work_dir / "epochs", pairs, steps_per_epoch, transport)
 
 
 def _mean(values: list[float]) -> float:
@@ -281,12 +285,11 @@ def _md(rows: list[Record], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join([head, rule, *body]) + "\n"
 
 
-def run_codec_bench(
-    train: TrainConfig, jsonl: Path, work_dir: Path, quick: bool, out: TextIO = sys.stdout
-) -> int:
-    """The `bench codecs` command."""
-    print("codec micro-benchmark (one core, real bench-small tensors):", file=out, flush=True)
-    micro = micro_table(repeats=3 if quick else 10)
+def run_codec_bench(suite: Suite) -> int:
+    """The `bench codecs` command (its swarms with `suite.transport`)."""
+    train = suite.train
+    print("codec micro-benchmark (one core, real bench-small tensors):", file=suite.out, flush=True)
+    micro = micro_table(repeats=3 if suite.quick else 10)
     micro_md = _md(
         micro,
         [
@@ -298,12 +301,14 @@ def run_codec_bench(
             ("lz4", "lz4 used", ""),
         ],
     )
-    print(micro_md, file=out, flush=True)
-    steps = 10 if quick else train.steps
+    print(micro_md, file=suite.out, flush=True)
+    steps = 10 if suite.quick else train.steps
     print(f"convergence: {train.model}, {steps} steps, 3 nodes, codecs activation/gradient",
-          file=out, flush=True)  # fmt: skip
-    pairs = QUICK_PAIRS if quick else PAIRS
-    conv = convergence_table(dataclasses.replace(train, steps=steps), work_dir, pairs)
+          file=suite.out, flush=True)  # fmt: skip
+    pairs = QUICK_PAIRS if suite.quick else PAIRS
+    conv = convergence_table(
+        dataclasses.replace(train, steps=steps), suite.work_dir, pairs, transport=suite.transport
+    )
     conv_md = _md(
         conv,
         [
@@ -316,13 +321,12 @@ def run_codec_bench(
             ("bytes_ratio_vs_fp32", "fewer bytes than fp32", ".1f"),
         ],
     )
-    print(conv_md, file=out, flush=True)
-    dataset, epochs = (2 * train.batch_size, 6) if quick else (8 * train.batch_size, 12)
+    print(conv_md, file=suite.out, flush=True)
+    dataset, epochs = (2 * train.batch_size, 6) if suite.quick else (8 * train.batch_size, 12)
     print(f"epochs: {train.model}, {epochs} epochs of a fixed dataset of {dataset} samples, "
-          "3 nodes, activation codecs (gradients fp32)", file=out, flush=True)  # fmt: skip
-    multi = epochs_table(
-        train, work_dir, dataset, epochs, QUICK_EPOCH_CODECS if quick else EPOCH_CODECS
-    )
+          "3 nodes, activation codecs (gradients fp32)", file=suite.out, flush=True)  # fmt: skip
+    codecs = QUICK_EPOCH_CODECS if suite.quick else EPOCH_CODECS
+    multi = epochs_table(train, suite.work_dir, dataset, epochs, codecs, suite.transport)
     multi_md = _md(
         multi,
         [
@@ -335,15 +339,15 @@ def run_codec_bench(
             ("activation_ratio_vs_fp32", "fewer activation bytes than fp32", ".1f"),
         ],
     )
-    print(multi_md, file=out, flush=True)
-    jsonl.parent.mkdir(parents=True, exist_ok=True)
-    with open(jsonl, "w") as f:
+    print(multi_md, file=suite.out, flush=True)
+    suite.jsonl.parent.mkdir(parents=True, exist_ok=True)
+    with open(suite.jsonl, "w") as f:
         for r in micro:
             f.write(json.dumps({"table": "micro", **r}) + "\n")
         for r in conv:
             f.write(json.dumps({"table": "convergence", **r}) + "\n")
         for r in multi:
             f.write(json.dumps({"table": "epochs", **r}) + "\n")
-    jsonl.with_suffix(".md").write_text(micro_md + "\n" + conv_md + "\n" + multi_md)
-    print(f"wrote {jsonl} and {jsonl.with_suffix('.md')}", file=out, flush=True)
+    suite.jsonl.with_suffix(".md").write_text(micro_md + "\n" + conv_md + "\n" + multi_md)
+    print(f"wrote {suite.jsonl} and {suite.jsonl.with_suffix('.md')}", file=suite.out, flush=True)
     return 0

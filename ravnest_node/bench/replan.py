@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from ravnest_node.bench.suite import Suite
 from ravnest_node.cli.demo import Demo, DemoConfig
 from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.transport.options import TransportConfig
 
 NODES = 3
 BLOCK_MS = 15.0
@@ -36,10 +37,18 @@ def _rate(demo: Demo, first: int, last: int) -> float:
     return (b.samples - a.samples) / (b.wall_s - a.wall_s)
 
 
-def replan_record(train: TrainConfig, work_dir: Path, log: TextIO) -> dict[str, Any]:
+def replan_record(
+    train: TrainConfig, work_dir: Path, log: TextIO, transport: TransportConfig | None = None
+) -> dict[str, Any]:
     """One run with a late fourth node, and its figures."""
     join_at = max(8, train.steps // 4)
-    cfg = DemoConfig(nodes=NODES, work_dir=work_dir, compute_threads=1, train=train)
+    cfg = DemoConfig(
+        nodes=NODES,
+        work_dir=work_dir,
+        compute_threads=1,
+        train=train,
+        transport=transport or TransportConfig(),
+    )
     demo = Demo(
         cfg, log, node_args=["--fault-block-ms", str(BLOCK_MS)], late_nodes=1, late_at_step=join_at
     )
@@ -73,20 +82,18 @@ def replan_record(train: TrainConfig, work_dir: Path, log: TextIO) -> dict[str, 
     }
 
 
-def run_replan_bench(
-    train: TrainConfig, jsonl: Path, work_dir: Path, quick: bool, out: TextIO = sys.stdout
-) -> int:
-    """The `bench replan` command."""
-    train = dataclasses.replace(train, model="tiny", steps=60 if quick else 240)
+def run_replan_bench(suite: Suite) -> int:
+    """The `bench replan` command (its swarms with `suite.transport`)."""
+    train = dataclasses.replace(suite.train, model="tiny", steps=60 if suite.quick else 240)
     print(
         f"replan: {train.model}, {NODES} nodes then a 4th, {train.steps} steps, every node "
         f"{BLOCK_MS:g} ms slower per block and microbatch",
-        file=out,
+        file=suite.out,
         flush=True,
     )
-    work_dir.mkdir(parents=True, exist_ok=True)
-    with open(work_dir / "progress.log", "w") as log:
-        r = replan_record(train, work_dir, log)
+    suite.work_dir.mkdir(parents=True, exist_ok=True)
+    with open(suite.work_dir / "progress.log", "w") as log:
+        r = replan_record(train, suite.work_dir, log, suite.transport)
     r["speedup"] = r["samples_per_s_after"] / r["samples_per_s_before"]
     text = "\n".join(
         [
@@ -101,9 +108,9 @@ def run_replan_bench(
             f"{r['loss_after_switch']:.3f} after (final {r['final_loss']:.3f})",
         ]
     )
-    print(text, file=out, flush=True)
-    jsonl.parent.mkdir(parents=True, exist_ok=True)
-    jsonl.write_text(json.dumps(r) + "\n")
-    jsonl.with_suffix(".md").write_text(text + "\n")
-    print(f"wrote {jsonl} and {jsonl.with_suffix('.md')}", file=out, flush=True)
+    print(text, file=suite.out, flush=True)
+    suite.jsonl.parent.mkdir(parents=True, exist_ok=True)
+    suite.jsonl.write_text(json.dumps(r) + "\n")
+    suite.jsonl.with_suffix(".md").write_text(text + "\n")
+    print(f"wrote {suite.jsonl} and {suite.jsonl.with_suffix('.md')}", file=suite.out, flush=True)
     return 0

@@ -18,35 +18,32 @@ that matter are loss, bytes and the waiting share.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
-import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-from ravnest_node.cli.demo import Demo, DemoConfig
+from ravnest_node.bench.suite import Suite
+from ravnest_node.cli.demo import DemoConfig, train_quietly
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.transport.options import TransportConfig
 
 Record = dict[str, Any]
 STAGES = 3
 
 
-async def _train(cfg: DemoConfig, log: TextIO) -> dict[str, Any] | None:
-    return await Demo(cfg, log).run()
-
-
-def _run(train: TrainConfig, pipelines: int, work_dir: Path) -> dict[str, Any]:
-    work_dir.mkdir(parents=True, exist_ok=True)
+def _run(
+    train: TrainConfig, pipelines: int, work_dir: Path, transport: TransportConfig | None
+) -> dict[str, Any]:
     cfg = DemoConfig(
         nodes=STAGES * pipelines,
         work_dir=work_dir,
         compute_threads=1,
         train=dataclasses.replace(train, pipelines=pipelines),
+        transport=transport or TransportConfig(),
     )
-    with open(work_dir / "progress.log", "w") as log:
-        summary = asyncio.run(_train(cfg, log))
+    summary = train_quietly(cfg)
     if summary is None:
         raise RuntimeError(f"the run in {work_dir} was stopped")
     return summary
@@ -65,17 +62,21 @@ def hivemind_step_bytes(num_params: int, peers: int) -> float:
     return peers * 2 * (peers - 1) / peers * 2 * num_params
 
 
-def replicas_table(train: TrainConfig, work_dir: Path) -> list[Record]:
-    """The two runs and the derived figures, one record each."""
-    one = _run(dataclasses.replace(train, steps=2 * train.steps), 1, work_dir / "one-pipeline")
+def replicas_table(
+    train: TrainConfig, work_dir: Path, transport: TransportConfig | None = None
+) -> list[Record]:
+    """The three runs and the derived figures, one record each."""
+    longer = dataclasses.replace(train, steps=2 * train.steps)
+    one = _run(longer, 1, work_dir / "one-pipeline", transport)
     double = _run(
         dataclasses.replace(
             train, batch_size=2 * train.batch_size, microbatches=2 * train.microbatches
         ),
         1,
         work_dir / "one-pipeline-double-batch",
+        transport,
     )
-    two = _run(train, 2, work_dir / "two-pipelines")
+    two = _run(train, 2, work_dir / "two-pipelines", transport)
     model = get_model(train.model)
     params = [
         sum(p.numel() for b in model.build_stage(train.seed, a, z) for p in b.parameters())
@@ -122,20 +123,19 @@ def replicas_table(train: TrainConfig, work_dir: Path) -> list[Record]:
     return rows
 
 
-def run_replicas_bench(
-    train: TrainConfig, jsonl: Path, work_dir: Path, quick: bool, out: TextIO = sys.stdout
-) -> int:
-    """The `bench replicas` command."""
-    if quick:
+def run_replicas_bench(suite: Suite) -> int:
+    """The `bench replicas` command (its swarms with `suite.transport`)."""
+    train = suite.train
+    if suite.quick:
         train = dataclasses.replace(train, steps=8, average_every=4)
     print(
         f"replicas: {train.model}, 1 pipeline x {2 * train.steps} steps vs 2 pipelines x "
         f"{train.steps} steps, averaging every {train.average_every} steps "
         f"({train.average_codec})",
-        file=out,
+        file=suite.out,
         flush=True,
     )
-    rows = replicas_table(train, work_dir)
+    rows = replicas_table(train, suite.work_dir, suite.transport)
     two = rows[2]
     lines = [
         "| run | samples | samples/s | per pipeline | mean loss, last 5 steps | bytes/sample |",
@@ -160,11 +160,11 @@ def run_replicas_bench(
         f"largest share of a stage's time spent on averaging: {two['averaging_wait_share']:.2%}",
     ]
     text = "\n".join(lines) + "\n"
-    print(text, file=out, flush=True)
-    jsonl.parent.mkdir(parents=True, exist_ok=True)
-    with open(jsonl, "w") as f:
+    print(text, file=suite.out, flush=True)
+    suite.jsonl.parent.mkdir(parents=True, exist_ok=True)
+    with open(suite.jsonl, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    jsonl.with_suffix(".md").write_text(text)
-    print(f"wrote {jsonl} and {jsonl.with_suffix('.md')}", file=out, flush=True)
+    suite.jsonl.with_suffix(".md").write_text(text)
+    print(f"wrote {suite.jsonl} and {suite.jsonl.with_suffix('.md')}", file=suite.out, flush=True)
     return 0

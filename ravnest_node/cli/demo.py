@@ -385,3 +385,12 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
         print(f"summary written to {cfg.summary_json}", file=out)
     out.flush()
     return 0
+
+
+def train_quietly(cfg: DemoConfig) -> dict[str, Any] | None:
+    """Run the demo `cfg` to the end with its progress in `cfg.work_dir`/progress.log (for the
+    benchmark suites); its summary, or None if it was stopped."""
+    assert cfg.work_dir is not None
+    cfg.work_dir.mkdir(parents=True, exist_ok=True)
+    with open(cfg.work_dir / "progress.log", "w") as log:
+        return asyncio.run(Demo(cfg, log).run())

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
+import functools
 import json
 import logging
 import os
@@ -22,10 +24,11 @@ from ravnest_node.bench.planner import run_planner_bench
 from ravnest_node.bench.replan import run_replan_bench
 from ravnest_node.bench.replicas import run_replicas_bench
 from ravnest_node.bench.runner import BenchConfig, run_bench
+from ravnest_node.bench.suite import Suite
 from ravnest_node.cli import settings
 from ravnest_node.cli.demo import DemoConfig, run_demo
 from ravnest_node.cli.signals import STOP_DEADLINE_S, ignore_stop_signals, install_stop_handlers
-from ravnest_node.cli.status import run_status, run_swarm_status
+from ravnest_node.cli.status import run_status, run_swarm_status, watch
 from ravnest_node.daemon.node import NodeConfig, NodeDaemon, NodeInfo
 from ravnest_node.discovery import valid_swarm_name
 from ravnest_node.errors import ConfigError, RunFailed, StartupError
@@ -120,6 +123,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        metavar="SECONDS",
+        help="show it again every SECONDS (default 2) until Ctrl-C, redrawn in place on a terminal",
+    )
+    status.add_argument(
         "--timeout-s", type=float, default=10.0, help="seconds to wait for an answer (default: 10)"
     )
 
@@ -201,24 +212,54 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+class JsonLines(logging.Formatter):
+    """One JSON object per record: time (ISO 8601, UTC), level, logger, message, node_id, and
+    the traceback as `exception` when there is one."""
+
+    def __init__(self, node_id: str = "") -> None:
+        super().__init__()
+        self.node_id = node_id
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+        event = {
+            "time": when.isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            "node_id": self.node_id,
+        }
+        if record.exc_info:
+            event["exception"] = self.formatException(record.exc_info)
+        return json.dumps(event)
+
+
+def _setup_logging(level: str, fmt: str = "text") -> logging.Formatter:
+    """Log to standard error at `level`, as text or JSON lines; the formatter."""
+    handler = logging.StreamHandler(sys.stderr)
+    formatter = (
+        JsonLines()
+        if fmt == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+    return formatter
 
 
 def _start(cfg: NodeConfig) -> int:
-    _setup_logging(cfg.log_level)
+    formatter = _setup_logging(cfg.log_level, cfg.log_format)
 
     def announce(info: NodeInfo) -> None:
         event = {"event": "ready", "node_id": info.node_id, "address": info.address,
-                 "pid": info.pid, "coordinator": info.coordinator}  # fmt: skip
+                 "pid": info.pid, "coordinator": info.coordinator,
+                 "metrics": info.metrics}  # fmt: skip
         print(json.dumps(event), flush=True)
 
     async def main() -> None:
         daemon = NodeDaemon(cfg)
+        if isinstance(formatter, JsonLines):
+            formatter.node_id = daemon.node_id
         # A worker's stop may first hand its blocks over: allow for it before the watchdog.
         deadline_s = STOP_DEADLINE_S + (0 if cfg.is_coordinator else cfg.leave_timeout_s)
         install_stop_handlers(asyncio.get_running_loop(), daemon.stop, deadline_s=deadline_s)
@@ -262,7 +303,8 @@ def _run(args: argparse.Namespace) -> int:
             if (args.address is None) == (swarm is None):
                 return _fail("status: give a node's HOST:PORT or --swarm NAME (one of them)")
             if swarm is not None:
-                return run_swarm_status(
+                show = functools.partial(
+                    run_swarm_status,
                     swarm,
                     peers=args.peer,
                     interface=args.mdns_interface,
@@ -270,9 +312,19 @@ def _run(args: argparse.Namespace) -> int:
                     timeout_s=args.timeout_s,
                     transport=transport,
                 )
-            return run_status(
-                args.address, as_json=args.json, timeout_s=args.timeout_s, transport=transport
-            )
+            else:
+                show = functools.partial(
+                    run_status,
+                    args.address,
+                    as_json=args.json,
+                    timeout_s=args.timeout_s,
+                    transport=transport,
+                )
+            if args.watch is None:
+                return show()
+            if not args.watch > 0:
+                return _fail(f"status: --watch {args.watch}: give seconds > 0")
+            return watch(show, args.watch)
         if args.command == "init-swarm":
             return run_init_swarm(args.name, args.out, days=args.days, renew=args.renew)
         if args.command == "bench":
@@ -287,7 +339,14 @@ def _run(args: argparse.Namespace) -> int:
                     "replicas": run_replicas_bench,
                     "replan": run_replan_bench,
                 }[args.suite]
-                return run_suite(bench_cfg.train, bench_cfg.jsonl, work_dir, quick=bench_cfg.quick)
+                suite = Suite(
+                    train=bench_cfg.train,
+                    jsonl=bench_cfg.jsonl,
+                    work_dir=work_dir,
+                    quick=bench_cfg.quick,
+                    transport=bench_cfg.transport,
+                )
+                return run_suite(suite)
             return run_bench(bench_cfg)
         demo_cfg = settings.load(DemoConfig, args=args, env=os.environ, toml_path=args.config)
         return run_demo(demo_cfg)

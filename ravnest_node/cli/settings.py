@@ -113,7 +113,8 @@ class _Section:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass (and its dataclass bases): field name -> first line.
+    """Attribute docstrings of a dataclass (and its dataclass bases): field name -> its first
+    paragraph, on one line.
 
     Parsed from the class source; a class without source (defined in a REPL) has none: ``{}``.
     """
@@ -135,7 +136,8 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(after.value.value, str)
                 and after.value.value.strip()
             ):
-                docs[node.target.id] = inspect.cleandoc(after.value.value).splitlines()[0]
+                paragraph = inspect.cleandoc(after.value.value).split("\n\n")[0]
+                docs[node.target.id] = " ".join(paragraph.split())
     return docs
 
 

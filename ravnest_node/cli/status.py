@@ -16,8 +16,9 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 import grpc
 
@@ -88,6 +89,10 @@ def describe(status: pb.NodeStatus) -> str:
                      "connections refused")  # fmt: skip
     else:
         lines.append("security: open (anyone who can reach it may call it)")
+    if s["calls_limited"] or s["messages_delayed"]:
+        lines.append(f"per-peer limits: {s['calls_limited']} calls refused, "
+                     f"{s['messages_delayed']} stream messages held back")  # fmt: skip
+    lines += [f"banned replica {n}: {why}" for n, why in sorted(s["banned_replicas"].items())]
     lines.append(
         f"frames accepted {s['frames_accepted']}, refused {s['frames_refused']}; "
         f"bytes sent {s['bytes_sent']}"
@@ -326,3 +331,20 @@ def run_swarm_status(
         return 1
     print(json.dumps(shown) if as_json else describe_swarm(shown))
     return 0
+
+
+def watch(show: Callable[[], int], every_s: float, out: TextIO = sys.stdout) -> int:
+    """`status --watch`: call `show` (which prints) every `every_s` seconds until Ctrl-C, each
+    time after a header line; on a terminal the screen is cleared first, so the view redraws in
+    place. A view that fails (the node stopped) prints its error and the next one is tried."""
+    clear = "\x1b[H\x1b[2J" if out.isatty() else ""
+    try:
+        while True:
+            out.write(clear + f"{time.strftime('%H:%M:%S')}, every {every_s:g} s "
+                      "(Ctrl-C to stop)\n")  # fmt: skip
+            out.flush()
+            show()
+            out.flush()
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        return 0

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -46,6 +46,7 @@ from ravnest_node.transport.probe import MIN_PROBE_COST, PROBE_BUDGET_BYTES, Pro
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 PROTOCOL = "ravnest.v1"
 UNREACHABLE_KEY = "ravnest-unreachable"
 """Trailing metadata of a Join refused because this coordinator cannot reach the node at its
@@ -64,12 +65,23 @@ MAX_EPOCH_AHEAD = 16
 RESTORE_RETRY_LEASES = 3
 """A restore from checkpoints that finds no step at once is tried again on each heartbeat for
 this many leases (a member's offers may come with its next heartbeat)."""
+LOSS_POINTS = 500
+"""Points of the loss curve a SwarmView carries (the web page draws them)."""
 MEASURING_S = 300.0
 """A member counts as measuring its links (and may probe under epoch 0) for at most this long
 after its first Join."""
 REPLAN_GAIN = 0.05
 """A plan that leaves every newcomer spare (and nobody of the current plan gone) is announced
 only if the members' measurements make it this much faster: a drain and moved blocks cost."""
+
+
+def thin(items: list[T], most: int) -> list[T]:
+    """At most `most` of `items`, evenly spread, the last always included."""
+    if len(items) <= most:
+        return items
+    step = len(items) / most
+    picked = [items[int(i * step)] for i in range(most - 1)]
+    return [*picked, items[-1]]
 
 
 def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
@@ -1426,6 +1438,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             done=bool(last and last.done),
             relays=self.relay_offers(),
         )
+        for event in thin(self._events, LOSS_POINTS):
+            if not event.done and math.isfinite(event.loss):
+                view.loss_steps.append(event.step)
+                view.losses.append(event.loss)
         if self._plan is not None:
             view.plan.CopyFrom(self._plan)
         return view

@@ -41,6 +41,13 @@ from ravnest_node.coordination.locate import (
 )
 from ravnest_node.coordination.membership import DEFAULT_LEASE_S
 from ravnest_node.coordination.store import CoordinatorStore
+from ravnest_node.daemon.web import (
+    Family,
+    WebServer,
+    node_families,
+    stage_families,
+    swarm_page_data,
+)
 from ravnest_node.daemon.worker import Worker, coordinator_errors
 from ravnest_node.discovery import (
     Advertisement,
@@ -65,6 +72,7 @@ from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import load_or_create_node_id, write_atomic
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters, Refusal
 from ravnest_node.transport.gate import TlsGate
+from ravnest_node.transport.limits import PeerLimiter
 from ravnest_node.transport.options import (
     TransportConfig,
     grpc_channel,
@@ -72,18 +80,22 @@ from ravnest_node.transport.options import (
     split_host_port,
 )
 from ravnest_node.transport.probe import ProbeServer
-from ravnest_node.transport.tunnel import RelayServer, TunnelClient, connect_rtt
+from ravnest_node.transport.tunnel import RelayServer, TunnelClient, connect_rtt, host_port
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["text", "json"]
 READY_FILE = "ready.json"
-# Calls a node serves at once (boundary streams, control calls, status); more wait or fail.
-MAX_CONCURRENT_RPCS = 64
+# Calls a node serves at once (boundary streams, control calls, status); more fail. One peer
+# gets at most TransportConfig.peer_max_calls of them (transport/limits.py).
+MAX_CONCURRENT_RPCS = 1024
 SUMMARY_FILE = "summary.json"
 # Seconds a stopping node's own tasks get to end before its server's calls are ended for them.
 STOP_TASKS_S = 1.0
+# Seconds the live page's request for the swarm's view waits for the coordinator.
+WEB_SWARM_TIMEOUT_S = 5.0
 # A stopping node's last checkpoint: seconds its stage may take to end at a step boundary, and
 # then to pause where it is if it could not (writing it is not cut short: the stop watchdog
 # bounds the whole stop).
@@ -144,6 +156,9 @@ class NodeConfig:
     """Threads torch may use for this node's compute (0 = torch's default)."""
     log_level: LogLevel = "info"
     """How much the node logs (to standard error)."""
+    log_format: LogFormat = "text"
+    """text: one line per event for people; json: one JSON object per line (time, level,
+    logger, message, node_id), for a log collector."""
     leave_timeout_s: float = 120.0
     """Worker with a stage: on SIGINT/SIGTERM it first leaves the swarm and stays (at most this
     long) until a plan without it has taken its blocks over; a second signal stops it at once."""
@@ -172,6 +187,12 @@ class NodeConfig:
     lease_s: float = DEFAULT_LEASE_S
     """On the coordinator: seconds a member stays a member without a heartbeat (members send
     one every third of it); before the plan, a member silent longer loses its place."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics (/metrics) and a live page of the swarm (/) over HTTP on this
+    port (0: any free one, written to ready.json as "metrics")."""
+    metrics_host: str = "127.0.0.1"
+    """Host the --metrics-port endpoint listens on; 0.0.0.0 lets other machines scrape it and
+    open the page (plain HTTP without credentials: it shows what `status` shows)."""
     fault_compute_scale: float = 1.0
     """Test only: multiply the compute time this node measures and reports to the planner."""
     fault_block_ms: float = 0.0
@@ -213,6 +234,8 @@ class NodeConfig:
                 "resume: a lab coordinator carries on from its --state-dir by itself; --resume "
                 "is for nodes that train a stage"
             )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port={self.metrics_port}: must be 0 to 65535")
         if not 1 <= self.checkpoint_keep <= 1000:
             raise ConfigError(f"checkpoint_keep={self.checkpoint_keep}: must be 1 to 1000")
         if not (math.isfinite(self.lease_s) and 0.3 <= self.lease_s <= 3600):
@@ -327,6 +350,8 @@ class NodeInfo:
     address: str
     pid: int
     coordinator: bool
+    metrics: str = ""
+    """HOST:PORT of its HTTP endpoint (--metrics-port: /metrics and the live page), or ""."""
 
 
 class NodeService(pb_grpc.NodeServicer):
@@ -460,6 +485,19 @@ class NodeDaemon:
         """The relay this node serves (--relay-listen)."""
         self._gate: TlsGate | None = None
         """A protected swarm's TLS gate in front of this node's gRPC server."""
+        self.metrics_address = ""
+        """HOST:PORT of the HTTP endpoint (--metrics-port), once it listens."""
+        self._averaging = AveragingService()
+        """The Push handler, and the record of replicas banned from averaging (kept for the
+        node's life, across plans)."""
+        transport = config.transport
+        self._limiter = PeerLimiter(
+            max_calls=transport.peer_max_calls,
+            calls_per_s=transport.peer_calls_per_s,
+            messages_per_s=transport.peer_messages_per_s,
+            inflight_bytes=transport.peer_inflight_bytes,
+        )
+        """The per-peer limits of this node's gRPC server (transport/limits.py)."""
         self.led_term = 0
         """The election term this node won and leads as coordinator (0: none)."""
         self._lost_coordinators: set[str] = set()
@@ -514,7 +552,9 @@ class NodeDaemon:
         if cfg.compute_threads:
             torch.set_num_threads(cfg.compute_threads)
         server = grpc.aio.server(
-            options=server_options(cfg.transport), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS
+            options=server_options(cfg.transport),
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+            interceptors=[self._limiter.interceptor()],
         )
         host, port = split_host_port(cfg.listen)
         _check_bindable(host, port, cfg.listen)
@@ -544,7 +584,7 @@ class NodeDaemon:
             self.found = Found(self.address, pb.FOUND_VIA_CONFIG)
         elif cfg.join is not None and not cfg.finds_coordinator and not cfg.elects:
             self.found = Found(cfg.join, pb.FOUND_VIA_CONFIG)
-        averaging = AveragingService()
+        averaging = self._averaging
         worker = Worker(
             averaging=averaging,
             node_id=self.node_id,
@@ -591,6 +631,8 @@ class NodeDaemon:
                 if cfg.mdns:  # left after _serve: goodbye packets before the server stops
                     mdns = await self._mdns_discovery()
                     self._mdns = await stack.enter_async_context(mdns)
+                if cfg.metrics_port is not None:
+                    await self._open_web(stack)
                 info = self._write_ready()
                 log.info("node %s listening on %s", self.node_id, self.address)
                 if creds is None:
@@ -618,11 +660,68 @@ class NodeDaemon:
         if self.run_error is not None:
             raise RunFailed(str(self.run_error)) from self.run_error
 
+    async def _open_web(self, stack: contextlib.AsyncExitStack) -> None:
+        """Serve /metrics and the live page (web.py) until the node stops."""
+        cfg = self.config
+        assert cfg.metrics_port is not None
+        web = WebServer(cfg.metrics_host, cfg.metrics_port, self.metrics, self._page_swarm)
+        try:
+            port = await web.start()
+        except OSError as exc:
+            raise StartupError(
+                f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
+                f"{exc.strerror or exc}"
+            ) from None
+        stack.push_async_callback(web.close)
+        self.metrics_address = host_port(cfg.metrics_host, port)
+        log.info("metrics on http://%s/metrics, the swarm's page on http://%s/",
+                 self.metrics_address, self.metrics_address)  # fmt: skip
+
+    async def _page_swarm(self) -> dict[str, Any]:
+        """The live page's data: the coordinator's view of the swarm. PeerError if it does not
+        answer."""
+        if self.found is None:
+            raise PeerUnavailable("this node has not found its coordinator yet")
+        try:
+            async with grpc_channel(self.found.address, self.config.transport) as channel:
+                view = await pb_grpc.CoordinatorStub(channel).Swarm(
+                    pb.SwarmRequest(), timeout=WEB_SWARM_TIMEOUT_S
+                )
+        except grpc.aio.AioRpcError as exc:
+            raise PeerUnavailable(f"{exc.code().name}: {exc.details()}") from None
+        return swarm_page_data(self.config.swarm_name, view)
+
+    def metrics(self) -> list[Family]:
+        """This node's Prometheus series (docs/operations.md)."""
+        worker = self._worker
+        plan = worker.plan if worker else None
+        families = node_families(
+            node_id=self.node_id,
+            swarm=self.config.swarm_name,
+            role="coordinator" if self.coordinator else "worker",
+            plan=plan,
+            link_bytes=self._counters.bytes_sent,
+            calls_limited=self._limiter.calls_refused,
+            banned=len(self._averaging.bans.banned),
+        )
+        runtime = worker.runtime if worker else None
+        if runtime is not None:
+            families += stage_families(
+                runtime.spec,
+                runtime.metrics(),
+                step=runtime.version,
+                samples=(runtime.version - runtime.start_step) * runtime.run_config.batch_size,
+                loss=runtime.last_loss,
+            )
+        return families
+
     def _write_ready(self) -> NodeInfo:
         """This node's NodeInfo, written to READY_FILE in its state dir (again when its address
         changes: it went through a relay)."""
         cfg = self.config
-        info = NodeInfo(self.node_id, self.address, os.getpid(), cfg.is_coordinator)
+        info = NodeInfo(
+            self.node_id, self.address, os.getpid(), cfg.is_coordinator, self.metrics_address
+        )
         if cfg.state_dir is not None:
             write_atomic(cfg.state_dir / READY_FILE, json.dumps(asdict(info)).encode())
         return info
@@ -1159,6 +1258,9 @@ class NodeDaemon:
             status.certificate_expires = creds.expires.timestamp()
         if self._gate is not None:
             status.refused_connections = self._gate.refused
+        status.banned_replicas.update(self._averaging.bans.banned)
+        status.calls_limited = self._limiter.calls_refused
+        status.messages_delayed = self._limiter.messages_delayed
         if self._tunnel is not None:
             status.relay = self._tunnel.relay
         if self._relay is not None:

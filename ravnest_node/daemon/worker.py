@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager, contextmanager
@@ -116,6 +117,13 @@ COORDINATOR_LOST_S = 3.0
 BREAK_WAIT_LEASES = 4
 # A checkpoint copy must come at least this fast (bits per second), after the connect timeout.
 COPY_MIN_BPS = 1e6
+PROGRESS_EVERY_S = 2.0
+"""A block fetch that takes longer logs how far it got this often."""
+FETCH_AT_ONCE = 8
+"""Blocks a node fetches at once: well within a holder's calls per peer (peer_max_calls)."""
+POISON_SCALE = 1e4
+"""Test only (TrainConfig.fault_poison_pipeline): how much larger a poisoning replica's pushed
+deltas are than its real ones."""
 # A probe under epoch 0 from an id this node does not know as measuring asks the coordinator
 # for its members at most this often, and what it said holds this long.
 MEMBERS_ASK_S = 0.5
@@ -1520,12 +1528,15 @@ class Worker:
                 raise RunFailed(f"plan epoch {plan.epoch}: nobody held block {block} before")
             return sorted(holders, key=lambda s: s.pipeline != me.pipeline)
 
+        at_once = asyncio.Semaphore(FETCH_AT_ONCE)
+
         async def fetch(block: int) -> BlockWeights:
             """The block from its first holder that gives it whole (a holder may be gone)."""
             failed: PeerUnavailable | PeerRefused | None = None
             for holder in sources(block):
                 try:
-                    return await fetch_from(block, holder)
+                    async with at_once:
+                        return await fetch_from(block, holder)
                 except (PeerUnavailable, PeerRefused) as exc:
                     if failed is not None or len(sources(block)) > 1:
                         log.warning("%s; trying another holder", exc)
@@ -1547,6 +1558,7 @@ class Worker:
                 # the holder may take a while to have it (its pipeline catching up), then each
                 # chunk must follow the one before within the connect timeout.
                 first = True
+                shown = time.monotonic()
                 try:
                     while True:
                         limit = self._transport.connect_timeout_s * (3 if first else 1)
@@ -1556,6 +1568,12 @@ class Worker:
                             break
                         assembler.add(chunk)
                         first = False
+                        if time.monotonic() - shown >= PROGRESS_EVERY_S:  # a big block, slowly
+                            shown = time.monotonic()
+                            done, total = assembler.progress
+                            log.info("fetching block %d from %s: %.0f%% (%.1f of %.1f MB)",
+                                     block, where, 100 * done / total, done / 1e6,
+                                     total / 1e6)  # fmt: skip
                 except TimeoutError:
                     raise PeerUnavailable(f"block {block} from {where}: no chunk for "
                                           f"{limit:g} s") from None  # fmt: skip
@@ -1687,6 +1705,8 @@ class Worker:
                 counters=self.counters,
                 layout=[tuple(p.shape) for p in params],
                 transport=self._transport,
+                bans=self._averaging_service.bans,
+                fault_push_scale=POISON_SCALE if run.fault_poison_pipeline == me.pipeline else 1.0,
             )
         except ConfigError as exc:
             raise RunFailed(f"cannot average stage {me.index}: {exc}") from None

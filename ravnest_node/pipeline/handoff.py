@@ -117,6 +117,12 @@ class BlockAssembler:
     def _refuse(self, what: str) -> PeerRefused:
         return PeerRefused(f"block {self._index} from {self._source}: {what}")
 
+    @property
+    def progress(self) -> tuple[int, int]:
+        """(bytes received, bytes the whole block takes: its parameters and AdamW moments)."""
+        total = sum(int(np.prod(s, dtype=np.int64)) for s in self._shapes.values())
+        return 4 * sum(self._filled.values()), 4 * len(ROLES) * total
+
     def add(self, chunk: pb.BlockChunk) -> None:
         refuse = self._refuse
         if chunk.block != self._index:

@@ -85,6 +85,9 @@ class TrainConfig:
     Both directions; senders hold frames and probes as long as a link of that rate would."""
     fault_link_kbps: int = 0
     """Test only: rate of fault_slow_link, in kilobits per second."""
+    fault_poison_pipeline: int | None = None
+    """Test only: the replicas in the pipeline with this index push deltas 10^4 times their
+    size to the others while training honestly themselves (a poisoning member)."""
     pipelines: int = 1
     """Pipelines training side by side, each on its own shard of the data; the swarm's nodes are
     split evenly between them and the owners of a stage average as a replica group."""
@@ -256,6 +259,8 @@ class TrainConfig:
         if self.fault_slow_link is not None:
             spec.fault_slow_link = self.fault_slow_link
             spec.fault_link_kbps = self.fault_link_kbps
+        if self.fault_poison_pipeline is not None:
+            spec.fault_poison_pipeline = self.fault_poison_pipeline
         return spec
 
     @classmethod
@@ -293,6 +298,9 @@ class TrainConfig:
             fault_slow_ms=spec.fault_slow_ms if spec.HasField("fault_slow_stage") else 0,
             fault_slow_link=spec.fault_slow_link if spec.HasField("fault_slow_link") else None,
             fault_link_kbps=spec.fault_link_kbps if spec.HasField("fault_slow_link") else 0,
+            fault_poison_pipeline=(
+                spec.fault_poison_pipeline if spec.HasField("fault_poison_pipeline") else None
+            ),
         )
 
     def link_pace_bps(self, from_stage: int) -> float:

@@ -132,10 +132,15 @@ class StageMetrics:
     """Most weight snapshots this stage kept at once."""
     activation_bytes_sent: int = 0
     gradient_bytes_sent: int = 0
+    activation_fp32_bytes: int = 0
+    """Bytes the activations sent would take as float32: against activation_bytes_sent, the
+    codec's ratio."""
+    gradient_fp32_bytes: int = 0
+    """Bytes the gradients sent would take as float32."""
     averaging_rounds: int = 0
     """Averaging rounds applied."""
     averaging_rounds_incomplete: int = 0
-    """Rounds in which some replica was missing or rejected."""
+    """Rounds in which some replica was missing, rejected or banned."""
     averaging_bytes_sent: int = 0
     """Bytes this stage pushed to its replicas."""
     averaging_wait_s: float = 0.0
@@ -302,8 +307,11 @@ class StageRuntime:
         self._rounds_incomplete = 0
         self._averaging_bytes = 0
         self._averaging_wait_s = 0.0
+        self.start_step = start_step
         self.version = start_step  # optimizer steps applied
         self._step_loss = 0.0
+        self.last_loss = math.nan
+        """The loss of the last step applied (the last stage only)."""
         self._step_done = 0  # microbatches of the current step whose backward is done
         self.frames_accepted = 0
         # Metrics; compute_s is written by the compute thread only, the rest by the loop.
@@ -316,6 +324,8 @@ class StageRuntime:
         self._max_versions = 0
         self.activation_bytes_sent = 0
         self.gradient_bytes_sent = 0
+        self.activation_fp32_bytes = 0
+        self.gradient_fp32_bytes = 0
         self._digest: tuple[int, str] | None = None
         self._digest_lock = asyncio.Lock()
 
@@ -475,6 +485,8 @@ class StageRuntime:
             max_weight_versions=self._max_versions,
             activation_bytes_sent=self.activation_bytes_sent,
             gradient_bytes_sent=self.gradient_bytes_sent,
+            activation_fp32_bytes=self.activation_fp32_bytes,
+            gradient_fp32_bytes=self.gradient_fp32_bytes,
             averaging_rounds=self._rounds,
             averaging_rounds_incomplete=self._rounds_incomplete,
             averaging_bytes_sent=self._averaging_bytes,
@@ -664,6 +676,7 @@ class StageRuntime:
         await self._call(self._optimizer_step)
         self.version += 1
         loss = self._step_loss if self.spec.is_last else math.nan
+        self.last_loss = loss
         self._step_done, self._step_loss = 0, 0.0
         self._wake.set()  # the bound moved: forwards may be allowed now
         if self._averaging is not None and self._averaging.config.round_due(self.version):
@@ -706,13 +719,14 @@ class StageRuntime:
         await self._call(self._apply_round, result.mean)
         self._rounds += 1
         self._averaging_bytes += result.bytes_sent
-        if result.missing or result.rejected:
+        left_out = sorted({*result.missing, *result.rejected, *result.banned})
+        if left_out:
             self._rounds_incomplete += 1
             log.warning(
                 "averaging round %d of stage %d went on without %s",
                 result.round,
                 self.spec.index,
-                ", ".join(result.missing + result.rejected),
+                ", ".join(left_out),
             )
         self._averaging_wait_s += time.monotonic() - started
 
@@ -780,6 +794,7 @@ class StageRuntime:
         weights = self._weights(version)
         out = torch.func.functional_call(self._blocks, weights, (x,))
         self._in_flight[seq] = _InFlight(version, weights, x, out)
+        self.activation_fp32_bytes += 4 * out.numel()  # (an int += on the compute thread)
         return encode_frame(
             FrameKind.FORWARD,
             seq,
@@ -816,6 +831,7 @@ class StageRuntime:
         if self.spec.is_first:
             return None
         assert x.grad is not None
+        self.gradient_fp32_bytes += 4 * x.grad.numel()
         return encode_frame(
             FrameKind.BACKWARD,
             seq,

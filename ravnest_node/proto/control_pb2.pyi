@@ -269,7 +269,7 @@ class WatchPlanRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s", "staleness_warmup_steps", "fault_slow_link", "fault_link_kbps", "checkpoint_every")
+    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s", "staleness_warmup_steps", "fault_slow_link", "fault_link_kbps", "checkpoint_every", "fault_poison_pipeline")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +297,7 @@ class RunSpec(_message.Message):
     FAULT_SLOW_LINK_FIELD_NUMBER: _ClassVar[int]
     FAULT_LINK_KBPS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    FAULT_POISON_PIPELINE_FIELD_NUMBER: _ClassVar[int]
     model: str
     steps: int
     batch_size: int
@@ -324,7 +325,8 @@ class RunSpec(_message.Message):
     fault_slow_link: int
     fault_link_kbps: int
     checkpoint_every: int
-    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+    fault_poison_pipeline: int
+    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., fault_poison_pipeline: _Optional[int] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline", "relayed")
@@ -479,7 +481,7 @@ class StatusRequest(_message.Message):
     def __init__(self, brief: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term", "relay", "relay_address", "relayed", "relayed_bytes", "security", "refused_connections", "certificate_expires")
+    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term", "relay", "relay_address", "relayed", "relayed_bytes", "security", "refused_connections", "certificate_expires", "calls_limited", "messages_delayed", "banned_replicas")
     class RelayedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -494,6 +496,13 @@ class NodeStatus(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class BannedReplicasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -522,6 +531,9 @@ class NodeStatus(_message.Message):
     SECURITY_FIELD_NUMBER: _ClassVar[int]
     REFUSED_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_EXPIRES_FIELD_NUMBER: _ClassVar[int]
+    CALLS_LIMITED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_DELAYED_FIELD_NUMBER: _ClassVar[int]
+    BANNED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     plan_epoch: int
@@ -550,7 +562,10 @@ class NodeStatus(_message.Message):
     security: str
     refused_connections: int
     certificate_expires: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., relayed: _Optional[_Mapping[str, str]] = ..., relayed_bytes: _Optional[_Mapping[str, int]] = ..., security: _Optional[str] = ..., refused_connections: _Optional[int] = ..., certificate_expires: _Optional[float] = ...) -> None: ...
+    calls_limited: int
+    messages_delayed: int
+    banned_replicas: _containers.ScalarMap[str, str]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., relayed: _Optional[_Mapping[str, str]] = ..., relayed_bytes: _Optional[_Mapping[str, int]] = ..., security: _Optional[str] = ..., refused_connections: _Optional[int] = ..., certificate_expires: _Optional[float] = ..., calls_limited: _Optional[int] = ..., messages_delayed: _Optional[int] = ..., banned_replicas: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SwarmRequest(_message.Message):
     __slots__ = ()
@@ -587,7 +602,7 @@ class SwarmMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ..., silent_s: _Optional[float] = ..., lease_expired: _Optional[bool] = ..., left: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., measuring_since: _Optional[float] = ...) -> None: ...
 
 class SwarmView(_message.Message):
-    __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done", "relays")
+    __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done", "relays", "loss_steps", "losses")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -597,6 +612,8 @@ class SwarmView(_message.Message):
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     RELAYS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     swarm_size: int
     members: _containers.RepeatedCompositeFieldContainer[SwarmMember]
@@ -606,7 +623,9 @@ class SwarmView(_message.Message):
     samples_per_s: float
     done: bool
     relays: _containers.RepeatedCompositeFieldContainer[RelayOffer]
-    def __init__(self, swarm_id: _Optional[str] = ..., swarm_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[SwarmMember, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., done: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayOffer, _Mapping]]] = ...) -> None: ...
+    loss_steps: _containers.RepeatedScalarFieldContainer[int]
+    losses: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, swarm_id: _Optional[str] = ..., swarm_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[SwarmMember, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., done: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayOffer, _Mapping]]] = ..., loss_steps: _Optional[_Iterable[int]] = ..., losses: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RelayOffer(_message.Message):
     __slots__ = ("node_id", "address")

@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import ssl
-import time
 from collections import Counter
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from ravnest_node.transport.options import is_loopback_host
+from ravnest_node.transport.refusals import RefusalLog
 from ravnest_node.transport.tunnel import host_port, nodelay, splice
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 10.0
-LOG_BURST, LOG_WINDOW_S = 20, 10.0
-"""Refusals logged one by one per window; the rest are counted in one line."""
 CLOSE_WAIT_S = 2.0
 """On close: how long connections get to end once aborted, before their tasks are cancelled."""
 MAX_CONNECTIONS = 512
@@ -49,11 +47,27 @@ _ROUTES: dict[int, GatePeer] = {}
 server -> the peer that connection carries (local ports are unique on the host)."""
 
 
+def route(grpc_peer: str) -> GatePeer | None:
+    """The peer behind a gRPC handler's `context.peer()` if the call came through a gate of
+    this process, else None."""
+    host, _, port = grpc_peer.rpartition(":")
+    return _ROUTES.get(int(port)) if port.isdigit() and "127.0.0.1" in host else None
+
+
+def peer_host(grpc_peer: str) -> tuple[str, str]:
+    """(host, "HOST:PORT") of a handler's `context.peer()`: the real peer behind a gate of this
+    process, gRPC's form ("ipv6:%5B::1%5D:5000") undone ("::1", "[::1]:5000")."""
+    peer = route(grpc_peer)
+    address = peer.address if peer is not None else unquote(grpc_peer.partition(":")[2])
+    address = address or grpc_peer
+    host, sep, _ = address.rpartition(":")
+    return (host.strip("[]") if sep else address), address
+
+
 def peer_address(grpc_peer: str) -> str:
     """Who a gRPC handler's `context.peer()` really is: the peer's address and certificate
     name if the call came through a gate of this process, else `grpc_peer` itself."""
-    host, _, port = grpc_peer.rpartition(":")
-    peer = _ROUTES.get(int(port)) if port.isdigit() and "127.0.0.1" in host else None
+    peer = route(grpc_peer)
     return grpc_peer if peer is None else f"{peer.address} ({peer.subject})"
 
 
@@ -97,8 +111,7 @@ class TlsGate:
         self._per_host: Counter[str] = Counter()
         self.refused = 0
         """Connections refused so far (failed TLS, or over the limits)."""
-        self._window_start = -math.inf
-        self._logged = self._unlogged = 0
+        self._log = RefusalLog("connections", log)
         self.accepted = 0
 
     @property
@@ -125,20 +138,9 @@ class TlsGate:
             await self._server.wait_closed()
 
     def _refuse(self, address: str, reason: str) -> None:
-        """Count a refusal and log it; in a flood, at most LOG_BURST lines per LOG_WINDOW_S,
-        then one line saying how many more."""
+        """Count a refusal and log it (throttled in a flood)."""
         self.refused += 1
-        now = time.monotonic()
-        if now - self._window_start > LOG_WINDOW_S:
-            if self._unlogged:
-                log.warning("... and %d more connections refused in %g s (not logged one by "
-                            "one)", self._unlogged, LOG_WINDOW_S)  # fmt: skip
-            self._window_start, self._logged, self._unlogged = now, 0, 0
-        if self._logged < LOG_BURST:
-            self._logged += 1
-            log.warning("refused a connection from %s: %s", address, reason)
-        else:
-            self._unlogged += 1
+        self._log.warn("refused a connection from %s: %s", address, reason)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -24,6 +24,19 @@ class TransportConfig:
     """Seconds that open streams get to finish when a node stops."""
     connect_timeout_s: float = 30.0
     """Seconds to wait for a peer's server (coordinator, neighbour) to answer before giving up."""
+    peer_max_calls: int = 32
+    """Calls one peer may have open on this node at once; more are refused (RESOURCE_EXHAUSTED).
+
+    A peer is a host (a connection, for loopback). A node needs a few per neighbour."""
+    peer_calls_per_s: float = 200.0
+    """New calls per second one peer may make (a burst of one second's worth); more are refused.
+    A node makes a few per step to its coordinator, fewer to others."""
+    peer_messages_per_s: float = 2000.0
+    """Messages per second on one peer's streams (a burst of one second's worth); more wait,
+    which slows only that peer's sender (a boundary stream carries a few per microbatch)."""
+    peer_inflight_bytes: int = 256 * 2**20
+    """Bytes of one peer's messages that this node's handlers may hold at once; a message over
+    it ends its call. At least max_message_bytes."""
     swarm_dir: Path | None = None
     """Protect the swarm with the credentials in DIR, made by `ravnest-node init-swarm`.
 
@@ -43,6 +56,18 @@ class TransportConfig:
             raise ConfigError(
                 f"max_header_bytes={self.max_header_bytes}: must be between 64 and "
                 "max_message_bytes"
+            )
+        if self.peer_max_calls < 1 or not (
+            self.peer_calls_per_s > 0 and self.peer_messages_per_s > 0
+        ):
+            raise ConfigError(
+                f"peer_max_calls={self.peer_max_calls}, peer_calls_per_s={self.peer_calls_per_s} "
+                f"and peer_messages_per_s={self.peer_messages_per_s}: must be >= 1, > 0 and > 0"
+            )
+        if self.peer_inflight_bytes < self.max_message_bytes:
+            raise ConfigError(
+                f"peer_inflight_bytes={self.peer_inflight_bytes}: must be at least "
+                f"max_message_bytes ({self.max_message_bytes}), or no message would fit"
             )
         if self.stop_grace_s < 0 or self.connect_timeout_s <= 0:
             raise ConfigError("stop_grace_s must be >= 0 and connect_timeout_s > 0 (seconds)")
@@ -83,9 +108,22 @@ def is_loopback_host(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def same_host(a: str, b: str) -> bool:
+    """Are hosts `a` and `b` (names or IPs, no port) the same machine, as far as their text
+    tells: equal IPs, equal names, or both loopback?"""
+    if is_loopback_host(a) and is_loopback_host(b):
+        return True
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower() == b.lower()
 
 
 def _message_limits(cfg: TransportConfig) -> list[tuple[str, int]]:
