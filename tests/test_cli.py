@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import socket
 import subprocess
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from ravnest_node.cli import settings
 from ravnest_node.cli.main import main
+from ravnest_node.cli.progress import ProgressBar
 from ravnest_node.daemon.node import NodeConfig
 from ravnest_node.errors import ConfigError
 
@@ -122,3 +124,26 @@ def test_gradient_only_codec_is_refused_for_activations() -> None:
     topk, zstd = _run_all(("demo", "--codec", "topk-ef"), ("demo", "--gradient-codec", "zstd"))
     _one_line_error(topk, "topk-ef is for gradients only")
     _one_line_error(zstd, "gradient_codec='zstd'")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_progress_bar_redraws_in_place_on_a_terminal_only() -> None:
+    screen = _Terminal()
+    bar = ProgressBar(screen, "ours", 40)
+    bar.update(10)  # the first is drawn; quick ones after it are skipped, but the last
+    bar.update(11)
+    bar.update(40)
+    frames = screen.getvalue().split("\r")[1:]
+    assert frames[0] == "ours [" + "#" * 7 + "." * 23 + "] 10/40 steps"
+    assert frames[-1] == "ours [" + "#" * 30 + "] 40/40 steps" and len(frames) == 2
+    bar.clear()
+    assert screen.getvalue().endswith("\r\x1b[K")
+    log = io.StringIO()  # a file or a pipe: nothing
+    quiet = ProgressBar(log, "ours", 40)
+    quiet.update(40)
+    quiet.clear()
+    assert log.getvalue() == ""

@@ -93,7 +93,11 @@ async def test_the_endpoint_answers_get_only_and_drops_oversized_requests() -> N
             "error": "the coordinator does not answer: no coordinator yet"
         }
         big = b"GET / HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n"
-        assert await ask(big) == b""  # dropped without an answer
+        try:
+            dropped = await ask(big)
+        except ConnectionResetError:  # closed with part of it unread: the kernel resets
+            dropped = b""
+        assert dropped == b""  # dropped without an answer
     finally:
         await web.close()
 
@@ -170,9 +174,9 @@ def test_the_page_data_and_the_page(swarm: Any) -> None:
     data = json.loads(_get(f"http://{worker}/swarm.json"))
     assert len(data["members"]) == 3 and data["model"] == "tiny"
     assert sorted(m["stage"] for m in data["members"]) == [0, 1, 2]
-    points = len(data["loss"])
-    assert points >= 5 and all(math.isfinite(v) for _, v in data["loss"])
-    poll_until(lambda: len(json.loads(_get(f"http://{worker}/swarm.json"))["loss"]) > points, 60)
+    assert len(data["loss"]) >= 5 and all(math.isfinite(v) for _, v in data["loss"])
+    last = data["loss"][-1][0]  # (at most 500 points are sent: the last step moves on)
+    poll_until(lambda: json.loads(_get(f"http://{worker}/swarm.json"))["loss"][-1][0] > last, 60)
     html = _get(f"http://{worker}/").decode()
     assert '<svg id="loss"' in html and "/swarm.json" in html
     with pytest.raises(urllib.error.HTTPError) as missing:
@@ -182,7 +186,8 @@ def test_the_page_data_and_the_page(swarm: Any) -> None:
 
 def test_status_watch_redraws_until_interrupted(swarm: Any, procs: Procs) -> None:
     nodes, _ = swarm
-    watching = procs.popen(ravnest("status", nodes[0]["address"], "--watch", "0.2"))
+    args = ("status", "--watch", "--every", "0.2", nodes[0]["address"])
+    watching = procs.popen(ravnest(*args))
     frames: list[list[str]] = []
     while len(frames) < 3:  # a header line, then the node's view
         line = read_line(watching, 30).decode()
@@ -199,7 +204,10 @@ def test_status_watch_redraws_until_interrupted(swarm: Any, procs: Procs) -> Non
 def test_a_node_logs_json_lines_when_asked(swarm: Any) -> None:
     nodes, root = swarm
     lines = (root / "n2" / "node.log").read_text().splitlines()
-    events = [json.loads(line) for line in lines]  # every line is one JSON object
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    # Every line from Python's logging is one JSON object (gRPC's C core writes its own).
+    assert not [line for line in lines if re.match(r"\d{4}-\d\d-\d\d .* ravnest_node", line)]
+    assert len(events) >= 3
     assert {"time", "level", "logger", "message", "node_id"} <= set(events[0])
     assert all(e["node_id"] == nodes[2]["node_id"] for e in events)
     assert any(e["message"].startswith("metrics on http://") for e in events)
@@ -230,8 +238,21 @@ def test_the_page_in_a_browser_shows_three_nodes_and_a_loss_curve_that_grows(
     assert first.count('class="node"') == 3, first
     for n in nodes:
         assert n["node_id"] in first
-    points = int(re.search(r'<svg id="loss"[^>]*data-points="(\d+)"', first).group(1))  # type: ignore[union-attr]
-    assert points >= 2 and "<polyline" in first
+    assert "<polyline" in first and int(_attribute(first, "data-points")) >= 2
+    shown = int(_attribute(first, "data-last-step"))
+    poll_until(lambda: _last_step(nodes[0]["metrics"]) > shown, 60)  # the swarm moved on
     later = _dom(url, tmp_path / "profile-2")
-    again = int(re.search(r'<svg id="loss"[^>]*data-points="(\d+)"', later).group(1))  # type: ignore[union-attr]
-    assert again > points
+    # The curve moved on (at most 500 points are drawn: its last step is what grows).
+    assert int(_attribute(later, "data-last-step")) > shown
+
+
+def _last_step(address: str) -> int:
+    step: int = json.loads(_get(f"http://{address}/swarm.json"))["loss"][-1][0]
+    return step
+
+
+def _attribute(dom: str, name: str) -> str:
+    """An attribute of the loss curve's <svg> in a dumped DOM."""
+    match = re.search(rf'<svg id="loss"[^>]*{name}="(\d+)"', dom)
+    assert match, dom[-2000:]
+    return match.group(1)

@@ -46,6 +46,7 @@ from ravnest_node.bench.links import (
 )
 from ravnest_node.bench.report import markdown_table, plot
 from ravnest_node.cli.demo import Demo, DemoConfig, NodeSlot
+from ravnest_node.cli.progress import ProgressBar
 from ravnest_node.cli.signals import install_stop_handlers
 from ravnest_node.coordination.planner import partition
 from ravnest_node.errors import ConfigError, RunFailed
@@ -424,13 +425,15 @@ class Bench:
         run_dir.mkdir(parents=True, exist_ok=True)
         log = await asyncio.to_thread(open, log_path, "w")
         with log:
-            demo = Demo(cfg, log, slots=slots, every=1)
+            bar = ProgressBar(self.out, f"  {system:<17}", train.steps)
+            demo = Demo(cfg, log, slots=slots, every=1, on_progress=lambda e: bar.update(e.step))
             self._demo = demo
             tx_before = links.tx_bytes() if len(slots) > 1 else None
             try:
                 summary = await demo.run()
             finally:
                 self._demo = None
+                bar.clear()
             tx_after = links.tx_bytes() if len(slots) > 1 else None
         if summary is None:
             raise _Interrupted

@@ -18,7 +18,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -111,8 +111,11 @@ class Demo:
         node_args: Sequence[str] = (),
         late_nodes: int = 0,
         late_at_step: int = 0,
+        on_progress: Callable[[pb.Progress], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.on_progress = on_progress
+        """Told of every progress event (a benchmark's progress bar)."""
         self.node_args = list(node_args)
         """Extra `ravnest-node start` arguments for every node."""
         self.late_nodes, self.late_at_step = late_nodes, late_at_step
@@ -253,6 +256,8 @@ class Demo:
                     assert isinstance(event, pb.Progress)
                     self.events.append(event)
                     self.event_times.append(time.monotonic())
+                    if self.on_progress is not None:
+                        self.on_progress(event)
                     if (
                         self.late_nodes
                         and self.late_started_at is None

@@ -124,11 +124,15 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument(
         "--watch",
+        action="store_true",
+        help="show it again every --every seconds until Ctrl-C, redrawn in place on a terminal",
+    )
+    status.add_argument(
+        "--every",
         type=float,
-        nargs="?",
-        const=2.0,
+        default=2.0,
         metavar="SECONDS",
-        help="show it again every SECONDS (default 2) until Ctrl-C, redrawn in place on a terminal",
+        help="with --watch: seconds between two views (default: 2)",
     )
     status.add_argument(
         "--timeout-s", type=float, default=10.0, help="seconds to wait for an answer (default: 10)"
@@ -320,11 +324,11 @@ def _run(args: argparse.Namespace) -> int:
                     timeout_s=args.timeout_s,
                     transport=transport,
                 )
-            if args.watch is None:
+            if not args.watch:
                 return show()
-            if not args.watch > 0:
-                return _fail(f"status: --watch {args.watch}: give seconds > 0")
-            return watch(show, args.watch)
+            if not 0 < args.every < 86_400:
+                return _fail(f"status: --every {args.every}: give seconds, more than 0")
+            return watch(show, args.every, header=sys.stderr if args.json else sys.stdout)
         if args.command == "init-swarm":
             return run_init_swarm(args.name, args.out, days=args.days, renew=args.renew)
         if args.command == "bench":

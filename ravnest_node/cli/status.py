@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -36,6 +38,9 @@ from ravnest_node.transport.options import (
 )
 
 _ENUMS = {"role": ("NODE_ROLE_", pb.NodeRole), "coordinator_found_via": ("FOUND_VIA_", pb.FoundVia)}
+
+WATCH_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""What ends `status --watch`."""
 
 
 def status_dict(status: pb.NodeStatus) -> dict[str, Any]:
@@ -333,18 +338,27 @@ def run_swarm_status(
     return 0
 
 
-def watch(show: Callable[[], int], every_s: float, out: TextIO = sys.stdout) -> int:
-    """`status --watch`: call `show` (which prints) every `every_s` seconds until Ctrl-C, each
-    time after a header line; on a terminal the screen is cleared first, so the view redraws in
-    place. A view that fails (the node stopped) prints its error and the next one is tried."""
-    clear = "\x1b[H\x1b[2J" if out.isatty() else ""
+def watch(show: Callable[[], int], every_s: float, header: TextIO = sys.stdout) -> int:
+    """`status --watch`: call `show` (which prints) every `every_s` seconds until SIGINT or
+    SIGTERM (exit status 0), each time after a header line on `header` (stderr for --json, so
+    that stdout stays one JSON object per line); on a terminal the screen is cleared first, so
+    the view redraws in place. A view the node does not answer (it stopped) prints its error
+    and the next one is tried; bad settings (exit status 2) end it at once. The signal only sets
+    a flag: raised as KeyboardInterrupt inside a gRPC call it can leave the process hanging at
+    exit."""
+    clear = "\x1b[H\x1b[2J" if header is sys.stdout and header.isatty() else ""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in WATCH_STOP_SIGNALS}
     try:
-        while True:
-            out.write(clear + f"{time.strftime('%H:%M:%S')}, every {every_s:g} s "
-                      "(Ctrl-C to stop)\n")  # fmt: skip
-            out.flush()
-            show()
-            out.flush()
-            time.sleep(every_s)
-    except KeyboardInterrupt:
+        while not stop.is_set():
+            header.write(clear + f"{time.strftime('%H:%M:%S')}, every {every_s:g} s "
+                         "(Ctrl-C to stop)\n")  # fmt: skip
+            header.flush()
+            if show() == 2:
+                return 2
+            sys.stdout.flush()
+            stop.wait(every_s)
         return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

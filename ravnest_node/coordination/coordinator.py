@@ -1438,10 +1438,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             done=bool(last and last.done),
             relays=self.relay_offers(),
         )
-        for event in thin(self._events, LOSS_POINTS):
-            if not event.done and math.isfinite(event.loss):
-                view.loss_steps.append(event.step)
-                view.losses.append(event.loss)
+        curve = [e for e in self._events if not e.done and math.isfinite(e.loss)]
+        for event in thin(curve, LOSS_POINTS):
+            view.loss_steps.append(event.step)
+            view.losses.append(event.loss)
         if self._plan is not None:
             view.plan.CopyFrom(self._plan)
         return view

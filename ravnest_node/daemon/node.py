@@ -96,6 +96,8 @@ SUMMARY_FILE = "summary.json"
 STOP_TASKS_S = 1.0
 # Seconds the live page's request for the swarm's view waits for the coordinator.
 WEB_SWARM_TIMEOUT_S = 5.0
+# The page's view of the swarm is asked of the coordinator at most this often.
+WEB_SWARM_EVERY_S = 1.0
 # A stopping node's last checkpoint: seconds its stage may take to end at a step boundary, and
 # then to pause where it is if it could not (writing it is not cut short: the stop watchdog
 # bounds the whole stop).
@@ -487,6 +489,11 @@ class NodeDaemon:
         """A protected swarm's TLS gate in front of this node's gRPC server."""
         self.metrics_address = ""
         """HOST:PORT of the HTTP endpoint (--metrics-port), once it listens."""
+        self._page_view: tuple[float, dict[str, Any]] | None = None
+        """The live page's last data and when it came (loop time)."""
+        self._page_call: asyncio.Future[dict[str, Any]] | None = None
+        self._page_channel: tuple[str, Any] | None = None
+        """The channel the page's calls use: (coordinator address, grpc.aio channel)."""
         self._averaging = AveragingService()
         """The Push handler, and the record of replicas banned from averaging (kept for the
         node's life, across plans)."""
@@ -673,28 +680,52 @@ class NodeDaemon:
                 f"{exc.strerror or exc}"
             ) from None
         stack.push_async_callback(web.close)
+        stack.push_async_callback(self._close_page_channel)
         self.metrics_address = host_port(cfg.metrics_host, port)
         log.info("metrics on http://%s/metrics, the swarm's page on http://%s/",
                  self.metrics_address, self.metrics_address)  # fmt: skip
 
     async def _page_swarm(self) -> dict[str, Any]:
-        """The live page's data: the coordinator's view of the swarm. PeerError if it does not
-        answer."""
+        """The live page's data: the coordinator's view of the swarm, asked at most once per
+        WEB_SWARM_EVERY_S however many pages and scrapers ask (one call in flight, its answer
+        shared): the page must not spend this node's call budget at its coordinator.
+        PeerError if the coordinator does not answer."""
+        loop = asyncio.get_running_loop()
+        cached = self._page_view
+        if cached is not None and loop.time() - cached[0] < WEB_SWARM_EVERY_S:
+            return cached[1]
+        if self._page_call is None or self._page_call.done():
+            self._page_call = asyncio.ensure_future(self._ask_swarm())
+        data = await asyncio.shield(self._page_call)
+        self._page_view = loop.time(), data
+        return data
+
+    async def _ask_swarm(self) -> dict[str, Any]:
         if self.found is None:
             raise PeerUnavailable("this node has not found its coordinator yet")
+        address = self.found.address
+        if self._page_channel is None or self._page_channel[0] != address:
+            if self._page_channel is not None:
+                await self._page_channel[1].close()
+            self._page_channel = address, grpc_channel(address, self.config.transport)
         try:
-            async with grpc_channel(self.found.address, self.config.transport) as channel:
-                view = await pb_grpc.CoordinatorStub(channel).Swarm(
-                    pb.SwarmRequest(), timeout=WEB_SWARM_TIMEOUT_S
-                )
+            view = await pb_grpc.CoordinatorStub(self._page_channel[1]).Swarm(
+                pb.SwarmRequest(), timeout=WEB_SWARM_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             raise PeerUnavailable(f"{exc.code().name}: {exc.details()}") from None
         return swarm_page_data(self.config.swarm_name, view)
+
+    async def _close_page_channel(self) -> None:
+        if self._page_channel is not None:
+            await self._page_channel[1].close()
 
     def metrics(self) -> list[Family]:
         """This node's Prometheus series (docs/operations.md)."""
         worker = self._worker
         plan = worker.plan if worker else None
+        if plan is None and self.coordinator is not None:  # a lab coordinator holds no stage
+            plan = self.coordinator.plan
         families = node_families(
             node_id=self.node_id,
             swarm=self.config.swarm_name,

@@ -9,7 +9,8 @@
 It is plain HTTP on `metrics_host` (loopback unless told otherwise) and answers GET only: no
 request body is read, a request head over MAX_HEAD_BYTES or slower than HEAD_TIMEOUT_S is
 dropped, and at most MAX_CONNECTIONS are served at once. It shows what `status` shows and
-changes nothing.
+changes nothing. `/swarm.json` asks the coordinator at most once a second, whoever asks it
+(node.py), so that pages and scrapers cannot spend the node's calls at its coordinator.
 """
 
 from __future__ import annotations
@@ -216,19 +217,26 @@ class WebServer:
         self._swarm = swarm
         self._server: asyncio.Server | None = None
         self._open = 0
+        self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> int:
         """Listen; the port (OSError if it cannot)."""
-        self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        self._server = await asyncio.start_server(
+            self._serve, self._host, self._port, limit=MAX_HEAD_BYTES
+        )
         return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
+        """Stop listening and end the connections still open (the node is stopping)."""
         if self._server is not None:
             self._server.close()
+            for writer in list(self._writers):
+                writer.transport.abort()
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._open += 1
+        self._writers.add(writer)
         try:
             if self._open > MAX_CONNECTIONS:
                 return
@@ -236,8 +244,6 @@ class WebServer:
                 async with asyncio.timeout(HEAD_TIMEOUT_S):
                     head = await reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-                return
-            if len(head) > MAX_HEAD_BYTES:
                 return
             status, kind, body = await self._answer(head)
             writer.write(
@@ -251,6 +257,7 @@ class WebServer:
             pass
         finally:
             self._open -= 1
+            self._writers.discard(writer)
             writer.close()
 
     async def _answer(self, head: bytes) -> tuple[str, str, bytes]:

@@ -119,8 +119,8 @@ BREAK_WAIT_LEASES = 4
 COPY_MIN_BPS = 1e6
 PROGRESS_EVERY_S = 2.0
 """A block fetch that takes longer logs how far it got this often."""
-FETCH_AT_ONCE = 8
-"""Blocks a node fetches at once: well within a holder's calls per peer (peer_max_calls)."""
+FETCH_AT_ONCE = 16
+"""Blocks a node fetches at once from one holder: within its calls per peer (peer_max_calls)."""
 POISON_SCALE = 1e4
 """Test only (TrainConfig.fault_poison_pipeline): how much larger a poisoning replica's pushed
 deltas are than its real ones."""
@@ -1528,14 +1528,16 @@ class Worker:
                 raise RunFailed(f"plan epoch {plan.epoch}: nobody held block {block} before")
             return sorted(holders, key=lambda s: s.pipeline != me.pipeline)
 
-        at_once = asyncio.Semaphore(FETCH_AT_ONCE)
+        at_once: dict[str, asyncio.Semaphore] = {}
+        """Per holder: fetches from one holder at once, FETCH_AT_ONCE at most."""
 
         async def fetch(block: int) -> BlockWeights:
             """The block from its first holder that gives it whole (a holder may be gone)."""
             failed: PeerUnavailable | PeerRefused | None = None
             for holder in sources(block):
                 try:
-                    async with at_once:
+                    limit = at_once.setdefault(holder.address, asyncio.Semaphore(FETCH_AT_ONCE))
+                    async with limit:
                         return await fetch_from(block, holder)
                 except (PeerUnavailable, PeerRefused) as exc:
                     if failed is not None or len(sources(block)) > 1:
