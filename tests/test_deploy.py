@@ -76,7 +76,11 @@ def test_the_compose_file_is_valid() -> None:
             assert re.fullmatch(r"(\d+\.\d+\.\d+\.\d+:)?\d+:\d+", port), port
     workers = [s for s in services.values() if s["command"][0] == "start"]
     assert all("coordinator:7070" in s["command"] for s in workers)
-    assert 'ENTRYPOINT ["ravnest-node"]' in (ROOT / "deploy" / "Dockerfile").read_text()
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["ravnest-node"]' in dockerfile
+    # CPU by default, the CUDA variant by one build argument; torch pinned either way.
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in dockerfile
+    assert "torch==2.13.0 --index-url ${TORCH_INDEX}" in dockerfile
 
 
 def test_the_compose_commands_train_together_outside_docker(procs: Procs, tmp_path: Path) -> None:

@@ -1152,7 +1152,14 @@ class Worker:
                 found = store.manifest(step)
                 if (found.first_block, found.stop_block) != (first_block, stop_block):
                     continue
-                return (*store.load(step, model), store.path)
+                started = time.monotonic()
+                log.info("loading the checkpoint of blocks [%d, %d) at step %d from %s "
+                         "(%.1f MB)", first_block, stop_block, step, store.path,
+                         found.bytes / 1e6)  # fmt: skip
+                loaded = store.load(step, model)
+                log.info("checkpoint at step %d loaded and verified in %.1f s", step,
+                         time.monotonic() - started)  # fmt: skip
+                return (*loaded, store.path)
             except CheckpointError as exc:
                 refused.append(str(exc))
         raise CheckpointError(
