@@ -16,6 +16,7 @@ changes nothing. `/swarm.json` asks the coordinator at most once a second, whoev
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -196,8 +197,9 @@ def swarm_page_data(swarm: str, view: pb.SwarmView) -> dict[str, Any]:
     }
 
 
+@functools.cache
 def page() -> bytes:
-    """The live page (static; it fetches /swarm.json)."""
+    """The live page (static, read once; it fetches /swarm.json)."""
     return resources.files("ravnest_node.daemon").joinpath("page.html").read_bytes()
 
 
@@ -216,8 +218,8 @@ class WebServer:
         self._metrics = metrics
         self._swarm = swarm
         self._server: asyncio.Server | None = None
-        self._open = 0
         self._writers: set[asyncio.StreamWriter] = set()
+        """The connections open now."""
 
     async def start(self) -> int:
         """Listen; the port (OSError if it cannot)."""
@@ -235,10 +237,9 @@ class WebServer:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._open += 1
         self._writers.add(writer)
         try:
-            if self._open > MAX_CONNECTIONS:
+            if len(self._writers) > MAX_CONNECTIONS:
                 return
             try:
                 async with asyncio.timeout(HEAD_TIMEOUT_S):
@@ -256,7 +257,6 @@ class WebServer:
         except ConnectionError:
             pass
         finally:
-            self._open -= 1
             self._writers.discard(writer)
             writer.close()
 

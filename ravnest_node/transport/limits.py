@@ -82,17 +82,14 @@ class PeerLimiter:
         calls_per_s: float,
         messages_per_s: float,
         inflight_bytes: int,
-        peer_of: Callable[[str], str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`peer_of(context.peer())` names a call's peer (default: `peer_key`)."""
         if max_calls < 1 or not (calls_per_s > 0 and messages_per_s > 0) or inflight_bytes < 1:
             raise ValueError("every limit must be positive")
         self.max_calls = max_calls
         self.calls_per_s = calls_per_s
         self.messages_per_s = messages_per_s
         self.inflight_bytes = inflight_bytes
-        self._peer_of = peer_of or peer_key
         self._clock = clock
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
         self._log = RefusalLog("calls", log, clock)
@@ -104,11 +101,6 @@ class PeerLimiter:
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         """The interceptor to give `grpc.aio.server(interceptors=[...])`."""
         return _Interceptor(self)
-
-    def open_calls(self, peer: str) -> int:
-        """Calls of `peer` (a key as `peer_of` gives it) open now."""
-        state = self._peers.get(peer)
-        return 0 if state is None else state.calls
 
     # ---- the budgets ----
 
@@ -273,7 +265,7 @@ def _limited(limiter: PeerLimiter, handler: Any, method: str) -> Any:
     streaming_request = handler.request_streaming
 
     async def opened(request: Any, context: Any) -> tuple[_Call, Any, Any] | None:
-        peer = limiter._peer_of(context.peer())
+        peer = peer_key(context.peer())
         reason = limiter._open(peer, method, None if streaming_request else _size(request))
         if reason is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
