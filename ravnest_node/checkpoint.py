@@ -492,7 +492,7 @@ def _parse_manifest(obj: Any, step: int) -> Manifest:
     manifest = Manifest(
         step=integer("step"),
         run_key=text("run_key", 64),
-        model=text("model", 64),
+        model=text("model", 1024),  # hf:DIR,... names carry a path
         first_block=integer("first_block"),
         stop_block=integer("stop_block", 1),
         pipeline=integer("pipeline"),

@@ -52,6 +52,7 @@ def test_three_nodes_train_exactly_like_one(tmp_path: Path) -> None:
         {
             "one": ("--nodes", "1", *args),
             "three": ("--nodes", "3", *args),
+            "recompute": ("--nodes", "3", "--recompute", *args),
             "broken": ("--nodes", "3", "--fault-skip-step-stage", "1", *args),
         },
     )
@@ -59,6 +60,8 @@ def test_three_nodes_train_exactly_like_one(tmp_path: Path) -> None:
     _check_summary(one, 1, 12)
     _check_summary(three, 3, 12)
     assert_same_training(three, one)
+    # Activation recomputation runs each forward again in the backward: the same training.
+    assert_same_training(runs["recompute"], one)
     # Bytes on wire are counted, not estimated: tiny's boundaries carry [4, 32, 64] float32
     # activations forward and gradients back, per microbatch, plus targets and headers.
     activation = 4 * 32 * 64 * 4

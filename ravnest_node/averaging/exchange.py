@@ -449,8 +449,10 @@ class ReplicaAverager:
                 log.error("round %d: banned %s from averaging for the rest of the run (%s)",
                           round, sender, self.bans.banned[sender])  # fmt: skip
         for sender in screening.accepted:
-            if sender not in screening.scales:
-                self.bans.clear(sender)  # a good delta: the strikes were not in a row
+            # A good delta from the member's own host: its strikes were not in a row. (One
+            # sent in its name from elsewhere must not wipe the record either.)
+            if sender not in screening.scales and sender not in elsewhere:
+                self.bans.clear(sender)
         for sender, scale in sorted(screening.scales.items()):
             log.warning("round %d: clipped %s's delta to %g x the median norm %.4g (scaled by "
                         "%.3g)", round, sender, self.config.clip_ratio, median, scale)  # fmt: skip

@@ -25,8 +25,10 @@ from ravnest_node.bench.replan import run_replan_bench
 from ravnest_node.bench.replicas import run_replicas_bench
 from ravnest_node.bench.runner import BenchConfig, run_bench
 from ravnest_node.bench.suite import Suite
+from ravnest_node.cli import plan as plan_command
 from ravnest_node.cli import settings
 from ravnest_node.cli.demo import DemoConfig, run_demo
+from ravnest_node.cli.export import add_export_parser, run_export
 from ravnest_node.cli.signals import STOP_DEADLINE_S, ignore_stop_signals, install_stop_handlers
 from ravnest_node.cli.status import run_status, run_swarm_status, watch
 from ravnest_node.daemon.node import NodeConfig, NodeDaemon, NodeInfo
@@ -160,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
         "--renew", action="store_true", help="new member credentials, the same authority"
     )
 
+    add_export_parser(commands)
     demo = commands.add_parser(
         "demo",
         help="train the default model on a local swarm of node processes",
@@ -189,6 +192,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(bench, BenchConfig)
+
+    plan = commands.add_parser(
+        "plan",
+        help="predict a swarm: stages, memory per node, bytes per link, samples/s",
+        description="Plan a model (llama-8b, llama-70b, a llama shape, or a preset) on nodes "
+        "(16x24gb, 16xrtx4090, 8x24gb,8x12gb) over a link (1gbit, 50mbit,20ms) without "
+        "starting anything: the stage plan, memory per node, bytes per step per link for each "
+        "codec, and the predicted samples/s with its bottleneck. Exit status 1 if nothing fits.",
+    )
+    plan_command.add_arguments(plan)
     return parser
 
 
@@ -329,6 +342,10 @@ def _run(args: argparse.Namespace) -> int:
             if not 0 < args.every < 86_400:
                 return _fail(f"status: --every {args.every}: give seconds, more than 0")
             return watch(show, args.every, header=sys.stderr if args.json else sys.stdout)
+        if args.command == "export":
+            return run_export(args)
+        if args.command == "plan":
+            return plan_command.run_plan(args)
         if args.command == "init-swarm":
             return run_init_swarm(args.name, args.out, days=args.days, renew=args.renew)
         if args.command == "bench":

@@ -33,7 +33,6 @@ from ravnest_node.coordination.negotiate import (
 from ravnest_node.coordination.placement import SwarmPlan
 from ravnest_node.coordination.static_plan import Member, has_node, same_stages, stage_at
 from ravnest_node.coordination.store import CoordinatorStore, Faults
-from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
@@ -218,7 +217,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._rejoined: set[str] = set()
         self._epoch_floor = 0
         """Plan epochs at or below this are taken (known to members of a taken-over run)."""
-        data = StdlibBytes(seq_len=self._model.input_spec(1).shape[1], seed=train.seed)
+        data = self._model.dataset(seed=train.seed)
         self._fingerprint = data.fingerprint
         self._store = store
         if store is not None:

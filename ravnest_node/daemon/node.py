@@ -66,6 +66,7 @@ from ravnest_node.errors import (
     StartupError,
     Unreachable,
 )
+from ravnest_node.models.pretrained import local_paths
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
@@ -135,6 +136,11 @@ class NodeConfig:
 
     Without --join and --peer this node is the coordinator. With `elect` (and --mdns) the nodes
     of a LAN swarm, all started alike with the same --swarm-size, choose one among themselves."""
+    model_dirs: tuple[str, ...] = field(default=(), metadata={"flag": "--model-dir"})
+    """A directory of pretrained models and data this node may read (repeatable): a run whose
+    model is `hf:DIR,...` is trained only if DIR and its data file lie inside one of these or
+    inside the node's own --model (docs/fine-tuning.md). A coordinator cannot make a node read
+    any other file."""
     peers: tuple[str, ...] = field(default=(), metadata={"flag": "--peer"})
     """Bootstrap HOST:PORT of any node of the swarm (repeatable); a node given one is a worker.
 
@@ -608,6 +614,7 @@ class NodeDaemon:
                 else None
             ),
             resume=cfg.resume,
+            model_dirs=(*map(Path, cfg.model_dirs), *local_paths(cfg.train.model)),
         )
         worker.relay_node_id = self._relay_node_id
         worker.relay_address = self._relay.address if self._relay is not None else ""

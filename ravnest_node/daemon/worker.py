@@ -68,6 +68,7 @@ from ravnest_node.errors import (
     Unreachable,
 )
 from ravnest_node.models import get_model
+from ravnest_node.models.pretrained import check_allowed
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.handoff import CHUNK_BYTES, BlockAssembler, BlockWeights, to_chunks
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
@@ -232,8 +233,11 @@ class Worker:
         coordinator_grace_s: float = 600.0,
         checkpoints: CheckpointDir | None = None,
         resume: bool = False,
+        model_dirs: tuple[Path, ...] = (),
     ) -> None:
         self.node_id = node_id
+        self._model_dirs = model_dirs
+        """Where the run's pretrained model and data may be read from (check_allowed)."""
         self._checkpoints = checkpoints
         self._copies = None if checkpoints is None else CheckpointCopies(checkpoints.path.parent)
         """Copies of the upstream stage's checkpoints (a stage without a replica)."""
@@ -863,6 +867,7 @@ class Worker:
             self._joined.set()  # keep_membership() sends heartbeats from now on
             # Then measure this node for the swarm's model, and tell the coordinator.
             try:
+                check_allowed(reply.model, self._model_dirs)
                 get_model(reply.model)
             except ConfigError as exc:
                 raise PeerRefused(f"coordinator {self.coordinator}: {exc}") from None
@@ -1689,7 +1694,7 @@ class Worker:
         blocks: list[torch.nn.Module],
     ) -> Averaging | None:
         """This stage's replica group, attached to the node's Push service; None with one
-        pipeline."""
+        pipeline or nothing that trains."""
         group = replica_group(plan, me)
         if len(group) < 2:
             return None
@@ -1704,6 +1709,8 @@ class Worker:
         )
         # The stage's parameters in the order its delta concatenates them (stage.py).
         params = list(torch.nn.Sequential(*blocks).parameters())
+        if not params:  # frozen blocks only (LoRA's embeddings): nothing to average
+            return None
         try:
             averager = ReplicaAverager(
                 node_id=self.node_id,
@@ -1733,6 +1740,7 @@ class Worker:
     async def _train(self, plan: pb.Plan) -> StageRuntime:
         """Train this node's stage of `plan` until the plan or the run ends."""
         try:
+            check_allowed(plan.run.model, self._model_dirs)
             run = TrainConfig.from_proto(plan.run)
             model = get_model(run.model)
             me = check_plan(plan, model, self.node_id)

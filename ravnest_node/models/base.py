@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -112,6 +113,20 @@ class BlockModel(ABC):
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Scalar mean loss of the last block's `output` against `targets`."""
 
+    def dataset(
+        self, *, seed: int, shard: int = 0, num_shards: int = 1, num_samples: int = 0
+    ) -> Any:
+        """The training data of this model: an object with ``batch(step, batch_size) ->
+        (inputs, targets)`` matching `input_spec` and `target_spec`, ``sample_ids(step,
+        batch_size)``, ``num_samples`` and ``fingerprint`` (see `StdlibBytes`), a pure function
+        of its arguments. Default: byte windows of the standard library's source."""
+        from ravnest_node.data.stdlib_bytes import StdlibBytes
+
+        return StdlibBytes(
+            seq_len=self.input_spec(1).shape[1], seed=seed, shard=shard,
+            num_shards=num_shards, num_samples=num_samples,
+        )  # fmt: skip
+
     def build_stage(self, seed: int, start: int, stop: int) -> list[torch.nn.Module]:
         """Blocks ``[start, stop)`` of ``build_blocks(seed)``, the parameters a stage owns.
 
@@ -125,6 +140,11 @@ class BlockModel(ABC):
                 f"{self.name!r}; need 0 <= start < stop <= {n}"
             )
         return self.build_blocks(seed)[start:stop]
+
+    def timing_blocks(self) -> list[torch.nn.Module]:
+        """All blocks, for timing their forward and backward (capabilities.py): the shapes and
+        the trainable parts of the real ones, their values not needed."""
+        return self.build_blocks(0)
 
     def num_parameters(self) -> int:
         """Total number of parameters over all blocks."""
@@ -156,7 +176,12 @@ def model_names() -> list[str]:
 
 
 def get_model(name: str) -> BlockModel:
-    """A fresh instance of the preset `name`; raises `ConfigError` if there is no such preset."""
+    """A fresh instance of the preset `name`, or of the pretrained model an ``hf:DIR,...`` name
+    describes; raises `ConfigError` if there is no such preset or the directory is unusable."""
+    if name.startswith("hf:"):  # a pretrained model directory (models/pretrained.py)
+        from ravnest_node.models.pretrained import PretrainedModel
+
+        return PretrainedModel(name)
     try:
         factory = MODEL_PRESETS[name]
     except KeyError:

@@ -106,6 +106,10 @@ class TrainConfig:
     """Each stage writes a checkpoint (its blocks, AdamW moments and step) to its node's
     --state-dir/checkpoints after every this many steps; also when a plan or the run ends and
     when the node stops. 0: only then. `start --resume` carries on from them."""
+    recompute: bool = False
+    """Activation recomputation: a stage keeps only the input of each microbatch in flight and
+    runs its forward again in the backward (one more forward for far less memory: the
+    activations inside a stage are held by at most one microbatch at a time)."""
 
     def __post_init__(self) -> None:
         get_model(self.model)  # raises ConfigError naming the known presets
@@ -250,6 +254,7 @@ class TrainConfig:
             data_fingerprint=data_fingerprint,
             schedule=_SCHEDULE_TO_PB[self.schedule],
             checkpoint_every=self.checkpoint_every,
+            recompute=self.recompute,
         )
         if self.fault_skip_step_stage is not None:
             spec.fault_skip_step_stage = self.fault_skip_step_stage
@@ -291,6 +296,7 @@ class TrainConfig:
             staleness_warmup_steps=spec.staleness_warmup_steps,
             schedule=schedule,
             checkpoint_every=spec.checkpoint_every,
+            recompute=spec.recompute,
             fault_skip_step_stage=(
                 spec.fault_skip_step_stage if spec.HasField("fault_skip_step_stage") else None
             ),

@@ -54,7 +54,6 @@ import torch
 
 from ravnest_node.averaging import AveragingConfig, OuterOptimizer, ReplicaAverager, RoundResult
 from ravnest_node.compression import ACTIVATION_ONLY, SampleReferences, get_codec
-from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import FrameError
 from ravnest_node.models import BlockModel
 from ravnest_node.pipeline.codec_choice import CodecChoice
@@ -187,7 +186,9 @@ class _InFlight:
     weights: Weights
     """The snapshot its forward used, which its backward uses too (weight stashing)."""
     inputs: torch.Tensor
-    outputs: torch.Tensor
+    outputs: torch.Tensor | list[torch.Tensor]
+    """The forward's output with its graph; under recomputation, the input of each block
+    after the first, without a graph (the backward runs each block's forward again)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,14 +252,14 @@ class StageRuntime:
         mb = run.microbatch_size
         self._blocks = torch.nn.Sequential(*blocks)
         self._params = dict(self._blocks.named_parameters())
-        self._optimizer = torch.optim.AdamW(
-            self._params.values(), lr=run.lr, weight_decay=run.weight_decay
-        )
+        # A stage of frozen blocks only (LoRA's embeddings) has no parameters: its optimizer
+        # then holds one empty placeholder, and its steps change nothing.
+        trained = list(self._params.values()) or [torch.nn.Parameter(torch.empty(0))]
+        self._optimizer = torch.optim.AdamW(trained, lr=run.lr, weight_decay=run.weight_decay)
         if restore:
             restore_blocks(self._blocks, spec.first_block, self._optimizer, restore)
         self._data = (
-            StdlibBytes(
-                seq_len=model.input_spec(1).shape[1],
+            model.dataset(
                 seed=run.seed,
                 shard=spec.pipeline,
                 num_shards=spec.num_pipelines,
@@ -792,8 +793,18 @@ class StageRuntime:
     ) -> bytes:
         x, targets = self._inputs(received)
         weights = self._weights(version)
-        out = torch.func.functional_call(self._blocks, weights, (x,))
-        self._in_flight[seq] = _InFlight(version, weights, x, out)
+        if self.run_config.recompute:
+            kept: list[torch.Tensor] = []
+            with torch.no_grad():
+                out = x
+                for i in range(len(self._blocks)):
+                    if i:
+                        kept.append(out)
+                    out = self._block_call(i, weights, out)
+            self._in_flight[seq] = _InFlight(version, weights, x, kept)
+        else:
+            out = torch.func.functional_call(self._blocks, weights, (x,))
+            self._in_flight[seq] = _InFlight(version, weights, x, out)
         self.activation_fp32_bytes += 4 * out.numel()  # (an int += on the compute thread)
         return encode_frame(
             FrameKind.FORWARD,
@@ -821,11 +832,31 @@ class StageRuntime:
 
     def _backward(self, frame: Received) -> bytes | None:
         flight = self._in_flight.pop(frame.seq)
-        torch.autograd.backward(flight.outputs, frame.tensors[GRAD])
+        if isinstance(flight.outputs, list):  # recomputation, one block at a time, last first
+            grad = frame.tensors[GRAD]
+            inputs = [flight.inputs, *flight.outputs]
+            for i in reversed(range(len(self._blocks))):
+                x = inputs[i] if i == 0 else inputs[i].detach().requires_grad_(True)
+                out = self._block_call(i, flight.weights, x)
+                if out.requires_grad:  # (not so in frozen blocks fed tokens)
+                    torch.autograd.backward(out, grad)
+                if i:
+                    assert x.grad is not None  # (x requires grad, so out does)
+                    grad = x.grad
+                # (block 0's input is the stage's own: its gradient goes upstream)
+        elif flight.outputs.requires_grad:  # (not so in a stage of frozen blocks fed tokens)
+            torch.autograd.backward(flight.outputs, frame.tensors[GRAD])
         self._release(flight.weights)
         self._slow_down()
         # The gradient frame carries the version our forward used.
         return self._grad_frame(frame.seq, flight.version, flight.inputs)
+
+    def _block_call(self, i: int, weights: Weights, x: torch.Tensor) -> torch.Tensor:
+        """Block `i` of the stage on `x` with its tensors from the snapshot `weights`."""
+        prefix = f"{i}."
+        own = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        out: torch.Tensor = torch.func.functional_call(self._blocks[i], own, (x,))
+        return out
 
     def _grad_frame(self, seq: int, version: int, x: torch.Tensor) -> bytes | None:
         if self.spec.is_first:

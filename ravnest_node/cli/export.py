@@ -1,0 +1,35 @@
+"""`ravnest-node export`: a fine-tuned pretrained model, merged into one safetensors file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ravnest_node.models.export import export_pretrained
+
+__all__ = ["add_export_parser", "run_export"]
+
+
+def add_export_parser(commands: Any) -> None:
+    """Register the `export` subcommand on `commands` (argparse sub-parsers)."""
+    export = commands.add_parser(
+        "export",
+        help="merge a fine-tuned pretrained model into one safetensors file",
+        description="Gather the newest step at which the nodes' checkpoints cover every block, "
+        "fold LoRA adapters into their base weights, and write a Hugging Face directory "
+        "(model.safetensors, config.json, tokenizer files) that loads as hf:OUT. Give the "
+        "state directories of the nodes (or copies of their checkpoints folders).",
+    )
+    export.add_argument("--model", required=True, help="the run's model name (hf:DIR,...)")
+    export.add_argument("--out", required=True, type=Path, help="directory to write")
+    export.add_argument("state_dirs", nargs="+", type=Path, metavar="STATE_DIR",
+                        help="a node's --state-dir (its checkpoints/ folder is read)")  # fmt: skip
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Run `export` and print what was written as one JSON line; exit status 0."""
+    result = export_pretrained(args.model, args.state_dirs, args.out)
+    print(json.dumps(result))
+    return 0
