@@ -20,7 +20,7 @@ from ravnest_node.models import get_model, pretrained
 from ravnest_node.models.lora import LoRALinear
 from ravnest_node.models.safetensors import save_tensors
 
-from .conftest import NODE_ENV, demo_summary, ravnest
+from .conftest import NODE_ENV, demo_summaries, ravnest
 
 
 def minilm_dir() -> Path:
@@ -400,29 +400,47 @@ def _l2(tensors: Any) -> float:
     return math.sqrt(sum(float(t.detach().double().square().sum()) for t in tensors))
 
 
-@pytest.mark.parametrize("lora", ["", ",lora=8"])
-def test_minilm_masked_lm_across_three_nodes(tmp_path: Path, lora: str) -> None:
+SWARM_ARGS = ("--nodes", "3", "--seed", "0", "--max-staleness", "0", "--codec", "none")
+
+
+@pytest.fixture(scope="module")
+def swarms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The module's three swarms of 3 node processes, run side by side (synchronous fp32: what
+    they train does not depend on timing): MiniLM masked-LM in full and with LoRA, and a tiny
+    BERT classifier. Their names, work dirs and summaries."""
+    tmp = tmp_path_factory.mktemp("swarms")
+    names = {"full": f"hf:{minilm_dir()},seq=32", "lora": f"hf:{minilm_dir()},seq=32,lora=8",
+             "cls": _classifier(tmp)}  # fmt: skip
+    steps = {"full": 4, "lora": 4, "cls": 3}
+    runs = {k: (*SWARM_ARGS, "--model", name, "--steps", str(steps[k]), "--lr", "1e-3")
+            for k, name in names.items()}  # fmt: skip
+    return {"tmp": tmp, "names": names, "summaries": demo_summaries(tmp, runs)}
+
+
+def _first_step_loss(model: Any) -> float:
+    """Step 0's loss in one process: the mean over its 4 microbatches of 4."""
+    x, y = model.dataset(seed=0).batch(0, 16)
+    blocks = model.build_blocks(0)
+    with torch.no_grad():
+        return sum(float(model.loss(run(blocks, x[i:i + 4]), y[i:i + 4]))
+                   for i in range(0, 16, 4)) / 4  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_minilm_masked_lm_across_three_nodes(swarms: dict[str, Any], mode: str) -> None:
     """The issue's check: all-MiniLM-L6-v2 fine-tuned with masked-LM across 3 node processes;
     with staleness 0 and no compression the first step's loss equals a single-process forward
     of the same weights on the same batch, and the loss falls. Then `export` merges the nodes'
     checkpoints into one safetensors file that loads as a model of its own."""
-    name = f"hf:{minilm_dir()},seq=32{lora}"
+    name, s, tmp = swarms["names"][mode], swarms["summaries"][mode], swarms["tmp"]
     steps = 4
-    s = demo_summary(tmp_path, "minilm", "--nodes", "3", "--model", name, "--steps", str(steps),
-                     "--seed", "0", "--max-staleness", "0", "--codec", "none", "--lr", "1e-3",
-                     timeout=600)  # fmt: skip
     assert s["nodes"] == 3 and s["steps"] == steps
     model = get_model(name)
-    x, y = model.dataset(seed=0).batch(0, 16)
-    blocks = model.build_blocks(0)
-    with torch.no_grad():  # the step's loss: the mean over its 4 microbatches
-        first = sum(float(model.loss(run(blocks, x[i:i + 4]), y[i:i + 4]))
-                    for i in range(0, 16, 4)) / 4  # fmt: skip
-    assert math.isclose(s["loss_history"][0], first, rel_tol=1e-5), (s["loss_history"][0], first)
+    assert math.isclose(s["loss_history"][0], _first_step_loss(model), rel_tol=1e-5)
     assert s["final_loss"] < s["initial_loss"]
 
-    out = tmp_path / "exported"
-    nodes = [str(tmp_path / "minilm" / f"node-{i}") for i in range(3)]
+    out = tmp / f"exported-{mode}"
+    nodes = [str(tmp / mode / f"node-{i}") for i in range(3)]
     done = subprocess.run(ravnest("export", "--model", name, "--out", str(out), *nodes),
                           env=NODE_ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -431,7 +449,7 @@ def test_minilm_masked_lm_across_three_nodes(tmp_path: Path, lora: str) -> None:
     exported = get_model(f"hf:{out},seq=32")
     merged = exported.build_blocks(0)
     trained = model.build_blocks(0)
-    if not lora:  # every parameter trained, and the file holds them all
+    if mode == "full":  # every parameter trained, and the file holds them all
         assert math.isclose(_l2(p for b in merged for p in b.parameters()), s["final_params_l2"],
                             rel_tol=1e-5)  # fmt: skip
     # The merged model computes what the trained stages compute (adapters folded in).
@@ -440,17 +458,25 @@ def test_minilm_masked_lm_across_three_nodes(tmp_path: Path, lora: str) -> None:
         found = CheckpointDir(Path(node)).latest(model)
         assert found is not None
         weights.update(found[1])
-    if lora:  # the adapters themselves trained (B starts at zero)
+    if mode == "lora":  # the adapters themselves trained (B starts at zero)
         assert any(float(t.abs().max()) > 0 for w in weights.values()
                    for (role, pname), t in w.tensors.items()
                    if role == "param" and pname.endswith("lora_b"))  # fmt: skip
+    x, _ = model.dataset(seed=0).batch(0, 4)
     with torch.no_grad():
         for i, block in enumerate(trained):
             for pname, p in block.named_parameters():
                 p.copy_(weights[i].tensors[("param", pname)])
-        a, b = run(trained, x[:4]), run(merged, x[:4])
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(b, run(blocks, x[:4]).detach(), atol=1e-3)  # it did train
+        a, b = run(trained, x), run(merged, x)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(b, run(model.build_blocks(0), x), atol=1e-3)  # it trained
+
+
+def test_classification_across_three_nodes(swarms: dict[str, Any]) -> None:
+    """Labels [B] and logits [B, 2] through real frames; the first step equals one process."""
+    s = swarms["summaries"]["cls"]
+    first = _first_step_loss(get_model(swarms["names"]["cls"]))
+    assert math.isclose(s["loss_history"][0], first, rel_tol=1e-5)
 
 
 def _train_steps(model: Any, steps: int, lr: float = 1e-3) -> list[float]:
@@ -470,16 +496,20 @@ def _train_steps(model: Any, steps: int, lr: float = 1e-3) -> list[float]:
     return losses
 
 
-def test_sequence_classification_from_a_jsonl_file(tmp_path: Path) -> None:
+def _classifier(tmp_path: Path) -> str:
+    """A tiny random BERT with a vocabulary and a JSONL task: its model name."""
     make_bert(tmp_path / "bert")
     (tmp_path / "bert" / "vocab.txt").write_text(
         "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz",
                    *[f"w{i}" for i in range(19)]]))  # fmt: skip
     rows = [{"text": " ".join("abc" if i % 2 else "xyz"), "label": "even" if i % 2 else "odd"}
             for i in range(16)]  # fmt: skip
-    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    model = get_model(f"hf:{tmp_path / 'bert'},task=classification,seq=8,"
-                      f"data={tmp_path / 'data.jsonl'}")  # fmt: skip
+    (tmp_path / "bert" / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return f"hf:{tmp_path / 'bert'},task=classification,seq=8,data={tmp_path / 'bert/data.jsonl'}"
+
+
+def test_sequence_classification_from_a_jsonl_file(tmp_path: Path) -> None:
+    model = get_model(_classifier(tmp_path))
     assert model.output_spec(model.num_blocks() - 1, 4).shape == (4, 2)
     x, y = model.dataset(seed=0).batch(0, 8)
     assert x.shape == (8, 8) and y.shape == (8,) and set(y.tolist()) <= {0, 1}

@@ -262,12 +262,15 @@ class ReplicaAverager:
             raise Refusal(
                 grpc.StatusCode.ALREADY_EXISTS, f"round {frame.seq}: this part arrived already"
             )
-        if part == WHOLE and not same_host(source, self._hosts[sender]):
-            self._inbox(frame.seq).elsewhere.add(sender)
+        # Whether this delta came from another host than the member's: then neither its
+        # rejection nor its acceptance says anything of the member (node ids are claims).
+        foreign = part == WHOLE and not same_host(source, self._hosts[sender])
         try:
             value = await self._in_executor(self._decode, frame)
         except FrameError as exc:
             if self._still_wanted(frame.seq, part, chunk, sender):
+                if foreign:
+                    self._inbox(frame.seq).elsewhere.add(sender)
                 await self._record_fault(frame.seq, part, sender, str(exc))
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"delta refused: {exc}") from None
         # The round may have moved on, or a copy arrived, while this one was decoded.
@@ -276,6 +279,10 @@ class ReplicaAverager:
         inbox = self._inbox(frame.seq)
         if part == WHOLE:
             inbox.deltas[sender] = value
+            if foreign:
+                inbox.elsewhere.add(sender)
+            else:
+                inbox.elsewhere.discard(sender)
         elif part == SCATTER:
             inbox.partials[chunk] = value
         else:

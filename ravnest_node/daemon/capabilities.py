@@ -39,7 +39,7 @@ def time_blocks(model_name: str, microbatch: int, repeats: int = REPEATS) -> lis
     if spec.dtype.is_floating_point:
         x = torch.randn(spec.shape, generator=gen, dtype=spec.dtype)
     else:  # token ids
-        x = torch.randint(0, 256, spec.shape, generator=gen, dtype=spec.dtype)
+        x = torch.randint(0, model.vocab_size, spec.shape, generator=gen, dtype=spec.dtype)
     best = [float("inf")] * len(blocks)
     for _ in range(repeats):
         h = x

@@ -84,6 +84,8 @@ class BlockModel(ABC):
 
     name: str
     """Registry name of this model, e.g. ``"bench-small"``."""
+    vocab_size: int = 256
+    """Token ids fed to block 0 are below this (for a model whose input is token ids)."""
 
     @abstractmethod
     def build_blocks(self, seed: int) -> list[torch.nn.Module]:

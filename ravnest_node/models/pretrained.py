@@ -484,7 +484,7 @@ class PretrainedModel(BlockModel):
         c = self.spec.config
         self.layers = int(c["num_hidden_layers"])
         self.hidden = int(c["hidden_size"])
-        self.vocab = int(c["vocab_size"])
+        self.vocab = self.vocab_size = int(c["vocab_size"])
 
     # -- blocks --
     def num_blocks(self) -> int:

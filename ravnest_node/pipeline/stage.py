@@ -610,7 +610,9 @@ class StageRuntime:
         m = self.run_config.microbatches
         step, i = divmod(seq, m)
         x, y = self._data.batch(step, self.run_config.batch_size)
-        ids = self._data.sample_ids(step, self.run_config.batch_size)
+        # Sample ids travel only in a fixed-dataset run (aq-delta's): others send none.
+        ids = (self._data.sample_ids(step, self.run_config.batch_size)
+               if self.run_config.dataset_samples else [])  # fmt: skip
         mb = self.run_config.microbatch_size
         rows = slice(i * mb, (i + 1) * mb)
         tensors = {HIDDEN: x[rows], TARGETS: y[rows]}
