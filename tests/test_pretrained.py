@@ -529,3 +529,21 @@ def test_causal_lm_of_a_byte_llama_on_a_text_file(tmp_path: Path) -> None:
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets: the next byte
     losses = _train_steps(model, 12, lr=1e-2)
     assert losses[-1] < losses[0]
+
+
+def test_timing_holds_one_layer_and_reads_no_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ravnest_node.daemon.capabilities import time_blocks
+
+    make_llama(tmp_path / "llama")
+    name = f"hf:{tmp_path / 'llama'},seq=16,lora=2"
+
+    def no_reading(*_: Any) -> dict[str, torch.Tensor]:
+        raise AssertionError("timing read weights")
+
+    monkeypatch.setattr(pretrained, "load_tensors", no_reading)
+    blocks = get_model(name).timing_blocks()
+    assert len(blocks) == 4 and blocks[1] is blocks[2]
+    times = time_blocks(name, 2, repeats=1)
+    assert len(times) == 4 and times[1] == times[2] > 0

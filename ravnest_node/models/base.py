@@ -145,7 +145,8 @@ class BlockModel(ABC):
 
     def timing_blocks(self) -> list[torch.nn.Module]:
         """All blocks, for timing their forward and backward (capabilities.py): the shapes and
-        the trainable parts of the real ones, their values not needed."""
+        the trainable parts of the real ones, their values not needed. A module listed more
+        than once (identical layers) is timed once; its output must have its input's shape."""
         return self.build_blocks(0)
 
     def num_parameters(self) -> int:

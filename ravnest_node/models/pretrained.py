@@ -494,8 +494,11 @@ class PretrainedModel(BlockModel):
         return self.build_stage(seed, 0, self.num_blocks())
 
     def timing_blocks(self) -> list[nn.Module]:
-        """All blocks with their initial (random) values: timing reads no weights from disk."""
-        return self._build(0, 0, self.num_blocks(), load=False)
+        """The embeddings, one layer listed for every layer, and the head, with their initial
+        (random) values: timing reads no weights and holds one layer, however many there are."""
+        n = self.num_blocks()
+        first, layer = self._build(0, 0, 2, load=False)
+        return [first, *[layer] * self.layers, *self._build(0, n - 1, n, load=False)]
 
     def build_stage(self, seed: int, start: int, stop: int) -> list[nn.Module]:
         """Blocks ``[start, stop)`` with their pretrained weights, reading only their tensors
