@@ -1,7 +1,5 @@
 """`python -m ravnest_node` is the `ravnest-node` command."""
 
-import sys
+from ravnest_node.cli.main import entry_point
 
-from ravnest_node.cli.main import main
-
-sys.exit(main())
+entry_point()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -216,8 +215,8 @@ def test_a_failed_write_keeps_the_older_checkpoints_and_no_temporary(
 
 
 # ----- the crash test ------------------------------------------------------------------------
-WRITER = """
-import os, signal, sys, torch
+WRITERS = """
+import json, os, signal, sys, torch
 from pathlib import Path
 from ravnest_node.checkpoint import CheckpointDir
 from ravnest_node.pipeline.handoff import BlockWeights
@@ -227,32 +226,48 @@ from ravnest_node.models import get_model
 run = TrainConfig(model="tiny").to_proto("fingerprint")
 store = CheckpointDir(Path(sys.argv[1]), keep=2)
 shapes = {n: p.shape for n, p in get_model("tiny").build_stage(0, 0, 2)[1].named_parameters()}
-step = int(sys.argv[2])
-calls_left = int(sys.argv[3])
 
-def killed_after(call):
+def write_until_killed(step, calls_left):
     # The writer SIGKILLs itself just before its N-th file-system call of the kinds a save
     # makes (open, fsync, rename, unlink): every step of a save is a place it can die.
-    def wrapped(*args, **kwargs):
-        global calls_left
-        calls_left -= 1
-        if calls_left <= 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return call(*args, **kwargs)
-    return wrapped
+    def killed_after(call):
+        def wrapped(*args, **kwargs):
+            nonlocal calls_left
+            calls_left -= 1
+            if calls_left <= 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return call(*args, **kwargs)
+        return wrapped
 
-import builtins
-say = os.write
-builtins.open = killed_after(builtins.open)
-for name in ("fsync", "replace", "unlink"):
-    setattr(os, name, killed_after(getattr(os, name)))
-while True:
-    step += 1
-    # Every value says which step wrote it: a mix of two checkpoints cannot pass for one.
-    tensors = {("param", n): torch.full(s, float(step)) for n, s in shapes.items()}
-    store.save({1: BlockWeights(1, step, 0.0, tensors)}, step=step, run=run, pipeline=0,
-               stage=0, plan_epoch=1)
-    say(1, f"{step}\\n".encode())
+    import builtins
+    say = os.write
+    builtins.open = killed_after(builtins.open)
+    for name in ("fsync", "replace", "unlink"):
+        setattr(os, name, killed_after(getattr(os, name)))
+    while True:
+        step += 1
+        # Every value says which step wrote it: a mix of two checkpoints cannot pass for one.
+        tensors = {("param", n): torch.full(s, float(step)) for n, s in shapes.items()}
+        store.save({1: BlockWeights(1, step, 0.0, tensors)}, step=step, run=run, pipeline=0,
+                   stage=0, plan_epoch=1)
+        say(1, f"{step}\\n".encode())
+
+# One writer process per line "STEP CALLS", forked from this one (torch imported once): it
+# reports how the writer ended and the steps it said it finished.
+for line in sys.stdin:
+    step, calls = map(int, line.split())
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.dup2(w, 1)
+        write_until_killed(step, calls)
+    os.close(w)
+    with os.fdopen(r, "rb") as said:
+        out = said.read().decode()
+    _, status = os.waitpid(pid, 0)
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    print(json.dumps({"killed": killed, "status": status, "out": out}), flush=True)
 """
 
 
@@ -261,21 +276,28 @@ def test_a_writer_killed_anywhere_never_leaves_a_checkpoint_that_loads_wrongly(
 ) -> None:
     """Kill a process that writes checkpoints in a loop at a random point of a save (a SIGKILL
     before its N-th file-system call), many times: the newest checkpoint that loads is always
-    whole (every value is its own step), and never older than the last one it finished."""
+    whole (every value is its own step), and never older than the last one it finished. The
+    writers are forked from one process that imported torch once."""
     store = CheckpointDir(tmp_path, keep=2)
     rng = random.Random(7)
     finished = 0
-    for _ in range(25):
-        writer = subprocess.run(
-            [sys.executable, "-c", WRITER, str(tmp_path), str(finished), str(rng.randint(1, 40))],
-            capture_output=True, timeout=120, check=False,
-        )  # fmt: skip
-        assert writer.returncode == -signal.SIGKILL, writer.stderr.decode()[-2000:]
-        for line in writer.stdout.split():  # what it finished before it died
-            finished = int(line)
-        step = _latest_whole(store)
-        assert step >= finished
-        finished = step
+    with subprocess.Popen(
+        [sys.executable, "-c", WRITERS, str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as writers:  # fmt: skip
+        assert writers.stdin is not None and writers.stdout is not None
+        for _ in range(25):
+            writers.stdin.write(f"{finished} {rng.randint(1, 40)}\n")
+            writers.stdin.flush()
+            ended = json.loads(writers.stdout.readline())
+            assert ended["killed"], ended
+            for line in ended["out"].split():  # what it finished before it died
+                finished = int(line)
+            step = _latest_whole(store)
+            assert step >= finished
+            finished = step
+        writers.stdin.close()
+        assert writers.wait(30) == 0
     leftovers = [p.name for p in store.path.iterdir() if p.name.endswith(".tmp")]
     assert len(leftovers) <= 2  # at most what the last kill interrupted; the next save removes it
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,14 @@ def test_a_progress_bar_redraws_in_place_on_a_terminal_only() -> None:
     quiet.update(40)
     quiet.clear()
     assert log.getvalue() == ""
+
+
+def test_the_command_does_not_import_what_only_a_benchmark_needs() -> None:
+    """Every node process imports the command line: torch.distributed.pipelining (and the
+    torch._dynamo it pulls in, about a second a process) waits for the one bench that runs it."""
+    code = ("import sys, ravnest_node.cli.main; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', "
+            "'torch.distributed.pipelining'))))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=NODE_ENV, capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip() == "[]"

@@ -3,16 +3,29 @@ parsing and exit statuses, and one real `python -m ravnest_node plan --json` pro
 
 from __future__ import annotations
 
+import argparse
+import io
 import itertools
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from ravnest_node.cli.main import main
-from ravnest_node.cli.plan import GIB, GPUS, MFU, parse_link, parse_nodes
+from ravnest_node.cli.plan import (
+    GIB,
+    GPUS,
+    MFU,
+    add_arguments,
+    parse_link,
+    parse_nodes,
+    pretrained_shape,
+    run_plan,
+)
 from ravnest_node.compression.codecs import INT4_BLOCK, INT8_BLOCK
 from ravnest_node.coordination.estimate import (
     LLAMA_PRESETS,
@@ -27,7 +40,9 @@ from ravnest_node.coordination.estimate import (
 )
 from ravnest_node.coordination.placement import Link
 from ravnest_node.errors import ConfigError
-from ravnest_node.models import get_model
+from ravnest_node.models import get_model, pretrained
+
+from .test_pretrained import make_bert, make_llama
 
 LORA_INT8 = Training(mode="lora", base="int8")
 
@@ -266,3 +281,48 @@ def test_plan_json_from_a_real_process() -> None:
     assert predicted["samples_per_s"] > 0 and predicted["bottleneck"]
     assert predicted["tokens_per_s"] == pytest.approx(predicted["samples_per_s"] * 2048)
     assert record["codec"] in record["auto_choices"]
+
+
+def test_a_local_llama_is_planned_from_its_config(tmp_path: Path) -> None:
+    """hf:DIR of a Llama: the presets' formulas on its config.json, no weight read; its LoRA
+    options are the plan's default mode."""
+    make_llama(tmp_path / "llama")
+    c = json.loads((tmp_path / "llama" / "config.json").read_text())
+    name = f"hf:{tmp_path / 'llama'},seq=16"
+    shape = pretrained_shape(name)
+    same = LlamaConfig(
+        layers=c["num_hidden_layers"], hidden=c["hidden_size"], heads=c["num_attention_heads"],
+        kv_heads=c["num_key_value_heads"], mlp_hidden=c["intermediate_size"],
+        vocab=c["vocab_size"], seq_len=16,
+    ).shape(name)  # fmt: skip
+    assert shape == same
+    assert shape.params == get_model(name).num_parameters()
+
+    def plan(*args: str) -> dict[str, Any]:
+        out = io.StringIO()
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        assert run_plan(parser.parse_args([*args, "--nodes", "2x4gb", "--json"]), out) == 0
+        return dict(json.loads(out.getvalue()))
+
+    lora = plan("--model", f"{name},lora=4,base=bf16")["training"]
+    assert (lora["mode"], lora["lora_rank"], lora["base"]) == ("lora", 4, "bf16")
+    full = plan("--model", f"{name},lora=4,base=int8", "--mode", "full")["training"]
+    assert full["mode"] == "full"
+
+
+def test_a_local_bert_is_measured_without_reading_its_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_bert(tmp_path / "bert")
+    name = f"hf:{tmp_path / 'bert'},seq=12"
+    params = get_model(name).num_parameters()
+
+    def refuse(*_: Any) -> None:
+        raise AssertionError("plan read weights")
+
+    monkeypatch.setattr(pretrained, "load_tensors", refuse)
+    shape = pretrained_shape(f"{name},lora=2")  # the shape before LoRA
+    assert shape.params == params
+    assert len(shape.blocks) == get_model(name).num_blocks()
+

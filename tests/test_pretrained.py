@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ravnest_node.checkpoint import CheckpointDir
+from ravnest_node.coordination.negotiate import block_state_bytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, pretrained
 from ravnest_node.models.lora import LoRALinear
@@ -304,6 +305,31 @@ def test_lora_starts_at_the_pretrained_model_and_trains_few_parameters(tmp_path:
     torch.testing.assert_close(x @ merged.T, adapters[0](x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("base", ["fp32", "bf16", "int8"])
+def test_the_coordinator_counts_a_lora_base_without_reading_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, base: str
+) -> None:
+    """The planner's memory per block: 20 B a trainable parameter (AdamW and one stash at
+    staleness 1) plus the frozen base at its own size; counted without reading a weight."""
+    make_llama(tmp_path / "llama")
+    model = get_model(f"hf:{tmp_path / 'llama'},seq=16,lora=4,base={base}")
+    built = model.build_blocks(0)
+
+    def refuse(*_: Any) -> None:
+        raise AssertionError("the coordinator read weights")
+
+    monkeypatch.setattr(pretrained, "load_tensors", refuse)
+    counted = block_state_bytes(model, 20)
+    layer = built[1]
+    adapters = sum(p.numel() for p in layer.parameters())
+    frozen = sum(t.numel() * t.element_size() for t in layer.buffers())
+    assert counted[1] == 20 * adapters + frozen
+    assert frozen > 10 * adapters  # the base, not just the adapters
+    matrices = [t for n, t in layer.named_buffers() if n.endswith("weight") and t.dim() == 2]
+    assert len(matrices) == 7  # q, k, v, o, gate, up, down: frozen at the base's size
+    assert {t.element_size() for t in matrices} == {{"fp32": 4, "bf16": 2, "int8": 1}[base]}
+
+
 @pytest.mark.parametrize(("base", "tol"), [("bf16", 2e-2), ("int8", 5e-2)])
 def test_a_compact_base_stays_close(tmp_path: Path, base: str, tol: float) -> None:
     make_llama(tmp_path / "llama")
@@ -522,13 +548,68 @@ def test_causal_lm_of_a_byte_llama_on_a_text_file(tmp_path: Path) -> None:
     make_llama(tmp_path / "llama")
     (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     name = f"hf:{tmp_path / 'llama'},seq=16,data={tmp_path / 'corpus.txt'},lora=4"
-    with pytest.raises(ConfigError, match="tokenizer=bytes"):  # Llama: no default tokenizer
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json"):  # and no tokenizer= given
         get_model(name).dataset(seed=0)
     model = get_model(f"{name},tokenizer=bytes")
     x, y = model.dataset(seed=0).batch(0, 8)
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets: the next byte
     losses = _train_steps(model, 12, lr=1e-2)
     assert losses[-1] < losses[0]
+
+
+def _byte_level_bpe(path: Path, corpus: str, vocab: int) -> Any:
+    """A Llama-3-style tokenizer.json trained by the `tokenizers` library on `corpus`."""
+    tk = pytest.importorskip("tokenizers")
+    tokenizer = tk.Tokenizer(tk.models.BPE(ignore_merges=True))
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab, initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|begin_of_text|>", "<|end_of_text|>"], show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator([corpus], trainer)
+    tokenizer.post_processor = tk.processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+    )
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+def test_causal_lm_of_a_llama_with_its_own_bpe_tokenizer(tmp_path: Path) -> None:
+    """A Llama directory with a tokenizer.json tokenises its data with it (data/bpe.py, our
+    own code): the ids the `tokenizers` library gives, and the loss falls."""
+    make_llama(tmp_path / "llama")
+    corpus = "the quick brown fox jumps over the lazy dog; don't stop 12345. " * 40
+    (tmp_path / "corpus.txt").write_text(corpus)
+    name = f"hf:{tmp_path / 'llama'},seq=16,data={tmp_path / 'corpus.txt'}"
+    library = _byte_level_bpe(tmp_path / "llama" / "tokenizer.json", corpus, 290)
+    model = get_model(name)  # tokenizer=bpe: the directory has tokenizer.json
+    assert model.tokenizer().encode(corpus) == library.encode(corpus).ids[1:]  # no BOS
+    x, y = model.dataset(seed=0).batch(0, 8)
+    assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 290
+    losses = _train_steps(model, 12, lr=1e-2)
+    assert losses[-1] < losses[0]
+    _byte_level_bpe(tmp_path / "llama" / "tokenizer.json", corpus, 400)  # ids past the model's
+    with pytest.raises(ConfigError, match="more than the model's vocabulary of 300"):
+        get_model(name).dataset(seed=0)
+
+
+def test_llama_classification_samples_start_as_its_template_says(tmp_path: Path) -> None:
+    """A Llama classifier's rows begin with the BOS its tokenizer's template adds, the text's
+    ids follow, and the config's pad token fills the rest."""
+    make_llama(tmp_path / "llama")
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(config | {"pad_token_id": 1}))
+    rows = [{"text": "abc" if i % 2 else "xyz zy", "label": i % 2} for i in range(8)]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    library = _byte_level_bpe(tmp_path / "llama" / "tokenizer.json", "abc xyz zy " * 20, 270)
+    model = get_model(f"hf:{tmp_path / 'llama'},task=classification,seq=8,"
+                      f"data={tmp_path / 'data.jsonl'}")  # fmt: skip
+    x, y = model.dataset(seed=0).batch(0, 8)
+    for row, label in zip(x.tolist(), y.tolist(), strict=True):
+        ids = library.encode("abc" if label else "xyz zy").ids  # label 1: "abc"
+        assert row[: len(ids)] == ids  # BOS (0), then the text
+        assert row[len(ids):] == [1] * (8 - len(ids))  # fmt: skip
 
 
 def test_timing_holds_one_layer_and_reads_no_weights(

@@ -40,18 +40,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from ravnest_node.coordination.planner import partition
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import BlockModel, get_model
 from ravnest_node.pipeline.run import TrainConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 __all__ = [
     "SCHEDULES",
@@ -240,6 +241,10 @@ def build_schedule(
     (``scale_grads=True``) divides the accumulated gradients by the number of microbatches after
     the last backward: the gradient of the mean microbatch loss, as our stages compute it.
     """
+    # Imported here: torch.distributed.pipelining pulls in torch._dynamo (about a second), and
+    # every `ravnest-node` process imports this module (the bench command's parser).
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     start, stop = partition(model.block_costs(), world_size)[rank]
     module = torch.nn.Sequential(*model.build_stage(train.seed, start, stop))
     mb = train.microbatch_size

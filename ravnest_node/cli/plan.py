@@ -1,6 +1,7 @@
 """`ravnest-node plan`: would this model train on these machines, and how fast?
 
-Reads a model (a Llama preset or shape, or a registered preset), nodes (``16x24gb``,
+Reads a model (a Llama preset or shape, a registered preset, or a local Hugging Face directory
+``hf:DIR,...``: its config.json gives the shape, no weight is read), nodes (``16x24gb``,
 ``16xrtx4090``, ``8x24gb@165,8x12gb``), a link (``1gbit``, ``50mbit,20ms``) and how to train
 (full or LoRA), and prints the plan of `coordination.estimate`: the stages and what each node
 holds, the bytes per step on a link for every codec, and the predicted samples/s with what bounds
@@ -36,6 +37,7 @@ from ravnest_node.coordination.estimate import (
 from ravnest_node.coordination.placement import Link
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, model_names
+from ravnest_node.models.pretrained import PretrainedModel, parse_spec, without_lora
 from ravnest_node.transport.options import TransportConfig
 
 GIB = 2**30
@@ -180,6 +182,8 @@ def resolve_model(args: argparse.Namespace) -> ModelShape:
         return LlamaConfig(**given).shape("llama")
     if given:
         raise ConfigError(f"shape flags apply to llama models, not to {args.model!r}")
+    if args.model.startswith("hf:"):
+        return pretrained_shape(args.model)
     if args.model not in model_names():
         raise ConfigError(
             f"unknown model {args.model!r}; choose one of "
@@ -188,13 +192,40 @@ def resolve_model(args: argparse.Namespace) -> ModelShape:
     return model_shape(get_model(args.model))
 
 
+def pretrained_shape(name: str) -> ModelShape:
+    """The shape of a local Hugging Face model (`models/pretrained.py`), before any LoRA (the
+    plan's --mode says how it trains): a Llama-family decoder by the presets' formulas from its
+    config.json; a BERT-style encoder measured like a registered model, on its timing blocks
+    (one layer, initial values: no weight is read)."""
+    spec = parse_spec(name)
+    c = spec.config
+    if spec.family == "llama":
+        heads = int(c["num_attention_heads"])
+        if int(c.get("head_dim") or 0) not in (0, int(c["hidden_size"]) // heads):
+            raise ConfigError(f"model {name!r}: a head_dim other than hidden/heads is not "
+                              "planned yet")  # fmt: skip
+        llama = LlamaConfig(
+            layers=int(c["num_hidden_layers"]),
+            hidden=int(c["hidden_size"]),
+            heads=heads,
+            kv_heads=int(c.get("num_key_value_heads") or heads),
+            mlp_hidden=int(c["intermediate_size"]),
+            vocab=int(c["vocab_size"]),
+            seq_len=spec.seq_len,
+        )
+        return llama.shape(name)
+    return model_shape(PretrainedModel(without_lora(name)))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `plan` command's flags."""
     parser.add_argument(
         "--model",
         default="llama-8b",
-        help=f"{', '.join(LLAMA_PRESETS)}, llama (give its shape), or a "
-        f"registered model ({', '.join(model_names())}); default llama-8b",
+        help=f"{', '.join(LLAMA_PRESETS)}, llama (give its shape), a registered model "
+        f"({', '.join(model_names())}), or hf:DIR[,seq=N,lora=R,base=B...] (a local Hugging "
+        "Face model, as `start --model` takes it; its LoRA options are the default --mode, "
+        "--lora-rank and --base); default llama-8b",
     )
     for name in SHAPE_FLAGS:
         parser.add_argument(
@@ -220,14 +251,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode",
         choices=["full", "lora"],
-        default=defaults.mode,
-        help="full: train every parameter; lora: adapters, frozen base",
+        help=f"full: train every parameter; lora: adapters, frozen base (default "
+        f"{defaults.mode}, or an hf: model's lora=)",
     )
-    parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank, metavar="R")
+    parser.add_argument(
+        "--lora-rank", type=int, metavar="R", help=f"default {defaults.lora_rank}"
+    )
     parser.add_argument(
         "--base",
         choices=["fp32", "bf16", "int8"],
-        default=defaults.base,
         help=f"lora: storage of the frozen base (default {defaults.base})",
     )
     parser.add_argument(
@@ -261,6 +293,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _training_mode(args: argparse.Namespace) -> tuple[Any, int, Any]:
+    """--mode, --lora-rank and --base; where not given, an hf: model's LoRA options, then
+    Training's defaults."""
+    defaults = Training()
+    mode, rank, base = defaults.mode, defaults.lora_rank, str(defaults.base)
+    lora = parse_spec(args.model).lora if args.model.startswith("hf:") else None
+    if lora is not None:
+        mode, rank = "lora", lora.rank
+    mode = args.mode if args.mode is not None else mode
+    if lora is not None and mode == "lora":
+        base = lora.base
+    return (
+        mode,
+        args.lora_rank if args.lora_rank is not None else rank,
+        args.base if args.base is not None else base,
+    )
+
+
 def run_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """The `plan` command, printing to `out` (standard output); ConfigError for bad arguments
     (the caller exits 2)."""
@@ -268,10 +318,11 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
     shape = resolve_model(args)
     groups = parse_nodes(args.nodes, args.mfu)
     link = parse_link(args.link)
+    mode, rank, base = _training_mode(args)
     training = Training(
-        mode=args.mode,
-        lora_rank=args.lora_rank,
-        base=args.base,
+        mode=mode,
+        lora_rank=rank,
+        base=base,
         batch_size=args.batch_size,
         microbatches=args.microbatches,
         max_staleness=args.max_staleness,

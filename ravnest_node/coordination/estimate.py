@@ -223,11 +223,12 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
 
 
 def model_shape(model: BlockModel) -> ModelShape:
-    """The shape of a registered model, measured: its blocks are built (seed 0) and counted,
-    and each runs forward once on one sample (the last one with its loss) under a
-    saved-tensors hook that adds up what autograd keeps. `block_costs()` is taken as forward
-    FLOPs per sample (ByteLM documents it so; only ratios matter once calibrated)."""
-    blocks = model.build_blocks(seed=0)
+    """The shape of a registered model, measured: its timing blocks (`timing_blocks`: a
+    pretrained model's read no weights) are counted, and each runs forward once on one sample
+    (the last one with its loss) under a saved-tensors hook that adds up what autograd keeps.
+    `block_costs()` is taken as forward FLOPs per sample (ByteLM documents it so; only ratios
+    matter once calibrated)."""
+    blocks = model.timing_blocks()
     costs = model.block_costs()
     spec = model.input_spec(1)
     x: torch.Tensor = (

@@ -39,6 +39,8 @@ from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ravnest_node.compression.codecs import get_codec
 from ravnest_node.coordination.placement import Block, Link, Links, NodeCaps, SwarmPlan, plan_swarm
 from ravnest_node.coordination.static_plan import Member
@@ -283,12 +285,25 @@ def model_blocks(model: BlockModel, run: pb.RunSpec, total_s: float) -> list[Blo
     costs = model.block_costs()
     scale = total_s / (math.fsum(costs) or 1.0)
     per_param = ADAM_BYTES_PER_PARAM + STASH_BYTES_PER_PARAM * run.max_staleness
-    params = [sum(p.numel() for p in b.parameters()) for b in model.build_blocks(seed=0)]
     blocks = []
-    for i, (cost, count) in enumerate(zip(costs, params, strict=True)):
+    for i, (cost, held) in enumerate(zip(costs, block_state_bytes(model, per_param), strict=True)):
         out = model.output_spec(i, microbatch).size_bytes
-        blocks.append(Block(cost * scale, out, per_param * count + out * microbatches))
+        blocks.append(Block(cost * scale, out, held + out * microbatches))
     return blocks
+
+
+def block_state_bytes(model: BlockModel, per_param: int) -> list[int]:
+    """Bytes each block of `model` holds besides activations: `per_param` for every trainable
+    parameter, and the frozen tensors (a LoRA base: buffers, in whatever dtype the model keeps
+    them) at their size. Counted on the meta device: nothing is allocated, and a pretrained
+    model's weights are not read (the coordinator need not even have them)."""
+    with torch.device("meta"):
+        built = model.build_blocks(seed=0)
+    return [
+        per_param * sum(p.numel() for p in b.parameters())
+        + sum(t.numel() * t.element_size() for t in b.buffers())
+        for b in built
+    ]
 
 
 def negotiated_plan(

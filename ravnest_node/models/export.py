@@ -110,6 +110,11 @@ def export_pretrained(model_name: str, state_dirs: Sequence[Path], out: Path) ->
             tensors[names[ours]] = value.contiguous()
     for theirs in sorted(set(source) - covered):
         tensors[theirs] = load_tensors(source, [theirs])[theirs]
+    bias = "cls.predictions.bias"
+    if model.spec.family == "bert" and model.spec.task == "masked-lm" and bias in tensors:
+        # The decoder's own name for the trained output bias: transformers ties the two names
+        # only while tie_word_embeddings is true, which it is not here (below).
+        tensors["cls.predictions.decoder.bias"] = tensors[bias].clone()
     out.mkdir(parents=True, exist_ok=True)
     data = st_save(tensors, metadata={"format": "pt", "ravnest_step": str(step)})
     write_atomic(out / "model.safetensors", data)

@@ -18,9 +18,10 @@ targets     linear layers that get adapters, joined by ``+`` (BERT: query+value;
 base        storage of frozen weights under LoRA: fp32, bf16 or int8 (fp32)
 data        a local ``.txt`` file (language modelling) or ``.jsonl`` file with ``text`` and
             ``label`` (classification); default: the docstrings of the standard library
-tokenizer   ``wordpiece`` (from ``vocab.txt``, BERT; cased if ``tokenizer_config.json`` says
-            ``do_lower_case: false``) or ``bytes`` (token id = byte value; Llama: no default,
-            a real Llama checkpoint's byte-level BPE is not supported yet)
+tokenizer   ``wordpiece`` (from ``vocab.txt``; cased if ``tokenizer_config.json`` says
+            ``do_lower_case: false``; BERT's default), ``bpe`` (from ``tokenizer.json``:
+            Llama 3's byte-level BPE, Llama 2's with byte fallback, data/bpe.py; Llama's
+            default where the file is there) or ``bytes`` (token id = byte value)
 ==========  ==========================================================================
 
 Families, in our own compact code: BERT-style encoders (``model_type`` "bert": learned positions,
@@ -148,11 +149,13 @@ def parse_spec(name: str) -> PretrainedSpec:
         num_labels=_int(values.get("labels", "2"), "labels", name, minimum=2, maximum=1 << 16),
         lora=lora,
         data=values.get("data", ""),
-        tokenizer=values.get("tokenizer", tokenizer),
+        tokenizer=values.get(
+            "tokenizer", tokenizer or ("bpe" if (path / "tokenizer.json").is_file() else "")
+        ),
         config=config,
     )
-    if spec.tokenizer not in ("wordpiece", "bytes", ""):
-        raise ConfigError(f"model {name!r}: tokenizer must be wordpiece or bytes")
+    if spec.tokenizer not in ("wordpiece", "bpe", "bytes", ""):
+        raise ConfigError(f"model {name!r}: tokenizer must be wordpiece, bpe or bytes")
     if family == "bert" and config.get("position_embedding_type", "absolute") != "absolute":
         raise ConfigError(f"{path / 'config.json'}: only absolute position embeddings are "
                           "supported")  # fmt: skip
@@ -160,6 +163,15 @@ def parse_spec(name: str) -> PretrainedSpec:
     if spec.seq_len > limit:
         raise ConfigError(f"model {name!r}: seq {spec.seq_len} exceeds the model's {limit}")
     return spec
+
+
+_LORA_KEYS = ("lora", "alpha", "targets", "base")
+
+
+def without_lora(name: str) -> str:
+    """The ``hf:`` model name with its LoRA options left out: the same model, trained in full."""
+    directory, *options = name.split(",")
+    return ",".join([directory, *(o for o in options if o.partition("=")[0] not in _LORA_KEYS)])
 
 
 def _int(text: str, key: str, name: str, *, minimum: int, maximum: int) -> int:
@@ -341,14 +353,19 @@ class RMSNorm(nn.Module):
 
 def rope_frequencies(c: Mapping[str, Any], head_dim: int) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, with Llama 3's scaling when configured
-    (``rope_scaling.rope_type == "llama3"``: long wavelengths divided by ``factor``, short ones
-    kept, a smooth blend between; Meta's Llama 3.1 release)."""
-    theta = float(c.get("rope_theta", 10000.0))
+    (``rope_type == "llama3"``: long wavelengths divided by ``factor``, short ones kept, a
+    smooth blend between; Meta's Llama 3.1 release). Read from ``rope_theta`` and
+    ``rope_scaling`` as the Hub's configs write them, or from ``rope_parameters``, where
+    transformers 5 puts both."""
+    params = c.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"rope_parameters must be an object, not {params!r:.80}")
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    scaling = c.get("rope_scaling")
-    if not scaling:
+    scaling = c.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
         return inv.float()
-    kind = scaling.get("rope_type", scaling.get("type"))
     if kind != "llama3":
         raise ConfigError(f"rope_scaling type {kind!r} is not supported (llama3 only)")
     factor = float(scaling["factor"])
@@ -700,14 +717,15 @@ class PretrainedModel(BlockModel):
         if spec.task == "classification":
             if not spec.data:
                 raise ConfigError(f"model {self.name!r}: classification needs data=FILE.jsonl")
-            if tokenizer.pad_id is None:
+            pad_id = spec.config.get("pad_token_id")  # what the embeddings treat as padding
+            if pad_id is None:
                 raise ConfigError(f"model {self.name!r}: classification pads its samples, and "
                                   "the model's config.json has no pad_token_id")  # fmt: skip
             rows = text.read_jsonl(Path(spec.data))
             examples = [(tokenizer.encode(t), label) for t, label in rows]
             return text.ClassificationData(
-                examples, seq_len=spec.seq_len, pad_id=tokenizer.pad_id,
-                cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id,
+                examples, seq_len=spec.seq_len, pad_id=int(pad_id),
+                cls_id=_first_id(tokenizer), sep_id=_last_id(tokenizer),
                 num_labels=spec.num_labels, **common,
             )  # fmt: skip
         corpus = text.read_texts([Path(spec.data)]) if spec.data else text.stdlib_docstrings()
@@ -718,15 +736,25 @@ class PretrainedModel(BlockModel):
         return text.CausalLMData(ids, seq_len=spec.seq_len, num_samples=num_samples, **common)
 
     def tokenizer(self) -> Any:
-        """The tokenizer the spec names: WordPiece from vocab.txt, or bytes."""
+        """The tokenizer the spec names: WordPiece from vocab.txt, BPE from tokenizer.json, or
+        bytes."""
+        from ravnest_node.data.bpe import BpeTokenizer
         from ravnest_node.data.wordpiece import WordPiece
 
         if not self.spec.tokenizer:
             raise ConfigError(
-                f"model {self.name!r}: say which tokenizer its data needs: tokenizer=bytes for a "
-                "model whose first 256 token ids are the byte values (byte-level BPE, as real "
-                "Llama checkpoints use, is not supported yet)"
+                f"model {self.name!r}: say which tokenizer its data needs: the directory has no "
+                "tokenizer.json (tokenizer=bpe); tokenizer=bytes for a model whose first 256 "
+                "token ids are the byte values"
             )
+        if self.spec.tokenizer == "bpe":
+            bpe = BpeTokenizer.from_file(self.spec.directory / "tokenizer.json")
+            if bpe.vocab_size > self.vocab:
+                raise ConfigError(
+                    f"{self.spec.directory / 'tokenizer.json'}: {bpe.vocab_size} token ids, "
+                    f"more than the model's vocabulary of {self.vocab}"
+                )
+            return bpe
         if self.spec.tokenizer == "bytes":
             if self.vocab < 256:
                 raise ConfigError(f"model {self.name!r}: tokenizer=bytes needs a vocabulary of "
@@ -746,6 +774,21 @@ class PretrainedModel(BlockModel):
 
     def __repr__(self) -> str:
         return f"PretrainedModel({self.name!r})"
+
+
+def _first_id(tokenizer: Any) -> int | None:
+    """The token a classification sample starts with: WordPiece's [CLS], or the BOS a BPE
+    tokenizer's template adds (as the model saw its text in pretraining)."""
+    if hasattr(tokenizer, "adds_bos"):
+        return tokenizer.bos_id if tokenizer.adds_bos else None
+    return tokenizer.cls_id  # type: ignore[no-any-return]
+
+
+def _last_id(tokenizer: Any) -> int | None:
+    """The token a classification sample ends with: WordPiece's [SEP], or a BPE template's EOS."""
+    if hasattr(tokenizer, "adds_eos"):
+        return tokenizer.eos_id if tokenizer.adds_eos else None
+    return tokenizer.sep_id  # type: ignore[no-any-return]
 
 
 class ByteTokenizer:
