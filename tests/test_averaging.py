@@ -42,7 +42,7 @@ from ravnest_node.averaging.topology import (
     ring_chunks,
     scatter_chunk,
 )
-from ravnest_node.averaging.wire import PATH
+from ravnest_node.averaging.wire import PATH, PeerBehind
 from ravnest_node.compression import get_codec
 from ravnest_node.errors import ConfigError
 from ravnest_node.transport.boundary import NODE_ID_KEY, Refusal
@@ -222,6 +222,12 @@ def test_norm_guard() -> None:
     assert s.clipped == ("d",) and s.scales == {"d": 0.75}  # to 3 x the median 3
     assert screen_norms({"a": 1.0, "b": 2.0, "c": 8.0}, 10.0, math.inf).clipped == ()
     assert screen_norms({"a": 1.0, "b": 9.0}, 10.0, 3.0).clipped == ()  # too few for a median
+    # Too few for a median, this member's own delta is the measure: it knows it is honest.
+    s = screen_norms({"a": 1.0, "b": 50.0}, 10.0, 3.0, own="a")
+    assert s.rejected == ("b",) and s.by_own and s.median_norm == 1.0
+    assert screen_norms({"a": 1.0, "b": 9.0}, 10.0, 3.0, own="a").accepted == ("a", "b")
+    assert screen_norms({"b": 50.0, "a": 1.0}, 10.0, own="b").rejected == ()  # b can't tell
+    assert not screen_norms({"a": 1.0, "b": 1.2, "c": 50.0}, 10.0, own="a").by_own
 
 
 def test_a_member_whose_deltas_keep_being_rejected_is_banned() -> None:
@@ -379,6 +385,41 @@ async def test_a_broken_ring_falls_back_to_whole_deltas() -> None:
             torch.testing.assert_close(res.mean, true)
             # n2 refuses connections: nobody waits for it until the deadline.
             assert res.wait_s < config.timeout_s * 0.5
+
+
+async def test_a_push_to_a_member_still_on_an_earlier_round_is_delivered_once_it_gets_there(
+) -> None:  # fmt: skip
+    """n0 finishes round 0 without n1 (which has not started) and pushes round 1: n1 refuses
+    it (OUT_OF_RANGE, it is not there yet), and n0 tries again until n1 has opened that round,
+    so both average round 1 together."""
+    numel = 500
+    config = AveragingConfig(codec="none", timeout_s=1.0)
+    gen = torch.Generator().manual_seed(5)
+    deltas = [{i: torch.randn(numel, generator=gen) for i in (0, 1)} for _ in range(2)]
+    async with _group(2, numel, config) as averagers:
+        a, b = averagers[0], averagers[1]
+        behind = asyncio.Event()
+        push = a._pusher.push
+
+        async def watched(member: Member, message: bytes, deadline: float) -> int:
+            try:
+                return await push(member, message, deadline)
+            except PeerBehind:
+                behind.set()
+                raise
+
+        a._pusher.push = watched  # type: ignore[method-assign]
+        first = await a.average(0, deltas[0][0])
+        assert first.participants == ("n0",) and first.missing == ("n1",)
+        second = asyncio.create_task(a.average(1, deltas[1][0]))
+        await behind.wait()  # n1 refused round 1: it has not had round 0 yet
+        b_first = await b.average(0, deltas[0][1])
+        b_second = await b.average(1, deltas[1][1])
+        a_second = await second
+    assert b_first.participants == ("n0", "n1")  # n0's round-0 push waited in n1's inbox
+    for res in (a_second, b_second):
+        assert res.participants == ("n0", "n1")
+        torch.testing.assert_close(res.mean, (deltas[1][0] + deltas[1][1]) / 2)
 
 
 async def _push(address: str, message: bytes, sender: str) -> grpc.StatusCode:

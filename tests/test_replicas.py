@@ -52,7 +52,7 @@ def test_a_poisoning_replica_is_banned_and_the_others_train_on(tmp_path: Path) -
     steps, every = 24, 4
     s = _demo(
         tmp_path, "poisoned", "--nodes", "3", "--pipelines", "3", "--steps", str(steps),
-        "--average-every", str(every), "--average-timeout-s", "1", "--fault-poison-pipeline", "2",
+        "--average-every", str(every), "--average-timeout-s", "8", "--fault-poison-pipeline", "2",
     )  # fmt: skip
     stages = {st["pipeline"]: st for st in s["stages"]}
     dirs = (tmp_path / "poisoned").glob("node-*")
@@ -60,7 +60,7 @@ def test_a_poisoning_replica_is_banned_and_the_others_train_on(tmp_path: Path) -
     logs = {p: by_id[st["node_id"]] for p, st in stages.items()}
     bad = stages[2]["node_id"]
     for p in (0, 1):
-        assert logs[p].count(f"rejected {bad}'s delta: its norm exceeds 10 x the median") == 3
+        assert logs[p].count(f"rejected {bad}'s delta: its norm exceeds 10 x") == 3
         assert f"banned {bad} from averaging for the rest of the run" in logs[p]
         # Every round went on without the poisoner: rejected, then banned.
         assert stages[p]["averaging_rounds"] == stages[p]["averaging_rounds_incomplete"] == 6

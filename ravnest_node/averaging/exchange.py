@@ -57,7 +57,14 @@ from ravnest_node.averaging.topology import (
     ring_chunks,
     scatter_chunk,
 )
-from ravnest_node.averaging.wire import ChannelFactory, Member, Pusher, push_handler
+from ravnest_node.averaging.wire import (
+    ChannelFactory,
+    Member,
+    PeerBehind,
+    PeerExcludes,
+    Pusher,
+    push_handler,
+)
 from ravnest_node.compression import CODECS
 from ravnest_node.compression.powersgd import PowerSGD
 from ravnest_node.errors import ConfigError, FrameError, PeerError, PeerRefused, PeerUnavailable
@@ -80,6 +87,9 @@ RING_SHARE = 0.5
 """Share of `timeout_s` a ring may take before the round falls back to whole deltas."""
 HEADER_RESERVE = 4096 + 8
 """Bytes a frame may need beyond its payload (the largest accepted header and the prefix)."""
+
+BEHIND_RETRY_S = 0.05
+"""Pause before pushing again to a member that has not reached the round yet."""
 
 T = TypeVar("T")
 
@@ -440,9 +450,10 @@ class ReplicaAverager:
                 self.config.timeout_s,
             )
         median = screening.median_norm or 0.0
+        measure = "this member's own delta's norm" if screening.by_own else "the median norm"
         for sender in screening.rejected:
             refused[sender] = (
-                f"its norm exceeds {self.config.max_norm_ratio:g} x the median norm {median:.4g}"
+                f"its norm exceeds {self.config.max_norm_ratio:g} x {measure} {median:.4g}"
             )
         for sender, reason in sorted(refused.items()):
             log.warning("round %d: rejected %s's delta: %s", round, sender, reason)
@@ -480,7 +491,9 @@ class ReplicaAverager:
     def _combine(self, deltas: dict[str, torch.Tensor]) -> tuple[Screening, torch.Tensor]:
         """The guard's decision and the mean of the accepted deltas (runs in the executor)."""
         norms = {k: stable_norm(v) for k, v in deltas.items()}
-        screening = screen_norms(norms, self.config.max_norm_ratio, self.config.clip_ratio)
+        screening = screen_norms(
+            norms, self.config.max_norm_ratio, self.config.clip_ratio, own=self.node_id
+        )
         total = torch.zeros(self.numel, dtype=torch.float32)
         # In sorted order: members that accepted the same deltas compute bit-identical means.
         for k in screening.accepted:
@@ -645,14 +658,25 @@ class ReplicaAverager:
         traffic: _Traffic,
         unreachable: set[str],
     ) -> None:
-        try:
-            await self._push(member, message, deadline, traffic)
-        except PeerUnavailable as exc:
-            log.warning("could not push a delta to %s: %s", member.node_id, exc)
-            unreachable.add(member.node_id)  # it is not waited for any longer
-            await self._notify()
-        except PeerRefused as exc:
-            log.warning("%s", exc)
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await self._push(member, message, deadline, traffic)
+            except PeerBehind as exc:
+                # A member still on an earlier round (its last one waited for someone, or it
+                # started late) takes this round's push once it opens it: try again while the
+                # round's time lasts.
+                if loop.time() + BEHIND_RETRY_S < deadline:
+                    await asyncio.sleep(BEHIND_RETRY_S)  # a back-off, not a wait for an event
+                    continue
+                log.warning("%s", exc)
+            except (PeerUnavailable, PeerExcludes) as exc:
+                log.warning("could not push a delta to %s: %s", member.node_id, exc)
+                unreachable.add(member.node_id)  # it is not waited for any longer
+                await self._notify()
+            except PeerRefused as exc:
+                log.warning("%s", exc)
+            return
 
     async def _push_part(
         self,

@@ -10,7 +10,11 @@ least MIN_FOR_MEDIAN deltas (this member's own included), with m the median L2 n
   `clip_ratio` x m and then averaged (median-based norm clipping).
 
 So each member moves the mean of n deltas by at most `clip_ratio` x m / n, and as the median
-is always kept, at least half of the deltas enter the mean. Every member applies the same rule
+is always kept, at least half of the deltas enter the mean. With fewer deltas (two: a member
+of a pair, or of a larger group that heard from one other) a median cannot tell which one is
+out of line, but a member knows its own delta is honest: another's above `max_norm_ratio` x
+the norm of its own is rejected (nothing is clipped). Two honest members within that ratio of
+each other accept both, and so agree. Every member applies the same rule
 to the same decoded deltas, so members that heard from the same set agree on the result (this
 member may clip or reject its own delta too). Clipping bounds how far a member moves the mean,
 not where it points: a minority of colluding members with deltas of ordinary size still moves
@@ -49,9 +53,12 @@ class Screening:
     rejected: tuple[str, ...]
     """Members whose deltas were left out, sorted by id."""
     median_norm: float | None
-    """The median norm the decision used (None when the guard did not apply)."""
+    """The norm the decision measured against: the median, or this member's own delta's norm
+    when there were too few for a median (`by_own`); None when the guard did not apply."""
     scales: Mapping[str, float] = field(default_factory=dict)
     """Clipped members -> the factor (< 1) their delta is scaled by before it is averaged."""
+    by_own: bool = False
+    """Too few deltas for a median: `median_norm` is this member's own delta's norm."""
 
     @property
     def clipped(self) -> tuple[str, ...]:
@@ -60,15 +67,24 @@ class Screening:
 
 
 def screen_norms(
-    norms: Mapping[str, float], max_norm_ratio: float, clip_ratio: float = math.inf
+    norms: Mapping[str, float],
+    max_norm_ratio: float,
+    clip_ratio: float = math.inf,
+    own: str | None = None,
 ) -> Screening:
     """Split members by the L2 norms of their deltas: a norm that is not finite is rejected;
     with at least MIN_FOR_MEDIAN finite norms, so is a norm above `max_norm_ratio` x median,
-    and a norm above `clip_ratio` x median is clipped to it."""
+    and a norm above `clip_ratio` x median is clipped to it. With fewer, a norm above
+    `max_norm_ratio` x that of `own` (this member's, if given) is rejected."""
     finite = {k: v for k, v in norms.items() if math.isfinite(v)}
     rejected = {k for k in norms if k not in finite}
     median: float | None = None
     scales: dict[str, float] = {}
+    mine = finite.get(own, 0.0) if own is not None else 0.0
+    if len(finite) < MIN_FOR_MEDIAN and mine > 0:
+        rejected |= {k for k, v in finite.items() if v > max_norm_ratio * mine}
+        accepted = tuple(sorted(k for k in norms if k not in rejected))
+        return Screening(accepted, tuple(sorted(rejected)), median_norm=mine, by_own=True)
     if len(finite) >= MIN_FOR_MEDIAN and statistics.median(finite.values()) > 0:
         median = statistics.median(finite.values())
         rejected |= {k for k, v in finite.items() if v > max_norm_ratio * median}

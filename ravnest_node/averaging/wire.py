@@ -34,6 +34,8 @@ MAX_NODE_ID_LEN = 128
 ChannelFactory = Callable[[str], Any]
 """Makes a grpc.aio channel to a "host:port" address (grpc is untyped to mypy)."""
 
+_NOT_YET = frozenset({grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION})
+"""Refusals of a push that came too early (see PeerBehind)."""
 _UNREACHABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
@@ -74,7 +76,10 @@ def push_handler(receiver: Callable[[], PushReceiver | None]) -> Any:
                 )
             await target.receive(request, sender, peer_host(context.peer())[0])
         except Refusal as refusal:
-            log.warning(
+            # Not there yet: the sender tries again while its round lasts (quietly, then).
+            early = refusal.code in _NOT_YET
+            log.log(
+                logging.DEBUG if early else logging.WARNING,
                 "refused a push from %r (%s): %s",
                 sender,
                 peer_address(context.peer()),
@@ -105,6 +110,17 @@ class AveragingService:
     def handler(self) -> Any:
         """The gRPC generic handler to add to the node's grpc.aio server."""
         return push_handler(lambda: self._receiver)
+
+
+class PeerBehind(PeerRefused):
+    """The member refused a push of a round it has not reached (OUT_OF_RANGE), or came before
+    it had its replica group (FAILED_PRECONDITION): it will take the push once it gets there."""
+
+
+class PeerExcludes(PeerRefused):
+    """The member refused a push because it does not average with this node (PERMISSION_DENIED:
+    it banned this node, or does not count it in its group): it sends this node nothing
+    either, so a round need not wait for it."""
 
 
 class Pusher:
@@ -145,6 +161,14 @@ class Pusher:
             code = exc.code()
             if code in _UNREACHABLE:
                 raise PeerUnavailable(f"{member.node_id}: {code.name}: {exc.details()}") from None
+            if code in _NOT_YET:
+                raise PeerBehind(
+                    f"{member.node_id} refused a push: {code.name}: {exc.details()}"
+                ) from None
+            if code == grpc.StatusCode.PERMISSION_DENIED:
+                raise PeerExcludes(
+                    f"{member.node_id} refused a push: {code.name}: {exc.details()}"
+                ) from None
             raise PeerRefused(
                 f"{member.node_id} refused a push: {code.name}: {exc.details()}"
             ) from None
