@@ -123,6 +123,13 @@ class PeerExcludes(PeerRefused):
     either, so a round need not wait for it."""
 
 
+_REFUSED: dict[grpc.StatusCode, type[PeerRefused]] = {
+    **dict.fromkeys(_NOT_YET, PeerBehind),
+    grpc.StatusCode.PERMISSION_DENIED: PeerExcludes,
+}
+"""Refusals a round acts on (any other is a PeerRefused: logged, nothing more)."""
+
+
 class Pusher:
     """The client side: one channel per member (opened on first use), one Push per call."""
 
@@ -161,15 +168,7 @@ class Pusher:
             code = exc.code()
             if code in _UNREACHABLE:
                 raise PeerUnavailable(f"{member.node_id}: {code.name}: {exc.details()}") from None
-            if code in _NOT_YET:
-                raise PeerBehind(
-                    f"{member.node_id} refused a push: {code.name}: {exc.details()}"
-                ) from None
-            if code == grpc.StatusCode.PERMISSION_DENIED:
-                raise PeerExcludes(
-                    f"{member.node_id} refused a push: {code.name}: {exc.details()}"
-                ) from None
-            raise PeerRefused(
+            raise _REFUSED.get(code, PeerRefused)(
                 f"{member.node_id} refused a push: {code.name}: {exc.details()}"
             ) from None
         if self._counters is not None:
