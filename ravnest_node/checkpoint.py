@@ -22,7 +22,9 @@ finite values). Anything wrong raises CheckpointError naming the file and the fa
 `latest` falls back to the next older checkpoint. Nothing is unpickled: safetensors holds raw
 tensors and a JSON header only.
 
-The newest `keep` checkpoints stay; older ones are removed after a new one is complete.
+The newest `keep` checkpoints stay; older ones are removed after a new one is complete,
+except while a restore is being planned from what the node has said it holds (`Retention`):
+then nothing is removed until the node has the plan that follows.
 
 **Copies.** A stage without a replica has its checkpoints copied to the node of the next stage
 (`Node.FetchCheckpoint`), into `<state-dir>/checkpoint-copies/blocks-FFFF-SSSS/`, in the same
@@ -52,6 +54,7 @@ from safetensors.torch import save as st_save
 
 from ravnest_node.errors import RavnestError
 from ravnest_node.models import BlockModel, get_model
+from ravnest_node.models.base import shapes_only
 from ravnest_node.pipeline.handoff import BlockWeights, block_shapes, check_block
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.state import write_atomic
@@ -137,7 +140,7 @@ def bytes_bound(model: BlockModel, first_block: int, stop_block: int) -> int:
     """The most bytes a checkpoint of blocks [first_block, stop_block) of `model` can take:
     three float32 tensors (parameter and AdamW's two moments) per parameter, and the
     safetensors header's names and shapes (generously)."""
-    with torch.device("meta"):
+    with shapes_only():
         built = model.build_stage(0, first_block, stop_block)
     params = [p for block in built for p in block.parameters()]
     return 3 * 4 * sum(p.numel() for p in params) + 1024 * (3 * len(params) + 1)
@@ -154,16 +157,61 @@ def parse_manifest(raw: bytes, step: int, where: str = "manifest") -> Manifest:
         raise CheckpointError(f"{where}: not a valid manifest: {exc!s:.200}") from None
 
 
+class Retention:
+    """Whether pruning may remove checkpoints, shared by a node's own checkpoints and its
+    copies. The coordinator plans a restore from the checkpoints its members say they hold
+    (their heartbeats); a member's next write must not prune one it named before the restore
+    plan comes. So the coordinator asks (HeartbeatReply.hold_epoch) and the member holds them
+    all until it has a plan newer than that epoch; its heartbeats say so (held_epoch).
+
+    `hold` waits for a prune in progress: once it returns, every checkpoint listed afterwards
+    stays until `release`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.held_epoch = 0
+        """Checkpoints are held until a plan newer than this epoch (0: none held)."""
+
+    def hold(self, epoch: int) -> bool:
+        """Hold every checkpoint from now until a plan newer than `epoch`; True if that is new.
+        Blocking (waits for a prune in progress)."""
+        with self._lock:
+            if epoch <= self.held_epoch:
+                return False
+            self.held_epoch = epoch
+            return True
+
+    def release(self, plan_epoch: int) -> None:
+        """The node has plan `plan_epoch`: a hold for an older plan ends."""
+        with self._lock:
+            if self.held_epoch < plan_epoch:
+                self.held_epoch = 0
+
+    @contextlib.contextmanager
+    def pruning(self) -> Iterator[bool]:
+        """Within it, whether checkpoints may be removed (no hold can start meanwhile)."""
+        with self._lock:
+            yield self.held_epoch == 0
+
+
 class CheckpointDir:
     """The checkpoints of one node: save (from a worker thread), list, load verified."""
 
-    def __init__(self, state_dir: Path, keep: int = 3, *, path: Path | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        keep: int = 3,
+        *,
+        path: Path | None = None,
+        retention: Retention | None = None,
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1")
         self.path = state_dir / DIR_NAME if path is None else path
         self.keep = keep
         self.hold: int | None = None
         """A step pruning never removes (a restore is about to load it)."""
+        self.retention = Retention() if retention is None else retention
 
     # ----- writing ----------------------------------------------------------------------------
     def save(
@@ -246,19 +294,22 @@ class CheckpointDir:
 
     def _prune(self) -> None:
         """Keep the newest `keep` checkpoints; remove older ones, temporaries left by a killed
-        writer, and tensor files no kept manifest names."""
-        manifests = sorted(self._manifest_paths(), reverse=True)
-        kept = manifests[: self.keep] + [(s, p) for s, p in manifests[self.keep :]
-                                         if s == self.hold]  # fmt: skip
-        for step, path in manifests[self.keep :]:
-            if step != self.hold:
-                path.unlink(missing_ok=True)
-        named = {self._named_file(path) for _, path in kept}
-        for path in self.path.iterdir():
-            temporary = path.name.startswith(".") and path.name.endswith(".tmp")
-            orphan = path.suffix == ".safetensors" and path.name not in named
-            if temporary or orphan:
-                path.unlink(missing_ok=True)
+        writer, and tensor files no kept manifest names. While the retention holds them,
+        only the temporaries and orphans."""
+        with self.retention.pruning() as may_remove:
+            manifests = sorted(self._manifest_paths(), reverse=True)
+            keep = self.keep if may_remove else len(manifests)
+            kept = manifests[:keep] + [(s, p) for s, p in manifests[keep:]
+                                       if s == self.hold]  # fmt: skip
+            for step, path in manifests[keep:]:
+                if step != self.hold:
+                    path.unlink(missing_ok=True)
+            named = {self._named_file(path) for _, path in kept}
+            for path in self.path.iterdir():
+                temporary = path.name.startswith(".") and path.name.endswith(".tmp")
+                orphan = path.suffix == ".safetensors" and path.name not in named
+                if temporary or orphan:
+                    path.unlink(missing_ok=True)
 
     def set_aside_after(self, step: int) -> tuple[list[int], Path | None]:
         """Move checkpoints newer than `step` to a new folder under `checkpoints.previous/`: a
@@ -364,16 +415,19 @@ class CheckpointCopies:
     range other than the newest one stored are removed once that one has `keep` copies: a node
     keeps copies of the stage upstream of it, which a re-plan may change."""
 
-    def __init__(self, state_dir: Path, keep: int = COPIES_KEEP) -> None:
+    def __init__(
+        self, state_dir: Path, keep: int = COPIES_KEEP, *, retention: Retention | None = None
+    ) -> None:
         self.root = state_dir / COPIES_DIR_NAME
         self.keep = keep
+        self.retention = Retention() if retention is None else retention
         self._lock = threading.Lock()
         self.generation = 0
         """Raised by `drop_after`: a copy fetched before is of the dropped timeline."""
 
     def dir(self, first_block: int, stop_block: int) -> CheckpointDir:
         name = f"blocks-{first_block:04d}-{stop_block:04d}"
-        return CheckpointDir(self.root, self.keep, path=self.root / name)
+        return CheckpointDir(self.root, self.keep, path=self.root / name, retention=self.retention)
 
     def dirs(self) -> list[CheckpointDir]:
         if not self.root.is_dir():
@@ -387,18 +441,20 @@ class CheckpointCopies:
 
     def store(self, manifest: Manifest, data: bytes, generation: int, model: BlockModel) -> None:
         """Keep a copy (CheckpointDir.save_copy) fetched in `generation`; then drop other
-        ranges' copies if this range has `keep` now. Blocking: call it from a worker thread.
-        CheckpointError if a `drop_after` came since the copy was asked for."""
+        ranges' copies if this range has `keep` now (unless the retention holds them).
+        Blocking: call it from a worker thread. CheckpointError if a `drop_after` came since
+        the copy was asked for."""
         with self._lock:
             if generation != self.generation:
                 raise CheckpointError(f"copy of step {manifest.step}: asked for before the "
                                       "run went back to an earlier step")  # fmt: skip
             here = self.dir(manifest.first_block, manifest.stop_block)
             here.save_copy(manifest, data, model)
-            if len(here.steps()) >= self.keep:
-                for other in self.dirs():
-                    if other.path != here.path:
-                        shutil.rmtree(other.path, ignore_errors=True)
+            with self.retention.pruning() as may_remove:
+                if may_remove and len(here.steps()) >= self.keep:
+                    for other in self.dirs():
+                        if other.path != here.path:
+                            shutil.rmtree(other.path, ignore_errors=True)
 
     def manifests(self) -> list[Manifest]:
         """Every copy's manifest (checked for form), newest first."""
@@ -445,7 +501,7 @@ def _verify(
         if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) not in by_block:
             raise refuse(f"unexpected tensor {key[:80]!r}")
         by_block[int(parts[0])][(parts[1], parts[2])] = t
-    with torch.device("meta"):  # shapes only: nothing is allocated or initialised
+    with shapes_only():
         built = model.build_stage(0, manifest.first_block, manifest.stop_block)
     out: dict[int, BlockWeights] = {}
     for block, module in zip(manifest.blocks, built, strict=True):

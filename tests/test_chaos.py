@@ -120,8 +120,12 @@ def test_a_node_without_a_replica_killed_mid_run_is_restored_from_its_copied_che
     Started again on its state directory, the node rejoins under its id and gets a stage of a
     later plan, whose blocks it fetches (it trains nothing of the plan it crashed in)."""
     address, nodes, events = swarm_at_step(procs, tmp_path, 3, ALONE, 35)
-    stages = {s.index: s for s in swarm_view(address).plan.stages}
+    view = swarm_view(address)
+    stages = {s.index: s for s in view.plan.stages}
     victim, keeper = stages[1].node_id, stages[2]
+    # The first plan runs (no member was counted gone meanwhile), the coordinator's node is
+    # not the victim.
+    assert view.plan.epoch == 1 and victim != view.members[0].node_id
     held = next(p for p in (tmp_path / "n2").glob("checkpoint-copies/blocks-*"))
     assert sorted(held.glob("step-*.json"))  # the last stage keeps copies of the middle one's
     nodes[victim].send_signal(signal.SIGKILL)
@@ -182,6 +186,16 @@ def tiny_swarm(
         train=TrainConfig(model="tiny", batch_size=16, **train), swarm_size=size,
         swarm_id="test/tiny", summary_path=None, clock=clock, probe=probe, node_id="a",
     )  # fmt: skip
+
+
+async def beat(
+    svc: CoordinatorService, node: str, offers: list[pb.CheckpointOffer], held: int = 0
+) -> int:
+    """`node`'s heartbeat offering `offers`, held for plan epoch `held` (0: not held): the
+    epoch the coordinator asks it to hold its checkpoints for (0: none)."""
+    request = pb.HeartbeatRequest(node_id=node, checkpoints=offers, held_epoch=held)
+    reply = await svc.Heartbeat(request, FakeContext())  # type: ignore[arg-type]
+    return reply.hold_epoch
 
 
 def offer(plan: pb.Plan, step: int, s: pb.StageAssignment) -> pb.CheckpointOffer:
@@ -281,12 +295,19 @@ async def test_without_a_replica_the_run_is_restored_from_checkpoints_and_copies
                                 step=step, loss=5.0 - step / 10)  # fmt: skip
         await svc.Report(report, ctx)
     victim = stage[1].node_id
+    held = dict.fromkeys("abc", 0)
     for _ in range(4):  # lost after two leases of silence
         clock.now += 3.5
         for node in "abc":
             if node != victim:
-                request = pb.HeartbeatRequest(node_id=node, checkpoints=offers[node])
-                await svc.Heartbeat(request, ctx)
+                held[node] = await beat(svc, node, offers[node], held[node])
+    # The loss came with the last round: each member was asked to hold its checkpoints, and
+    # the restore waits for the heartbeats that say they do.
+    assert svc.plan is not None and svc.plan.epoch == 1
+    assert {n: e for n, e in held.items() if n != victim} == {"a": 1, "c": 1}
+    await beat(svc, "a", offers["a"], held["a"])
+    assert svc.plan.epoch == 1  # c's offers are not held yet
+    assert await beat(svc, "c", offers["c"], held["c"]) == 0  # restored: nothing to hold now
     new = svc.plan
     assert new is not None and new.epoch == 2 and new.restore and not new.pending
     assert new.start_step == 10 and victim not in {s.node_id for s in new.stages}
@@ -306,6 +327,37 @@ async def test_without_a_replica_the_run_is_restored_from_checkpoints_and_copies
     summary = svc.summary(new)
     assert summary["redone_microbatches"] == 8
     assert summary["restores"][0]["restored_step"] == 10
+
+
+async def test_a_restore_is_planned_from_held_offers_not_from_older_ones() -> None:
+    """Offers lag: the middle stage's node is lost while the others' last heartbeats offered
+    step 10 only. By the time they hold their checkpoints, their writes have pruned step 10
+    (keep 2): the restore starts at step 30, which they hold, never at the step 10 their
+    older offers named."""
+    clock = Clock()
+    svc, plan = await planned_swarm(clock, "abc", steps=50, microbatches=4)
+    ctx: Any = FakeContext()
+    stage = {s.index: s for s in plan.stages}
+    for step in range(1, 33):
+        report = pb.StageReport(node_id=stage[2].node_id, stage=2, pipeline=0, plan_epoch=1,
+                                step=step, loss=5.0 - step / 100)  # fmt: skip
+        await svc.Report(report, ctx)
+    old, now = ring_offers(plan, (10,)), ring_offers(plan, (30, 20))
+    victim = stage[1].node_id
+    others = [n for n in "abc" if n != victim]
+    asked = {}
+    for _ in range(4):
+        clock.now += 3.5
+        for node in others:
+            asked[node] = await beat(svc, node, old[node])
+    assert svc.plan is not None and svc.plan.epoch == 1 and set(asked.values()) == {1}
+    assert [c["node_id"] for c in svc._crashes] == [victim]
+    for node in others:
+        await beat(svc, node, now[node], held=1)
+    new = svc.plan
+    assert new.epoch == 2 and new.restore and new.start_step == 30
+    holders = {(h.first_block, h.stop_block): h.node_id for h in new.previous}
+    assert holders[(stage[1].first_block, stage[1].stop_block)] == stage[2].node_id
 
 
 async def test_a_coordinator_elected_in_a_failover_takes_the_run_over(tmp_path: Path) -> None:
@@ -330,11 +382,14 @@ async def test_a_coordinator_elected_in_a_failover_takes_the_run_over(tmp_path: 
         await svc.Join(request, ctx)
 
     await back("b", 999)  # far past the plan taken over: not believed
-    await svc.Heartbeat(pb.HeartbeatRequest(node_id="b", checkpoints=offers["b"]), ctx)
+    assert await beat(svc, "b", offers["b"]) == 0
     await back("c", 3)
     assert svc.plan.epoch == 1 and not svc._crashes  # c has not sent its offers yet
     clock.now += 2
-    await svc.Heartbeat(pb.HeartbeatRequest(node_id="c", checkpoints=offers["c"]), ctx)
+    assert await beat(svc, "c", offers["c"]) == 1  # the restore waits for held offers
+    assert [c["node_id"] for c in svc._crashes] == ["a"] and svc.plan.epoch == 1
+    for node in "bc":
+        await beat(svc, node, offers[node], held=1)
     new = svc.plan
     assert new.epoch == 4 and new.restore and new.start_step == 20
     assert {s.node_id for s in new.stages} == {"b", "c"}
@@ -396,11 +451,14 @@ async def test_a_node_that_restarts_while_in_the_plan_is_lost_at_once_and_rejoin
     svc, plan = await planned_swarm(clock, "abc", steps=50, microbatches=4)
     ctx: Any = FakeContext()
     key = run_key(plan.run)
+    offers_of = {}
     for s in plan.stages:  # every block checkpointed at step 4 by its owner and copied by c
-        offers = [pb.CheckpointOffer(step=4, first_block=t.first_block, stop_block=t.stop_block,
-                                     run_key=key, stage=t.index, plan_epoch=1)
-                  for t in plan.stages if t.node_id == s.node_id or s.node_id == "c"]  # fmt: skip
-        await svc.Heartbeat(pb.HeartbeatRequest(node_id=s.node_id, checkpoints=offers), ctx)
+        offers_of[s.node_id] = [
+            pb.CheckpointOffer(step=4, first_block=t.first_block, stop_block=t.stop_block,
+                               run_key=key, stage=t.index, plan_epoch=1)
+            for t in plan.stages if t.node_id == s.node_id or s.node_id == "c"
+        ]  # fmt: skip
+        await beat(svc, s.node_id, offers_of[s.node_id])
     last = plan.stages[-1]
     for step in range(1, 7):
         report = pb.StageReport(node_id=last.node_id, stage=last.index, pipeline=0,
@@ -413,11 +471,14 @@ async def test_a_node_that_restarts_while_in_the_plan_is_lost_at_once_and_rejoin
     assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
     # The same address (a fixed port): its restart.
     reply = await svc.Join(pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL), ctx)
+    assert [c["node_id"] for c in svc._crashes] == ["b"]
+    assert reply.started_epoch == 1  # it trains nothing of the plan its crash broke
+    for node in "ac":  # the restore waits for the members left to hold their checkpoints
+        assert svc.plan.epoch == 1
+        await beat(svc, node, offers_of[node], held=1)
     new = svc.plan
     assert new is not None and new.epoch == 2 and new.restore and new.start_step == 4
     assert "b" not in {s.node_id for s in new.stages}
-    assert [c["node_id"] for c in svc._crashes] == ["b"]
-    assert reply.started_epoch == 2  # it trains nothing up to the restore plan
     # Measured again, it gets a stage in the next plan.
     await svc.Join(pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL,
                                   capabilities=_caps(blocks=4)), ctx)  # fmt: skip

@@ -110,6 +110,40 @@ def test_copies_of_an_old_range_go_once_the_new_range_has_enough(tmp_path: Path)
     assert [(m.step, m.first_block) for m in copies.manifests()] == [(40, 0), (30, 0)]
 
 
+def test_while_a_restore_is_planned_nothing_held_is_pruned(tmp_path: Path) -> None:
+    """A node asked to hold its checkpoints (Retention, shared by its own and its copies)
+    prunes none, of either, until it has a plan newer than the broken one; then the next
+    write prunes down to `keep` again."""
+    own = CheckpointDir(tmp_path / "keeper", keep=2)
+    copies = CheckpointCopies(tmp_path / "keeper", keep=2, retention=own.retention)
+
+    def copy(first: int, stop: int, step: int) -> None:
+        store = CheckpointDir(tmp_path / f"owner-{first}-{step}")
+        save(store, trained_blocks(first, stop, step), step)
+        m = store.manifest(step)
+        copies.store(m, tensor_bytes(store, m), copies.generation, MODEL)
+
+    for step in (10, 20):
+        save(own, trained_blocks(2, 4, step), step)
+        copy(0, 2, step)
+    assert own.retention.hold(3) and not own.retention.hold(3)  # once per epoch
+    listed = ([m.step for m in own.manifests()], [m.step for m in copies.manifests()])
+    for step in (30, 40):  # the node trains on while the restore is planned
+        save(own, trained_blocks(2, 4, step), step)
+        copy(0, 2, step)
+    copy(1, 2, 40)  # a range whose copies would drop the others' once it has `keep`
+    copy(1, 2, 50)
+    assert {10, 20} <= set(own.steps()) and listed == ([20, 10], [20, 10])
+    assert sorted(m.step for m in copies.manifests() if m.first_block == 0) == [10, 20, 30, 40]
+    own.retention.release(3)  # the broken plan itself: still held
+    assert own.retention.held_epoch == 3
+    own.retention.release(4)  # the restore plan came
+    save(own, trained_blocks(2, 4, 50), 50)
+    assert own.steps() == [50, 40]
+    copy(1, 2, 60)
+    assert [(m.step, m.first_block) for m in copies.manifests()] == [(60, 1), (50, 1)]
+
+
 @pytest.mark.parametrize(
     "raw", [b"", b"[]", b"{", b'{"format": "other"}', b"x" * (2 << 20)],
     ids=["empty", "list", "broken", "other-format", "too-large"],

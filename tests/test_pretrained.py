@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -628,3 +629,28 @@ def test_timing_holds_one_layer_and_reads_no_weights(
     assert len(blocks) == 4 and blocks[1] is blocks[2]
     times = time_blocks(name, 2, repeats=1)
     assert len(times) == 4 and times[1] == times[2] > 0
+
+
+def test_shapes_only_builds_every_model_without_torchs_decompositions() -> None:
+    """`shapes_only` (what the planner and checkpoint checks build blocks with) gives the real
+    blocks' shapes and never imports torch's meta decompositions (sympy: 2 s in a fresh
+    process, which stalled a coordinator's event loop past its members' leases). In a fresh
+    interpreter, because any test before may have imported them."""
+    names = ["tiny", "bench-small", f"hf:{minilm_dir()},seq=32", f"hf:{minilm_dir()},seq=32,lora=8"]
+    script = """
+import sys, torch
+from ravnest_node.models import get_model
+from ravnest_node.models.base import shapes_only
+for name in sys.argv[1:]:
+    model = get_model(name)
+    with shapes_only():
+        meta = model.build_blocks(seed=0)
+    assert all(p.is_meta for b in meta for p in b.parameters()), name
+    print(name, [[tuple(p.shape) for p in b.parameters()] for b in meta], "sympy" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script, *names], check=True, capture_output=True,
+                         text=True, env=NODE_ENV).stdout.splitlines()  # fmt: skip
+    assert len(out) == len(names)
+    for name, line in zip(names, out, strict=True):
+        real = [[tuple(p.shape) for p in b.parameters()] for b in get_model(name).build_blocks(0)]
+        assert line == f"{name} {real} False"

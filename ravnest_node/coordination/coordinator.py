@@ -205,6 +205,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """(pipeline, stage) -> (node id, step) of the newest checkpoint its owner reported."""
         self._offers: dict[str, list[pb.CheckpointOffer]] = {}
         """Node id -> the checkpoints (own and copies) it said it holds in its last heartbeat."""
+        self._held: dict[str, int] = {}
+        """Node id -> the plan epoch its last offers are held for (HeartbeatRequest.held_epoch):
+        none of them is pruned before it has a newer plan."""
         self._restores: list[dict[str, Any]] = []
         """Restores from checkpoints after a member without a replica was lost."""
         self._redone = 0
@@ -632,6 +635,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             log.warning("node %s, counted lost, is heard from again: it may have a stage again",
                         request.node_id)  # fmt: skip
             self._maybe_replan()
+        self._held[request.node_id] = request.held_epoch
         try:
             check_offers(request.checkpoints, self._model.num_blocks())
             self._offers[request.node_id] = list(request.checkpoints)
@@ -642,7 +646,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._takeover["waiting"].discard(request.node_id)  # back, offers and all
         if self._takeover_ready() | self._check_lost():
             await self._notify()
-        return pb.HeartbeatReply(lease_s=self._leases.lease_s)
+        # While a restore waits, members hold the checkpoints they offer (_restore_or_wait).
+        hold = 0 if self._unrestored is None else self._unrestored[0]
+        return pb.HeartbeatReply(lease_s=self._leases.lease_s, hold_epoch=hold)
 
     def _check_lost(self) -> bool:
         """Members send heartbeats every third of their lease, so every member's heartbeat is
@@ -742,12 +748,25 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _restore_or_wait(self, plan: pb.Plan, lost: list[pb.StageAssignment], now: float) -> None:
         """Restore from checkpoints, or if the members' offers do not make a step yet, try
-        again on each heartbeat (`_check_lost`)."""
-        if not self._restore_from_checkpoints(plan, lost):
-            self._unrestored = (plan.epoch, lost, now)
-            log.warning("no replica holds the blocks of %s and the members' checkpoints "
-                        "do not restore them yet: tried again on each heartbeat for %g s",
-                        ", ".join(s.node_id for s in lost),
+        again on each heartbeat (`_check_lost`).
+
+        Offers lag: a member lists its checkpoints in its heartbeats, and by the time a
+        restore plan reaches it, a newer write may have pruned the step the plan names. So a
+        restore counts only offers its members hold (`_held`): meanwhile every heartbeat reply
+        asks them to keep what they have until the plan after `plan` (hold_epoch), and each
+        answers at once with a heartbeat whose offers are held (checkpoint.Retention)."""
+        if self._restore_from_checkpoints(plan, lost):
+            return
+        self._unrestored = (plan.epoch, lost, now)
+        names = ", ".join(s.node_id for s in lost)
+        unheld = [m.node_id for m in self._plan_members(plan)
+                  if self._held.get(m.node_id) != plan.epoch]  # fmt: skip
+        if unheld:
+            log.info("restoring the blocks of %s from checkpoints: first %d members keep "
+                     "theirs (their next heartbeat)", names, len(unheld))  # fmt: skip
+        else:
+            log.warning("no replica holds the blocks of %s and the members' checkpoints do not "
+                        "restore them yet: tried again on each heartbeat for %g s", names,
                         RESTORE_RETRY_LEASES * self._leases.lease_s)  # fmt: skip
 
     def _restore_from_checkpoints(self, plan: pb.Plan, lost: list[pb.StageAssignment]) -> bool:
@@ -755,8 +774,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         the newest step, no later than the last step every pipeline completed, at which their
         checkpoints and copies of checkpoints hold every block (`plan.restore`). Every stage
         drops what it trained after that step; those steps are trained again (counted as
-        redone). False if the members left cannot (no such step, or no plan fits them)."""
+        redone). False if the members left cannot (no such step, or no plan fits them), or
+        if one of them does not hold its checkpoints yet (`_restore_or_wait`)."""
         staying = self._plan_members(plan)
+        if any(self._held.get(m.node_id) != plan.epoch for m in staying):
+            return False
         # A run taken over knows no step's loss yet: any step its checkpoints hold will do.
         taken_over = self._takeover is not None and not self._losses
         completed = self._train.steps if taken_over else max(self._losses, default=self._resumed_at)

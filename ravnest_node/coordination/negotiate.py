@@ -39,13 +39,12 @@ from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ravnest_node.compression.codecs import get_codec
 from ravnest_node.coordination.placement import Block, Link, Links, NodeCaps, SwarmPlan, plan_swarm
 from ravnest_node.coordination.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import BlockModel
+from ravnest_node.models.base import shapes_only
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.state import valid_node_id
 from ravnest_node.transport.options import split_host_port
@@ -297,7 +296,7 @@ def block_state_bytes(model: BlockModel, per_param: int) -> list[int]:
     parameter, and the frozen tensors (a LoRA base: buffers, in whatever dtype the model keeps
     them) at their size. Counted on the meta device: nothing is allocated, and a pretrained
     model's weights are not read (the coordinator need not even have them)."""
-    with torch.device("meta"):
+    with shapes_only():
         built = model.build_blocks(seed=0)
     return [
         per_param * sum(p.numel() for p in b.parameters())

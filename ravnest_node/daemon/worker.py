@@ -239,7 +239,10 @@ class Worker:
         self._model_dirs = model_dirs
         """Where the run's pretrained model and data may be read from (check_allowed)."""
         self._checkpoints = checkpoints
-        self._copies = None if checkpoints is None else CheckpointCopies(checkpoints.path.parent)
+        self._copies = (
+            None if checkpoints is None
+            else CheckpointCopies(checkpoints.path.parent, retention=checkpoints.retention)
+        )  # fmt: skip
         """Copies of the upstream stage's checkpoints (a stage without a replica)."""
         self._copying: asyncio.Task[None] | None = None
         self._serving_copy: set[str] = set()
@@ -919,6 +922,8 @@ class Worker:
             if self._first_plan or plan.restore:
                 self._first_plan = False
                 await self._checkpoints_for(plan)
+            if self._checkpoints is not None:  # a restore planned meanwhile has come (or not)
+                self._checkpoints.retention.release(plan.epoch)
             if not has_node(plan.stages, self.node_id):
                 log.info("plan epoch %d has no stage for this node; it waits for a later one",
                          plan.epoch)  # fmt: skip
@@ -1649,20 +1654,25 @@ class Worker:
         await self._joined.wait()
         interval = heartbeat_interval(self._lease_s)
         loop = asyncio.get_running_loop()
-        rtt_s = 0.0
+        rtt_s, at_once = 0.0, False
         # No wait for a channel to be ready: a stop at any moment from here must still leave.
         try:
             while True:
-                await asyncio.sleep(interval)  # the heartbeat's period, not a wait for an event
+                if not at_once:
+                    await asyncio.sleep(interval)  # the heartbeat's period, not a wait for an event
+                at_once = False
                 coordinator = self.coordinator  # a failover may move it
                 try:
-                    offers = await asyncio.to_thread(self.checkpoint_offers)
+                    held = self._checkpoints.retention.held_epoch if self._checkpoints else 0
+                    offers = await asyncio.to_thread(self.checkpoint_offers)  # after `held`
                     sent = loop.time()
-                    beat = pb.HeartbeatRequest(node_id=self.node_id, rtt_s=rtt_s)
+                    beat = pb.HeartbeatRequest(node_id=self.node_id, rtt_s=rtt_s, held_epoch=held)
                     beat.checkpoints.extend(offers)
                     rtt_s = 0.0  # a heartbeat that fails measures nothing
-                    await self._stub().Heartbeat(beat, timeout=interval)
+                    reply = await self._stub().Heartbeat(beat, timeout=interval)
                     rtt_s = loop.time() - sent
+                    # The coordinator waits for this node's held offers to restore: at once.
+                    at_once = await self._hold_checkpoints(reply.hold_epoch)
                     if coordinator == self.coordinator:
                         self._heartbeats_failing_since = None
                 except grpc.aio.AioRpcError as exc:
@@ -1685,6 +1695,19 @@ class Worker:
                     pb.LeaveRequest(node_id=self.node_id), timeout=LEAVE_TIMEOUT_S
                 )
             raise
+
+    async def _hold_checkpoints(self, epoch: int) -> bool:
+        """The coordinator plans a restore from the broken plan `epoch`: keep every checkpoint
+        and copy this node has until a newer plan comes (checkpoint.Retention). True if this
+        hold is new (the next heartbeat says it holds them)."""
+        latest = self.latest_plan
+        if self._checkpoints is None or epoch == 0 or (latest and latest.epoch > epoch):
+            return False
+        if not await asyncio.to_thread(self._checkpoints.retention.hold, epoch):
+            return False
+        log.info("a restore is being planned: this node keeps its checkpoints until a plan "
+                 "newer than epoch %d", epoch)  # fmt: skip
+        return True
 
     def _averaging(
         self,

@@ -8,12 +8,14 @@ say what crosses every possible cut (`BlockModel.output_spec`).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ravnest_node.errors import ConfigError
 
@@ -152,6 +154,33 @@ class BlockModel(ABC):
     def num_parameters(self) -> int:
         """Total number of parameters over all blocks."""
         return sum(p.numel() for block in self.build_blocks(0) for p in block.parameters())
+
+
+class _NoInit(TorchFunctionMode):
+    """`torch.nn.init` calls on meta tensors do nothing (see `shapes_only`)."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Blocks built within it are on the meta device, for their shapes and sizes: nothing is
+    allocated, nothing initialised, no pretrained weight read. Arithmetic on a meta tensor
+    (an initialiser's too: torch's meta kernels) imports torch's decompositions, sympy among
+    them: 2 s the first time in a process, which once stalled a coordinator's event loop past
+    its members' leases. So initialisers are skipped here, and the models do no arithmetic on
+    a meta tensor (tests/test_models.py checks that building them here imports no sympy).
+    Per thread (torch's function modes are)."""
+    with torch.device("meta"), _NoInit():
+        yield
 
 
 def run_blocks(blocks: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:

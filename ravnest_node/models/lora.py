@@ -115,7 +115,9 @@ class LoRALinear(nn.Module):
         self.base = FrozenLinear(linear, cfg.base)
         self.scaling = cfg.alpha / cfg.rank
         bound = 1.0 / math.sqrt(linear.in_features)  # nn.Linear's default init range
-        a = (torch.rand(cfg.rank, linear.in_features, generator=generator) * 2 - 1) * bound
+        a = torch.rand(cfg.rank, linear.in_features, generator=generator)
+        if not a.is_meta:  # (meta: shapes only, base.shapes_only)
+            a = (a * 2 - 1) * bound
         self.lora_a = nn.Parameter(a)
         self.lora_b = nn.Parameter(torch.zeros(linear.out_features, cfg.rank))
 

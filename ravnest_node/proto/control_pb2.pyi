@@ -235,20 +235,24 @@ class JoinReply(_message.Message):
     def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ..., lease_s: _Optional[float] = ..., started_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "checkpoints", "rtt_s")
+    __slots__ = ("node_id", "checkpoints", "rtt_s", "held_epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     RTT_S_FIELD_NUMBER: _ClassVar[int]
+    HELD_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointOffer]
     rtt_s: float
-    def __init__(self, node_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ..., rtt_s: _Optional[float] = ...) -> None: ...
+    held_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ..., rtt_s: _Optional[float] = ..., held_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("lease_s",)
+    __slots__ = ("lease_s", "hold_epoch")
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    HOLD_EPOCH_FIELD_NUMBER: _ClassVar[int]
     lease_s: float
-    def __init__(self, lease_s: _Optional[float] = ...) -> None: ...
+    hold_epoch: int
+    def __init__(self, lease_s: _Optional[float] = ..., hold_epoch: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id",)
