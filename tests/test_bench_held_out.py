@@ -30,7 +30,7 @@ def test_held_out_loss_needs_the_final_checkpoints(tmp_path: Path) -> None:
     train = TrainConfig(model="tiny", batch_size=8, dataset_samples=64)
     assert 0 < held_out_loss(train, None, 16) < 10  # the model as built
     (tmp_path / "node-0").mkdir()
-    with pytest.raises(RunFailed, match="no checkpoint of step"):
+    with pytest.raises(RunFailed, match="no step has a checkpoint of all"):
         held_out_loss(train, tmp_path, 16)
 
 

@@ -25,7 +25,6 @@ import torch
 
 from ravnest_node.averaging import delta_codec
 from ravnest_node.bench.suite import Suite
-from ravnest_node.checkpoint import CheckpointDir
 from ravnest_node.cli.demo import DemoConfig, train_quietly
 from ravnest_node.compression import (
     ACTIVATION_ONLY,
@@ -38,7 +37,7 @@ from ravnest_node.compression import (
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.models import get_model
-from ravnest_node.pipeline.handoff import BlockWeights
+from ravnest_node.models.export import blocks_at
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.frames import (
     FrameKind,
@@ -289,16 +288,13 @@ def held_out_loss(train: TrainConfig, run_dir: Path | None, samples: int) -> flo
     model = get_model(train.model)
     blocks = model.build_blocks(train.seed)
     if run_dir is not None:
-        loaded: dict[int, BlockWeights] = {}
-        for node_dir in sorted(run_dir.glob("node-*")):
-            latest = CheckpointDir(node_dir).latest(model)
-            if latest is not None:
-                loaded.update(latest[1])
-        missing = [i for i in range(len(blocks)) if i not in loaded]
-        stale = [i for i, w in loaded.items() if w.version != train.steps]
-        if missing or stale:
-            raise RunFailed(f"{run_dir}: no checkpoint of step {train.steps} for blocks "
-                            f"{sorted(missing + stale)}")  # fmt: skip
+        try:
+            step, loaded = blocks_at(sorted(run_dir.glob("node-*")), model)
+        except ConfigError as exc:
+            raise RunFailed(f"{run_dir}: {exc}") from None
+        if step != train.steps:
+            raise RunFailed(f"{run_dir}: the newest step with every block is {step}, not the "
+                            f"run's last, {train.steps}")  # fmt: skip
         with torch.no_grad():
             for i, block in enumerate(blocks):
                 for name, p in block.named_parameters():

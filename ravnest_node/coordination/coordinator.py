@@ -759,8 +759,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return
         self._unrestored = (plan.epoch, lost, now)
         names = ", ".join(s.node_id for s in lost)
-        unheld = [m.node_id for m in self._plan_members(plan)
-                  if self._held.get(m.node_id) != plan.epoch]  # fmt: skip
+        unheld = self._unheld(plan, self._plan_members(plan))
         if unheld:
             log.info("restoring the blocks of %s from checkpoints: first %d members keep "
                      "theirs (their next heartbeat)", names, len(unheld))  # fmt: skip
@@ -777,7 +776,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         redone). False if the members left cannot (no such step, or no plan fits them), or
         if one of them does not hold its checkpoints yet (`_restore_or_wait`)."""
         staying = self._plan_members(plan)
-        if any(self._held.get(m.node_id) != plan.epoch for m in staying):
+        if self._unheld(plan, staying):
             return False
         # A run taken over knows no step's loss yet: any step its checkpoints hold will do.
         taken_over = self._takeover is not None and not self._losses
@@ -839,6 +838,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._save_faults()
         self._adopt(new, placed)
         return True
+
+    def _unheld(self, plan: pb.Plan, members: list[Member]) -> list[str]:
+        """Of `members`, those whose last offers are not held for a restore from `plan`."""
+        return [m.node_id for m in members if self._held.get(m.node_id) != plan.epoch]
 
     def _timeline(self, offers: list[pb.CheckpointOffer]) -> list[pb.CheckpointOffer]:
         """Of a member's `offers`, those of the run as it happened: a checkpoint written under

@@ -22,7 +22,7 @@ from safetensors.torch import save as st_save
 
 from ravnest_node.checkpoint import CheckpointDir, CheckpointError
 from ravnest_node.errors import ConfigError
-from ravnest_node.models.base import get_model
+from ravnest_node.models.base import BlockModel, get_model
 from ravnest_node.models.lora import FrozenLinear, LoRALinear
 from ravnest_node.models.pretrained import PretrainedModel
 from ravnest_node.models.safetensors import index_directory, load_tensors
@@ -37,8 +37,8 @@ _COPIED = ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json"
            "special_tokens_map.json")  # fmt: skip
 
 
-def _blocks_at(state_dirs: Sequence[Path], model: PretrainedModel
-               ) -> tuple[int, dict[int, BlockWeights]]:  # fmt: skip
+def blocks_at(state_dirs: Sequence[Path], model: BlockModel
+              ) -> tuple[int, dict[int, BlockWeights]]:  # fmt: skip
     """The newest step at which the checkpoints of one run under `state_dirs` cover every
     block, and each block's weights at that step (every file verified as a resume would; of
     replicas, the lowest pipeline's)."""
@@ -84,7 +84,7 @@ def export_pretrained(model_name: str, state_dirs: Sequence[Path], out: Path) ->
     model = get_model(model_name)
     if not isinstance(model, PretrainedModel):
         raise ConfigError(f"export needs a pretrained model (hf:DIR...), not {model_name!r}")
-    step, weights = _blocks_at(state_dirs, model)
+    step, weights = blocks_at(state_dirs, model)
     source = index_directory(model.spec.directory)
     tensors: dict[str, torch.Tensor] = {}
     covered: set[str] = set()
