@@ -24,6 +24,7 @@ from ravnest_node.cli.plan import (
     parse_link,
     parse_nodes,
     pretrained_shape,
+    rate_text,
     run_plan,
 )
 from ravnest_node.compression.codecs import INT4_BLOCK, INT8_BLOCK
@@ -134,6 +135,16 @@ def test_links() -> None:
     for bad in ("fast", "100mb", "1gbit,soon", "0mbit"):
         with pytest.raises(ConfigError, match="--link"):
             parse_link(bad)
+
+
+def test_rates_read_as_people_write_them() -> None:
+    """The demo's summary and `plan` print rates alike; a link between two nodes on one machine
+    (a probe no slower than an empty one: 1 MiB in 1 µs) is not printed as 8,388,608 Mbit/s."""
+    assert [rate_text(b) for b in (50e6, 584.3e6, 1277e6, 2.5e6, 900.0)] == [
+        "50 Mbit/s", "584.3 Mbit/s", "1.277 Gbit/s", "2.5 Mbit/s", "900 bit/s"
+    ]  # fmt: skip
+    assert rate_text(2**20 * 8 / 1e-6) == "over 1 Tbit/s"
+    assert rate_text(float("inf")) == "unlimited"
 
 
 # ---- the estimate -----------------------------------------------------------------------------

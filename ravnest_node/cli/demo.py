@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 import grpc
 
+from ravnest_node.cli.plan import rate_text
 from ravnest_node.cli.settings import to_env
 from ravnest_node.cli.signals import install_stop_handlers
 from ravnest_node.daemon.node import LogLevel
@@ -360,7 +361,7 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
 def _auto_choices(stage: dict[str, Any]) -> str:
     """What `auto` chose on a stage's links (empty where it measured nothing)."""
     parts = [
-        f"{role}s {stage.get(f'{role}_codec', '')} at {stage.get(key, 0.0) / 1e6:.0f} Mbit/s"
+        f"{role}s {stage.get(f'{role}_codec', '')} at {rate_text(stage.get(key, 0.0))}"
         for role, key in (
             ("activation", "downstream_bandwidth_bps"),
             ("gradient", "upstream_bandwidth_bps"),

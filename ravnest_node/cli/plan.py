@@ -440,9 +440,8 @@ def _print_header(head: dict[str, Any], out: TextIO) -> None:
             f"TFLOP/s at {g['mfu']:.0%} MFU",
             file=out,
         )
-    print(
-        f"link     {_rate(link['bandwidth_bps'])}, round trip {link['rtt_s'] * 1e3:g} ms", file=out
-    )
+    rate, rtt_ms = rate_text(link["bandwidth_bps"]), link["rtt_s"] * 1e3
+    print(f"link     {rate}, round trip {rtt_ms:g} ms", file=out)
 
 
 def _print_plan(r: dict[str, Any], out: TextIO) -> None:
@@ -502,8 +501,14 @@ def _print_plan(r: dict[str, Any], out: TextIO) -> None:
         )
 
 
-def _rate(bps: float) -> str:
+def rate_text(bps: float) -> str:
+    """A link rate for people: "50 Mbit/s"; "over 1 Tbit/s" for what only a probe that took
+    no longer than an empty one reports (two nodes on one machine: nothing to measure)."""
+    if not math.isfinite(bps):
+        return "unlimited"
+    if bps >= 1e12:
+        return "over 1 Tbit/s"
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bps >= scale:
-            return f"{bps / scale:g} {unit}"
-    return f"{bps:g} bit/s" if math.isfinite(bps) else "unlimited"
+            return f"{bps / scale:.4g} {unit}"
+    return f"{bps:g} bit/s"
