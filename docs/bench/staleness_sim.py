@@ -16,6 +16,15 @@ Environment knobs (all optional):
                   AdamW's moments (w - PRED * lr * (m_hat / (sqrt(v_hat) + eps) + wd * w))
   LRS, ELRS       learning-rate multipliers of the middle stages and of the first stage
   B1, SB1         AdamW beta1 of all stages, and of all but the last
+  B2, SB2         AdamW beta2 of all stages, and of all but the last
+  RAMP=40         the delayed stages' learning rate rises linearly over the first RAMP steps
+                  (PipeMare's learning-rate rescheduling, Yang et al. arXiv 1910.05124)
+  DC=1 [DCA=1]    delay compensation (DC-ASGD, Zheng et al. arXiv 1609.08326): the delayed
+                  stages' gradient g becomes g + DC * g * g * (w_now - w_used), with DCA=1
+                  divided by sqrt of AdamW's second moment (the adaptive variant)
+  FRESHBW=1       the delayed stages' backward runs at the current weights on the stale
+                  forward's input (no weight stashing; activations recomputed)
+  TRACE=1         also print the training loss of every step
   SEED=0          model and data seed
 """
 
@@ -24,6 +33,7 @@ import os
 import sys
 
 import torch
+from sim_report import report
 
 from ravnest_node.data.stdlib_bytes import StdlibBytes
 from ravnest_node.models.base import get_model
@@ -42,15 +52,17 @@ delayed = env("STAGES", "".join(str(i) for i in range(len(stages) - 1)))
 warmup, predict = int(env("WU", "0")), float(env("PRED", "0"))
 beta1 = float(env("B1", "0.9"))
 stale_beta1 = float(env("SB1", str(beta1)))
+beta2 = float(env("B2", "0.999"))
+stale_beta2 = float(env("SB2", str(beta2)))
 opt = torch.optim.AdamW(
     [
         {"params": list(stages[0].parameters()), "lr": lr * float(env("ELRS", "1")),
-         "betas": (stale_beta1, 0.999)},
+         "betas": (stale_beta1, stale_beta2)},
         {"params": [p for s in stages[1:-1] for p in s.parameters()],
-         "lr": lr * float(env("LRS", "1")), "betas": (stale_beta1, 0.999)},
+         "lr": lr * float(env("LRS", "1")), "betas": (stale_beta1, stale_beta2)},
         {"params": list(stages[-1].parameters())},
     ],
-    lr=lr, weight_decay=0.01, betas=(beta1, 0.999),
+    lr=lr, weight_decay=0.01, betas=(beta1, beta2),
 )  # fmt: skip
 data = StdlibBytes(seq_len=model.input_spec(1).shape[1], seed=seed)
 
@@ -70,34 +82,59 @@ def predicted(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
     return weights
 
 
+dc, dca = float(env("DC", "0")), env("DCA") == "1"
+ramp, fresh = int(env("RAMP", "0")), env("FRESHBW") == "1"
 history: list[list[dict[str, torch.Tensor]]] = []  # per step: the weights a delayed forward uses
 losses = []
 for step in range(steps):
     x, y = data.batch(step, 16)
     current = [copy.deepcopy(s.state_dict()) for s in stages]
     history.append([predicted(s) for s in stages] if predict else current)
-    h, leaves = x, []
+    ins, outs, leaves = [], [], []
+    h = x
     for i, stage in enumerate(stages):
         lag = delay if str(i) in delayed and step >= warmup else 0
         used = history[step - lag][i] if 0 < lag <= step else current[i]
+        hin = h.detach().requires_grad_(h.dtype.is_floating_point)
         w = {k: t.clone().requires_grad_(True) for k, t in used.items() if t.dtype.is_floating_point}
+        out = torch.func.functional_call(stage, {**used, **w}, (hin,))
+        ins.append(hin)
+        outs.append(out)
         leaves.append(w)
-        h = torch.func.functional_call(stage, {**used, **w}, (h,))
+        h = out
     loss = model.loss(h, y)
-    loss.backward()
+    gout = torch.autograd.grad(loss, [outs[-1]], retain_graph=True)[0]
+    for i in reversed(range(len(stages))):
+        stage = stages[i]
+        lag = delay if str(i) in delayed and step >= warmup else 0
+        if fresh and lag:
+            w = {k: t.clone().requires_grad_(True) for k, t in current[i].items()
+                 if t.dtype.is_floating_point}  # fmt: skip
+            out = torch.func.functional_call(stage, {**current[i], **w}, (ins[i],))
+            leaves[i] = w
+        else:
+            out = outs[i]
+        out.backward(gout)
+        gout = ins[i].grad
     for i, stage in enumerate(stages):
+        lag = delay if str(i) in delayed and step >= warmup else 0
+        used = history[step - lag][i] if 0 < lag <= step else current[i]
         for name, p in stage.named_parameters():
-            p.grad = leaves[i][name].grad
+            g = leaves[i][name].grad
+            if dc and 0 < lag <= step:
+                g = g + dc * g * g * (p.detach() - used[name]) / (
+                    opt.state[p]["exp_avg_sq"].div(1 - 0.999 ** float(opt.state[p]["step"]))
+                    .sqrt().add(1e-8) if dca else 1.0
+                )
+            p.grad = g
+    if ramp:
+        f = min(1.0, (step + 1) / ramp)
+        opt.param_groups[0]["lr"] = lr * float(env("ELRS", "1")) * f
+        opt.param_groups[1]["lr"] = lr * float(env("LRS", "1")) * f
     opt.step()
     opt.zero_grad()
     losses.append(loss.item())
 
-with torch.no_grad():
-    evals = []
-    for k in range(8):
-        x, y = data.batch(10_000 + k, 16)
-        for stage in stages:
-            x = stage(x)
-        evals.append(model.loss(x, y).item())
-print(f"eval {sum(evals) / len(evals):.4f}  mean train loss of the last 5 steps "
-      f"{sum(losses[-5:]) / 5:.4f}")  # fmt: skip
+if env("TRACE"):
+    print(" ".join(f"{v:.3f}" for v in losses))
+report(stages, model, data, losses)
