@@ -108,7 +108,38 @@ def test_measured_links_bound_the_plan_and_a_relay_counts() -> None:
     assert measured_links(members, slow_relay, "none").link("c", "e").bandwidth_bps == 5e6
     assert measured_links(members, slow_relay, "none").link("d", "c").bandwidth_bps == 40e6
     assert links.codec_ratio == wire_ratio("int8-block") and 0.25 < links.codec_ratio < 0.3
-    assert wire_ratio("none") == wire_ratio("auto") == 1.0 and wire_ratio("bf16") == 0.5
+    assert wire_ratio("none") == 1.0 and wire_ratio("bf16") == 0.5
+    assert wire_ratio("auto") == wire_ratio("int4-block") == 4.5 / 32
+    # A boundary's slower direction counts: int4 activations with fp32 gradients move fp32.
+    assert measured_links(members, caps, "int4-block", "none").codec_ratio == 1.0
+    int8 = wire_ratio("int8-block")
+    assert measured_links(members, caps, "auto", "int8-block").codec_ratio == int8
+
+
+def test_auto_pipelines_over_a_slow_internet_link_where_fp32_would_not() -> None:
+    """bench-small on three like machines linked at 10 Mbit/s and 50 ms (the `internet`
+    scenario): with `auto` (int4 where nothing more faithful fits in half the compute) the
+    three form a pipeline, each link's transfer below a stage's compute; with fp32 frames the
+    links would dwarf the compute and one node alone trains the model, the others spare."""
+    model = get_model("bench-small")
+    members = [Member(n, f"10.0.0.{i}:1") for i, n in enumerate("abc")]
+    # bench-small's blocks for a microbatch of 4 on this machine: ~20 ms each
+    caps = [pb.Capabilities(block_s=[0.02] * 8, memory_bytes=2**34, uplink_bps=10e6, rtt_s=0.1)
+            for _ in members]  # fmt: skip
+
+    def stages(codec: str, asked: int = 0) -> int:
+        run = TrainConfig(model="bench-small", codec=codec, stages=asked).to_proto("0" * 16)
+        plan, _ = negotiated_plan(
+            epoch=1, swarm_id="s", model=model, members=members, capabilities=caps, run=run
+        )
+        return len(plan.stages)
+
+    assert stages("auto") == 3
+    assert stages("int4-block") == 3
+    assert stages("none") == 1
+    # A run that asks for a shape gets it (the benchmarks' fp32 pipeline over these links).
+    assert stages("none", asked=3) == 3
+    assert stages("auto", asked=2) == 2
 
 
 def test_a_slow_uplink_becomes_the_plans_bottleneck(monkeypatch: pytest.MonkeyPatch) -> None:

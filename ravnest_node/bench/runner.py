@@ -376,20 +376,25 @@ class Bench:
                 why = "needs network namespaces (root): gloo links peer to peer, past any relay"
                 return base | {"skipped": why}
             return base | await self._run_torch(system, links)
+        # Pipelines of the workload's shape, one stage per node, whatever the planner would
+        # make of the links (it may leave slow-linked nodes spare): what is compared is the
+        # pipeline.
+        shaped = dataclasses.replace(self.train, stages=self.train.stages or len(links.slots))
         if system == "ours-tls":  # what protecting the swarm costs
             protected = dataclasses.replace(
                 self.cfg.transport, swarm_dir=_bench_swarm(links.work_dir), token=None
             )
             threads = self.cfg.compute_threads
             return base | await self._run_ours(
-                system, self.train, links.slots, links, threads, transport=protected
+                system, shaped, links.slots, links, threads, transport=protected
             )
         if system == "compute-bound":  # the ceiling: one process with every core
-            ceiling = await self._run_ours(system, self.train, [NodeSlot()], links, _cores())
+            alone = dataclasses.replace(self.train, stages=0)
+            ceiling = await self._run_ours(system, alone, [NodeSlot()], links, _cores())
             return base | ceiling
         if system == "naive":  # fp32 frames, one microbatch at a time, whatever ours uses
             train = dataclasses.replace(
-                self.train,
+                shaped,
                 schedule="sequential",
                 max_staleness=0,
                 codec="none",
@@ -399,7 +404,7 @@ class Bench:
             )
             base |= {"codec": "none", "gradient_codec": "none", "max_staleness": 0}
         else:
-            train = dataclasses.replace(self.train, schedule="gpipe")
+            train = dataclasses.replace(shaped, schedule="gpipe")
         return base | await self._run_ours(
             system, train, links.slots, links, self.cfg.compute_threads
         )

@@ -25,8 +25,11 @@
   A node behind NAT opens its boundary streams itself, straight to a neighbour that is not
   (`dials_back`); between two such nodes the stream goes through the downstream's relay, whose
   uplink carries it in and out: that boundary gets at most half of each relay's uplink, shared
-  by the nodes it relays. Activation bytes are
-  scaled by the run's activation codec (`wire_ratio`; `auto` counts as fp32, its worst case).
+  by the nodes it relays. A boundary's bytes are scaled by the run's activation or gradient
+  codec, whichever sends more (`wire_ratio`). `auto` counts as `int4-block`: on a link where
+  it picks something more faithful, that codec's transfer fits in half the stage's compute
+  (docs/compression.md), so with transfers overlapping compute the step is what int4 gives;
+  counting it as fp32 left every slow-linked member spare (a 10 Mbit/s link: one node alone).
 * **Spares.** The planner may leave members out (a node on a slow link that would slow every
   microbatch down), but only when that is `SPARE_GAIN` times faster than a plan that gives
   every member a stage: links are measured once, with noise, and a spare's compute is lost.
@@ -76,8 +79,10 @@ SPARE_GAIN = 1.25
 
 
 def wire_ratio(codec: str) -> float:
-    """Bytes on the wire per byte of fp32 activation with `codec` (1.0 for `none` and for
-    `auto`, whose choice depends on the links: the planner takes its worst case)."""
+    """Bytes on the wire per byte of fp32 activation with `codec` (1.0 for `none`; `auto`
+    as `int4-block`, what it sends on a link too slow to hide anything more faithful)."""
+    if codec == "auto":
+        codec = "int4-block"
     try:
         bits = getattr(get_codec(codec), "bits_per_element", None)
     except ConfigError:
@@ -88,9 +93,10 @@ def wire_ratio(codec: str) -> float:
 
 
 def measured_links(
-    members: Sequence[Member], capabilities: Sequence[pb.Capabilities], codec: str
+    members: Sequence[Member], capabilities: Sequence[pb.Capabilities], *codecs: str
 ) -> Links:
-    """What the members measured, as the planner's links (see the module doc)."""
+    """What the members measured, as the planner's links (see the module doc); `codecs`: the
+    run's activation and gradient codecs (a boundary's slower direction counts)."""
     up, rtt, relay, host = {}, {}, {}, {}
     measured: dict[tuple[str, str], Link] = {}
     for m, c in zip(members, capabilities, strict=True):
@@ -128,7 +134,8 @@ def measured_links(
     ids = [m.node_id for m in members]
     pairs = {(a, b): found for a in ids for b in ids
              if a != b and (found := link(a, b)) is not None}  # fmt: skip
-    return Links(default=DEFAULT_LINK, pairs=pairs, codec_ratio=wire_ratio(codec))
+    ratio = max(wire_ratio(c) for c in codecs) if codecs else 1.0
+    return Links(default=DEFAULT_LINK, pairs=pairs, codec_ratio=ratio)
 
 
 def check_capabilities(caps: pb.Capabilities, num_blocks: int) -> None:
@@ -327,10 +334,11 @@ def negotiated_plan(
         for m, c, speed in zip(members, capabilities, speeds, strict=True)
     ]
     blocks = model_blocks(model, run, min(totals))
-    links = measured_links(members, capabilities, run.activation_codec)
-    placed = plan_swarm(blocks, nodes, links, pipelines=pipelines)
+    links = measured_links(members, capabilities, run.activation_codec, run.gradient_codec)
+    placed = plan_swarm(blocks, nodes, links, pipelines=pipelines, stages=run.stages or None)
     every = min(len(members) // pipelines, len(blocks))
-    if len(placed.stages) < every:  # spares: only if clearly faster than every member's stage
+    # Spares (unless the run asked for a shape): only if clearly faster than every member's stage.
+    if len(placed.stages) < every and not run.stages:
         try:
             full = plan_swarm(blocks, nodes, links, pipelines=pipelines, stages=every)
         except ConfigError:  # some member cannot hold any stage

@@ -88,6 +88,11 @@ class TrainConfig:
     fault_poison_pipeline: int | None = None
     """Test only: the replicas in the pipeline with this index push deltas 10^4 times their
     size to the others while training honestly themselves (a poisoning member)."""
+    stages: int = 0
+    """Stages per pipeline. 0 (the default): the planner chooses from the members' measured
+    speeds, memory and links, and may leave members spare where that is clearly faster (one
+    node alone rather than a pipeline over a slow link); N: every pipeline has exactly N
+    stages, spare members only beyond that (benchmarks compare pipelines of a fixed shape)."""
     pipelines: int = 1
     """Pipelines training side by side, each on its own shard of the data; the swarm's nodes are
     split evenly between them and the owners of a stage average as a replica group."""
@@ -241,6 +246,7 @@ class TrainConfig:
             seed=self.seed,
             dataset_samples=self.dataset_samples,
             pipelines=self.pipelines,
+            stages=self.stages,
             average_every=self.average_every,
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
@@ -284,6 +290,7 @@ class TrainConfig:
             seed=spec.seed,
             dataset_samples=spec.dataset_samples,
             pipelines=spec.pipelines,
+            stages=spec.stages,
             average_every=spec.average_every,
             outer_lr=spec.outer_lr,
             outer_momentum=spec.outer_momentum,
@@ -355,6 +362,12 @@ def check_swarm_shape(nodes: int, run: TrainConfig) -> None:
             f"{nodes} nodes cannot form {run.pipelines} equal pipelines: use a multiple"
         )
     num_blocks = get_model(run.model).num_blocks()
+    if run.stages > min(num_blocks, nodes // run.pipelines):
+        raise ConfigError(
+            f"stages={run.stages}: {nodes} nodes in {run.pipelines} pipeline(s) of model "
+            f"{run.model} ({num_blocks} blocks) make at most "
+            f"{min(num_blocks, nodes // run.pipelines)} stages per pipeline"
+        )
     if nodes // run.pipelines > num_blocks:
         raise ConfigError(
             f"nodes={nodes}: model {run.model} has only {num_blocks} blocks, so at most that "
