@@ -59,6 +59,10 @@ def test_bench_over_relays(tmp_path: Path) -> None:
     _same_training(naive, cb)
     _same_training(ours, cb)
     assert cb["bytes_on_wire"] == 0
+    # The pipelines compared have the workload's shape, one stage per node (--stages 3),
+    # whatever the planner would make of the links.
+    assert len(naive["stage_compute_s"]) == len(ours["stage_compute_s"]) == 3
+    assert len(cb["stage_compute_s"]) == 1
     # Counted in the transport: tiny's boundaries carry 4 x 32 x 64 x 4 bytes per microbatch,
     # forward and back, over 2 boundaries, 4 microbatches, 4 steps; plus targets and headers.
     payload = 4 * 32 * 64 * 4 * 2 * 2 * 4 * 4
