@@ -268,6 +268,8 @@ def test_plans_with_replicas_are_checked() -> None:
     with pytest.raises(ConfigError, match="stages=4: 6 nodes in 2 pipeline"):
         check_swarm_shape(6, TrainConfig(pipelines=2, stages=4))
     check_swarm_shape(6, TrainConfig(pipelines=2, stages=2))  # one spare per pipeline
+    with pytest.raises(ConfigError, match="stages=-1: must be 0"):
+        TrainConfig(stages=-1)
 
 
 async def test_a_node_joining_after_the_plan_gets_a_stage_once_the_plan_drains(

@@ -114,6 +114,9 @@ def test_measured_links_bound_the_plan_and_a_relay_counts() -> None:
     assert measured_links(members, caps, "int4-block", "none").codec_ratio == 1.0
     int8 = wire_ratio("int8-block")
     assert measured_links(members, caps, "auto", "int8-block").codec_ratio == int8
+    # top-k sends a float32 value and an index for 1% of the elements: 0.64 bits, not 32.
+    assert wire_ratio("topk-ef") == 0.64 / 32
+    assert measured_links(members, caps, "int4-block", "topk-ef").codec_ratio == 4.5 / 32
 
 
 def test_auto_pipelines_over_a_slow_internet_link_where_fp32_would_not() -> None:
@@ -137,9 +140,12 @@ def test_auto_pipelines_over_a_slow_internet_link_where_fp32_would_not() -> None
     assert stages("auto") == 3
     assert stages("int4-block") == 3
     assert stages("none") == 1
-    # A run that asks for a shape gets it (the benchmarks' fp32 pipeline over these links).
+    # A run that asks for a shape gets it (the benchmarks' fp32 pipeline over these links),
+    # and after losing a member as many stages as are left, not no plan at all.
     assert stages("none", asked=3) == 3
     assert stages("auto", asked=2) == 2
+    del members[2], caps[2]
+    assert stages("none", asked=3) == 2
 
 
 def test_a_slow_uplink_becomes_the_plans_bottleneck(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -145,6 +145,7 @@ def test_rates_read_as_people_write_them() -> None:
     ]  # fmt: skip
     assert rate_text(2**20 * 8 / 1e-6) == "over 1 Tbit/s"
     assert rate_text(float("inf")) == "unlimited"
+    assert rate_text(999.96e6) == "1 Gbit/s"  # rounded before the unit is chosen
 
 
 # ---- the estimate -----------------------------------------------------------------------------

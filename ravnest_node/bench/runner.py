@@ -379,7 +379,8 @@ class Bench:
         # Pipelines of the workload's shape, one stage per node, whatever the planner would
         # make of the links (it may leave slow-linked nodes spare): what is compared is the
         # pipeline.
-        shaped = dataclasses.replace(self.train, stages=self.train.stages or len(links.slots))
+        per_pipeline = len(links.slots) // self.train.pipelines
+        shaped = dataclasses.replace(self.train, stages=self.train.stages or per_pipeline)
         if system == "ours-tls":  # what protecting the swarm costs
             protected = dataclasses.replace(
                 self.cfg.transport, swarm_dir=_bench_swarm(links.work_dir), token=None

@@ -504,11 +504,12 @@ def _print_plan(r: dict[str, Any], out: TextIO) -> None:
 def rate_text(bps: float) -> str:
     """A link rate for people: "50 Mbit/s"; "over 1 Tbit/s" for what only a probe that took
     no longer than an empty one reports (two nodes on one machine: nothing to measure)."""
-    if not math.isfinite(bps):
+    if math.isinf(bps):
         return "unlimited"
-    if bps >= 1e12:
+    rounded = float(f"{bps:.4g}")  # 999.96 Mbit/s reads 1 Gbit/s, not 1000 Mbit/s
+    if rounded >= 1e12:
         return "over 1 Tbit/s"
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:.4g} {unit}"
-    return f"{bps:g} bit/s"
+        if rounded >= scale:
+            return f"{rounded / scale:g} {unit}"
+    return f"{rounded:g} bit/s"

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 import grpc
 
+from ravnest_node.cli.plan import rate_text
 from ravnest_node.coordination.coordinator import PROTOCOL
 from ravnest_node.coordination.locate import Found, grpc_status_asker, locate_coordinator
 from ravnest_node.discovery.mdns import MdnsDiscovery
@@ -262,7 +263,7 @@ def describe_swarm(s: dict[str, Any]) -> str:
         )
         answer = f"version {m['version']}" if m["reachable"] else f"no answer ({m['error']})"
         if m["uplink_bps"]:
-            answer += f", link {m['uplink_bps'] / 1e6:.0f} Mbit/s, {m['rtt_s'] * 1e3:.1f} ms"
+            answer += f", link {rate_text(m['uplink_bps'])}, {m['rtt_s'] * 1e3:.1f} ms"
         if m["relay"]:
             answer += f", reached through relay {m['relay']}"
         if m["checkpoint_step"]:
@@ -273,8 +274,8 @@ def describe_swarm(s: dict[str, Any]) -> str:
             answer += f", lease expired (silent {m['silent_s']:.0f} s)"
         lines.append(f"  {m['node_id']} {m['address']}: {where}, speed {m['speed']:.2f}, {answer}")
         lines += [
-            f"    link to {p['node_id']}: {p['to_bps'] / 1e6:.0f} Mbit/s there, "
-            f"{p['from_bps'] / 1e6:.0f} back, {p['rtt_s'] * 1e3:.1f} ms"
+            f"    link to {p['node_id']}: {rate_text(p['to_bps'])} there, "
+            f"{rate_text(p['from_bps'])} back, {p['rtt_s'] * 1e3:.1f} ms"
             for p in m["links"]
         ]
     return "\n".join(lines)

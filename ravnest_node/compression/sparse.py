@@ -69,6 +69,12 @@ class TopK:
         if not (isinstance(self.fraction, float | int) and 0 < self.fraction <= 1):
             raise ConfigError(f"{self.name}: fraction must be in (0, 1], not {self.fraction!r}")
 
+    @property
+    def bits_per_element(self) -> float:
+        """Wire bits per element of the tensor, at most: a float32 value and a 4-byte index
+        delta for each of the `fraction` of entries sent (the planner's estimate)."""
+        return 64 * self.fraction
+
     def k_for(self, numel: int) -> int:
         """Elements sent for a tensor of `numel` elements (0 for an empty tensor)."""
         return min(numel, max(1, math.ceil(self.fraction * numel)))

@@ -323,7 +323,8 @@ def negotiated_plan(
 ) -> tuple[pb.Plan, SwarmPlan]:
     """`run.pipelines` pipelines over `members`, placed by the planner from their capabilities:
     every member owns a stage, unless a plan with spares is `SPARE_GAIN` times faster (see the
-    module doc). Raises ConfigError if no placement fits in memory."""
+    module doc), or exactly `run.stages` stages when the run asks for a shape (fewer when
+    fewer members are left). Raises ConfigError if no placement fits in memory."""
     pipelines = max(1, run.pipelines)
     if len(members) < pipelines:
         raise ConfigError(f"{len(members)} nodes cannot form {pipelines} pipelines")
@@ -335,8 +336,11 @@ def negotiated_plan(
     ]
     blocks = model_blocks(model, run, min(totals))
     links = measured_links(members, capabilities, run.activation_codec, run.gradient_codec)
-    placed = plan_swarm(blocks, nodes, links, pipelines=pipelines, stages=run.stages or None)
     every = min(len(members) // pipelines, len(blocks))
+    # A shape asked for (run.stages) while the members allow it; after losing members, as
+    # many stages as are left (a shorter pipeline rather than no plan at all).
+    placed = plan_swarm(blocks, nodes, links, pipelines=pipelines,
+                        stages=min(run.stages, every) or None)  # fmt: skip
     # Spares (unless the run asked for a shape): only if clearly faster than every member's stage.
     if len(placed.stages) < every and not run.stages:
         try:

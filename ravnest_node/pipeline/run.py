@@ -27,6 +27,7 @@ FRAME_OVERHEAD_BYTES = 1024
 MAX_DATASET_SAMPLES = 1 << 24
 MAX_STALENESS = 8
 MAX_PIPELINES = 64
+MAX_STAGES = 1024  # a plan names each stage; no model here has nearly as many blocks
 # A frame lists a microbatch's sample ids in its header (FrameLimits.max_samples).
 MAX_MICROBATCH_WITH_IDS = 512
 # aq-delta keeps a float32 reference per sample at each end of a boundary.
@@ -168,6 +169,10 @@ class TrainConfig:
             )
         if not 0 < self.average_timeout_s <= 3600:
             raise ConfigError(f"average_timeout_s={self.average_timeout_s}: must be in (0, 3600]")
+        if not 0 <= self.stages <= MAX_STAGES:
+            raise ConfigError(
+                f"stages={self.stages}: must be 0 (the planner chooses) to {MAX_STAGES}"
+            )
         if self.staleness_warmup_steps < 0:
             raise ConfigError(
                 f"staleness_warmup_steps={self.staleness_warmup_steps}: must not be negative"
