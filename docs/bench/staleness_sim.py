@@ -90,11 +90,13 @@ for step in range(steps):
     x, y = data.batch(step, 16)
     current = [copy.deepcopy(s.state_dict()) for s in stages]
     history.append([predicted(s) for s in stages] if predict else current)
+    lags = [delay if str(i) in delayed and step >= warmup and delay <= step else 0
+            for i in range(len(stages))]  # fmt: skip
+    useds = [history[step - lag][i] if lag else current[i] for i, lag in enumerate(lags)]
     ins, outs, leaves = [], [], []
     h = x
     for i, stage in enumerate(stages):
-        lag = delay if str(i) in delayed and step >= warmup else 0
-        used = history[step - lag][i] if 0 < lag <= step else current[i]
+        used = useds[i]
         hin = h.detach().requires_grad_(h.dtype.is_floating_point)
         w = {k: t.clone().requires_grad_(True) for k, t in used.items() if t.dtype.is_floating_point}
         out = torch.func.functional_call(stage, {**used, **w}, (hin,))
@@ -106,8 +108,7 @@ for step in range(steps):
     gout = torch.autograd.grad(loss, [outs[-1]], retain_graph=True)[0]
     for i in reversed(range(len(stages))):
         stage = stages[i]
-        lag = delay if str(i) in delayed and step >= warmup else 0
-        if fresh and lag:
+        if fresh and lags[i]:
             w = {k: t.clone().requires_grad_(True) for k, t in current[i].items()
                  if t.dtype.is_floating_point}  # fmt: skip
             out = torch.func.functional_call(stage, {**current[i], **w}, (ins[i],))
@@ -117,12 +118,10 @@ for step in range(steps):
         out.backward(gout)
         gout = ins[i].grad
     for i, stage in enumerate(stages):
-        lag = delay if str(i) in delayed and step >= warmup else 0
-        used = history[step - lag][i] if 0 < lag <= step else current[i]
         for name, p in stage.named_parameters():
             g = leaves[i][name].grad
-            if dc and 0 < lag <= step:
-                g = g + dc * g * g * (p.detach() - used[name]) / (
+            if dc and lags[i]:
+                g = g + dc * g * g * (p.detach() - useds[i][name]) / (
                     opt.state[p]["exp_avg_sq"].div(1 - 0.999 ** float(opt.state[p]["step"]))
                     .sqrt().add(1e-8) if dca else 1.0
                 )

@@ -42,6 +42,7 @@ from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ravnest_node.compression.auto import AUTO, AUTO_LADDER
 from ravnest_node.compression.codecs import get_codec
 from ravnest_node.coordination.placement import Block, Link, Links, NodeCaps, SwarmPlan, plan_swarm
 from ravnest_node.coordination.static_plan import Member
@@ -81,8 +82,8 @@ SPARE_GAIN = 1.25
 def wire_ratio(codec: str) -> float:
     """Bytes on the wire per byte of fp32 activation with `codec` (1.0 for `none`; `auto`
     as `int4-block`, what it sends on a link too slow to hide anything more faithful)."""
-    if codec == "auto":
-        codec = "int4-block"
+    if codec == AUTO:
+        codec = AUTO_LADDER[-1]  # its most compact choice
     try:
         bits = getattr(get_codec(codec), "bits_per_element", None)
     except ConfigError:
