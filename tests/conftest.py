@@ -11,12 +11,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.pipeline.stage import StageRuntime, StageSpec, StepReport
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.options import TransportConfig, grpc_sync_channel
@@ -25,6 +29,24 @@ from ravnest_node.transport.options import TransportConfig, grpc_sync_channel
 NODE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RAVNEST_")} | {
     "PYTHONUNBUFFERED": "1",
 }
+
+
+async def _no_report(_: StepReport) -> None:
+    raise AssertionError("no step should complete in these tests")
+
+
+def tiny_middle_stage(pool: Executor, run: TrainConfig) -> StageRuntime:
+    """Stage 1 of 3 of tiny (its block 2), as a swarm would build it, for tests that drive a
+    stage runtime without sockets; it must not complete a step."""
+    model = get_model("tiny")
+    return StageRuntime(
+        spec=StageSpec(index=1, num_stages=3, first_block=2, stop_block=3),
+        model=model,
+        blocks=model.build_stage(0, 2, 3),
+        run=run,
+        compute=pool,
+        report=_no_report,
+    )
 
 
 def ravnest(*args: str) -> list[str]:

@@ -15,9 +15,7 @@ from hypothesis import strategies as st
 from ravnest_node.compression import CODECS, AQDelta, SampleReferences, encoder, get_codec
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError, FrameError
-from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
-from ravnest_node.pipeline.stage import StageRuntime, StageSpec, StepReport
 from ravnest_node.transport.frames import (
     FrameKind,
     FrameLimits,
@@ -25,6 +23,8 @@ from ravnest_node.transport.frames import (
     encode_frame,
     parse_frame,
 )
+
+from .conftest import tiny_middle_stage
 
 LIMITS = FrameLimits(max_message_bytes=1 << 24)
 AQS = [get_codec("aq-delta"), get_codec("aq-delta2")]
@@ -263,24 +263,12 @@ def test_a_fixed_dataset_visits_every_sample_once_per_epoch() -> None:
     assert StdlibBytes(seq_len=16, seed=3).sample_ids(0, 8) == []
 
 
-async def _no_report(_: StepReport) -> None:
-    raise AssertionError("no step should complete here")
-
-
 async def test_a_stage_refuses_what_its_references_cannot_take_and_changes_nothing() -> None:
-    model = get_model("tiny")
     run = TrainConfig(
         model="tiny", steps=4, batch_size=16, activation_codec="aq-delta", dataset_samples=32
     )
     with ThreadPoolExecutor(1) as pool:
-        stage = StageRuntime(
-            spec=StageSpec(index=1, num_stages=3, first_block=2, stop_block=3),
-            model=model,
-            blocks=model.build_stage(0, 2, 3),
-            run=run,
-            compute=pool,
-            report=_no_report,
-        )
+        stage = tiny_middle_stage(pool, run)
         codec = encoder("aq-delta", "activation")
         state = codec.new_state()
         targets = torch.zeros(4, 32, dtype=torch.uint8)

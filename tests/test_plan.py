@@ -223,6 +223,25 @@ def test_a_shared_host_bounds_the_step_by_its_cores() -> None:
     assert "cores" in shared.bottleneck and shared.samples_per_s < alone.samples_per_s
 
 
+def test_over_a_slow_link_auto_plans_the_pipeline_the_swarm_would() -> None:
+    """bench-small on 3 like nodes over 10 Mbit/s: fp32 boundaries would make one node alone
+    faster (2 spare), but the swarm's planner counts auto as int4-block, whose pipeline is
+    faster still; --stages asks for a shape whatever the codec."""
+    shape = model_shape(get_model("bench-small"))
+    group = [NodeGroup(count=3, memory_bytes=2**30, flops_per_s=1e11, label="cpu")]
+    link, train = Link(1e7, 0.05), Training(recompute="off")
+    auto = estimate(shape, group, link, train)
+    raw = estimate(shape, group, link, train, codec="none")
+    assert (len(auto.stages), auto.spare, auto.codec) == (3, (), "int4-block")
+    assert len(raw.stages) == 1 and len(raw.spare) == 2
+    assert auto.samples_per_s > raw.samples_per_s
+    shaped = estimate(shape, group, link, Training(recompute="off", stages=3), codec="none")
+    assert len(shaped.stages) == 3 and not shaped.spare
+    assert shaped.samples_per_s < raw.samples_per_s  # the shape asked for, not the fastest
+    two = estimate(shape, group, link, Training(recompute="off", stages=2))
+    assert len(two.stages) == 2 and len(two.spare) == 1
+
+
 def test_impossible_settings_are_config_errors() -> None:
     shape = model_shape(get_model("tiny"))
     group = NodeGroup(count=2, memory_bytes=2**30, flops_per_s=1e9, label="cpu")
@@ -230,6 +249,10 @@ def test_impossible_settings_are_config_errors() -> None:
         estimate(shape, [group], Link(1e9), Training(pipelines=3))
     with pytest.raises(ConfigError, match="codec"):
         estimate(shape, [group], Link(1e9), Training(), codec="zip")
+    with pytest.raises(ConfigError, match="at most 2"):
+        estimate(shape, [group], Link(1e9), Training(stages=3))
+    with pytest.raises(ConfigError, match="stages"):
+        Training(stages=-1)
     with pytest.raises(ConfigError, match="int8"):
         Training(mode="full", base="int8")
     with pytest.raises(ConfigError, match="multiple"):

@@ -11,31 +11,21 @@ import torch
 
 from ravnest_node.compression import get_codec
 from ravnest_node.errors import FrameError
-from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
-from ravnest_node.pipeline.stage import StageRuntime, StageSpec, StepReport
+from ravnest_node.pipeline.stage import StageRuntime
 from ravnest_node.transport.frames import Frame, FrameKind, FrameLimits, encode_frame, parse_frame
+
+from .conftest import tiny_middle_stage
 
 NONE = get_codec("none")
 
 
-async def _no_report(_: StepReport) -> None:
-    raise AssertionError("no step should complete in these tests")
-
-
 def _runtime(pool: ThreadPoolExecutor, steps: int, max_staleness: int = 0) -> StageRuntime:
     """Stage 1 of 3 (block 2 of tiny), as a swarm would build it."""
-    model = get_model("tiny")
-    return StageRuntime(
-        spec=StageSpec(index=1, num_stages=3, first_block=2, stop_block=3),
-        model=model,
-        blocks=model.build_stage(0, 2, 3),
-        run=TrainConfig(
-            model="tiny", steps=steps, batch_size=16, microbatches=4, max_staleness=max_staleness
-        ),
-        compute=pool,
-        report=_no_report,
+    run = TrainConfig(
+        model="tiny", steps=steps, batch_size=16, microbatches=4, max_staleness=max_staleness
     )
+    return tiny_middle_stage(pool, run)
 
 
 @pytest.fixture

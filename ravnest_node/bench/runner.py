@@ -360,6 +360,7 @@ class Bench:
             "gradient_codec": t.gradient,
             "max_staleness": t.max_staleness,
             "staleness_warmup_steps": t.staleness_warmup_steps,
+            "weight_prediction": t.weight_prediction,
             "replicas": 1,
             "seed": t.seed,
             "threads_per_node": _cores() if system == "compute-bound" else self.cfg.compute_threads,

@@ -273,6 +273,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-staleness", type=int, default=defaults.max_staleness)
     parser.add_argument("--pipelines", type=int, default=defaults.pipelines)
     parser.add_argument(
+        "--stages",
+        type=int,
+        default=defaults.stages,
+        help="stages per pipeline (default 0: the planner chooses and may leave nodes spare)",
+    )
+    parser.add_argument(
         "--recompute",
         choices=["auto", "on", "off"],
         default=defaults.recompute,
@@ -327,6 +333,7 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
         microbatches=args.microbatches,
         max_staleness=args.max_staleness,
         pipelines=args.pipelines,
+        stages=args.stages,
         recompute=args.recompute,
         margin=args.margin,
     )

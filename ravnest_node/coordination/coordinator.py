@@ -1373,6 +1373,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "gradient_codec": t.gradient,
             "lz4": t.lz4,
             "max_staleness": t.max_staleness,
+            "weight_prediction": t.weight_prediction,
             "seed": t.seed,
             "lr": t.lr,
             "data_fingerprint": self._fingerprint,

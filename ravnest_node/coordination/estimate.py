@@ -42,8 +42,8 @@ import torch
 
 from ravnest_node.compression.auto import AUTO_LADDER, choose_codec
 from ravnest_node.compression.codecs import encoder
-from ravnest_node.coordination.negotiate import ADAM_BYTES_PER_PARAM, STASH_BYTES_PER_PARAM
-from ravnest_node.coordination.placement import Block, Link, Links, NodeCaps, SwarmPlan, plan_swarm
+from ravnest_node.coordination.negotiate import ADAM_BYTES_PER_PARAM, STASH_BYTES_PER_PARAM, place
+from ravnest_node.coordination.placement import Block, Link, Links, NodeCaps, SwarmPlan
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import BlockModel
 
@@ -334,6 +334,9 @@ class Training:
     """Steps a stage may run ahead of its gradients (stage.py's bound)."""
     pipelines: int = 1
     """Pipelines side by side, each with its own data; every stage's owners average."""
+    stages: int = 0
+    """Stages per pipeline: 0 lets the planner choose, as the swarm's does (it may leave nodes
+    spare); N asks for exactly N."""
     recompute: Recompute = "auto"
     """Recompute the forward in the backward, keeping only each block's input: on, off, or
     auto (only when the activations would not fit otherwise)."""
@@ -341,8 +344,10 @@ class Training:
     """Share of each node's memory kept free (allocator fragmentation, estimate error)."""
 
     def __post_init__(self) -> None:
-        if self.lora_rank < 1 or self.max_staleness < 0 or self.pipelines < 1:
-            raise ConfigError("lora rank and pipelines must be >= 1, max staleness >= 0")
+        if self.lora_rank < 1 or self.max_staleness < 0 or self.pipelines < 1 or self.stages < 0:
+            raise ConfigError(
+                "lora rank and pipelines must be >= 1, max staleness and stages >= 0"
+            )
         if self.batch_size < 1 or self.microbatches < 1 or self.batch_size % self.microbatches:
             raise ConfigError(
                 f"batch size {self.batch_size} must be a positive multiple of microbatches "
@@ -532,6 +537,12 @@ def estimate(
     nodes = sum(g.count for g in groups)
     if not groups or nodes < training.pipelines:
         raise ConfigError(f"{nodes} nodes cannot form {training.pipelines} pipeline(s)")
+    most = min(nodes // training.pipelines, len(shape.blocks))
+    if training.stages > most:
+        raise ConfigError(
+            f"{training.stages} stages: {nodes} nodes in {training.pipelines} pipeline(s) of a "
+            f"{len(shape.blocks)}-block model make at most {most}"
+        )
     reference = max(groups, key=lambda g: g.flops_per_s)
     tries = {"off": [False], "on": [True], "auto": [False, True]}[training.recompute]
     for recompute in tries:
@@ -568,13 +579,16 @@ def _estimate(
             default=link, codec_ratio=bits[c] / (8 * dtype.itemsize), in_flight=t.in_flight
         )
         try:
-            plans[c] = plan_swarm(blocks, nodes, links, pipelines=t.pipelines)
+            plans[c] = place(blocks, nodes, links, pipelines=t.pipelines, stages=t.stages)
         except ConfigError:
             raise DoesNotFit(_shortfall(shape, blocks, nodes, t, recompute, work)) from None
-    choices = _auto_choices(plans["none"], blocks, link, bits, dtype.itemsize)
+    # The swarm's planner counts `auto` as its most compact codec (negotiate.wire_ratio): where
+    # auto picks a more faithful one, that one's transfer hides behind compute.
+    compact = plans[AUTO_LADDER[-1]]
+    choices = _auto_choices(compact, blocks, link, bits, dtype.itemsize)
     chosen = codec if codec != "auto" else max(choices, key=AUTO_LADDER.index, default="none")
     table = {c: _link_row(plans[c], blocks, bits[c], dtype.itemsize, t, host) for c in CODECS}
-    plan = plans[chosen]
+    plan = plans[chosen] if codec != "auto" else compact
     step_s, bottleneck = _step(plan, t, host)
     stages = tuple(
         StageEstimate(

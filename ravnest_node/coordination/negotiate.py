@@ -313,6 +313,26 @@ def block_state_bytes(model: BlockModel, per_param: int) -> list[int]:
     ]
 
 
+def place(
+    blocks: Sequence[Block], nodes: Sequence[NodeCaps], links: Links, *, pipelines: int, stages: int
+) -> SwarmPlan:
+    """The placement a swarm of `nodes` trains with: exactly `stages` stages per pipeline (fewer
+    if fewer nodes are left: a shorter pipeline rather than no plan at all), or with `stages`
+    0 every node in a stage, unless a plan with spares is `SPARE_GAIN` times faster. Raises
+    ConfigError if no placement fits in memory."""
+    every = min(len(nodes) // pipelines, len(blocks))
+    placed = plan_swarm(blocks, nodes, links, pipelines=pipelines,
+                        stages=min(stages, every) or None)  # fmt: skip
+    if len(placed.stages) < every and not stages:
+        try:
+            full = plan_swarm(blocks, nodes, links, pipelines=pipelines, stages=every)
+        except ConfigError:  # some node cannot hold any stage
+            full = None
+        if full is not None and placed.step_s * SPARE_GAIN >= full.step_s:
+            placed = full
+    return placed
+
+
 def negotiated_plan(
     *,
     epoch: int,
@@ -337,19 +357,7 @@ def negotiated_plan(
     ]
     blocks = model_blocks(model, run, min(totals))
     links = measured_links(members, capabilities, run.activation_codec, run.gradient_codec)
-    every = min(len(members) // pipelines, len(blocks))
-    # A shape asked for (run.stages) while the members allow it; after losing members, as
-    # many stages as are left (a shorter pipeline rather than no plan at all).
-    placed = plan_swarm(blocks, nodes, links, pipelines=pipelines,
-                        stages=min(run.stages, every) or None)  # fmt: skip
-    # Spares (unless the run asked for a shape): only if clearly faster than every member's stage.
-    if len(placed.stages) < every and not run.stages:
-        try:
-            full = plan_swarm(blocks, nodes, links, pipelines=pipelines, stages=every)
-        except ConfigError:  # some member cannot hold any stage
-            full = None
-        if full is not None and placed.step_s * SPARE_GAIN >= full.step_s:
-            placed = full
+    placed = place(blocks, nodes, links, pipelines=pipelines, stages=run.stages)
     address = {m.node_id: m.address for m in members}
     relayed = {m.node_id for m, c in zip(members, capabilities, strict=True) if c.relay_node_id}
     stages = [

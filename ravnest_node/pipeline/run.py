@@ -75,6 +75,11 @@ class TrainConfig:
     staleness_warmup_steps: int = 20
     """Steps trained synchronously before max_staleness applies: stale gradients hurt most
     while the loss falls fastest (PipeMare, arXiv 1910.05124, warms up for the same reason)."""
+    weight_prediction: bool = True
+    """A microbatch that runs forward s optimizer steps before the step its gradient joins
+    (staleness s >= 1) uses the weights AdamW's moments predict s steps ahead, and its backward
+    the same ones: the gradient is taken about where it is applied (SpecTrain, arXiv
+    1809.02839). Synchronous steps are unchanged."""
     fault_skip_step_stage: int | None = None
     """Test only: the stage with this index skips its optimizer step (to prove tests catch it)."""
     fault_slow_stage: int | None = None
@@ -262,6 +267,7 @@ class TrainConfig:
             lz4=self.lz4,
             max_staleness=self.max_staleness,
             staleness_warmup_steps=self.staleness_warmup_steps,
+            weight_prediction=self.weight_prediction,
             data_fingerprint=data_fingerprint,
             schedule=_SCHEDULE_TO_PB[self.schedule],
             checkpoint_every=self.checkpoint_every,
@@ -306,6 +312,7 @@ class TrainConfig:
             lz4=spec.lz4,
             max_staleness=spec.max_staleness,
             staleness_warmup_steps=spec.staleness_warmup_steps,
+            weight_prediction=spec.weight_prediction,
             schedule=schedule,
             checkpoint_every=spec.checkpoint_every,
             recompute=spec.recompute,
