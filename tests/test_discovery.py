@@ -14,11 +14,12 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from ravnest_node.cli import settings
 from ravnest_node.cli.main import _parser, main
@@ -353,6 +354,54 @@ async def test_mdns_on_loopback_finds_its_swarm_and_ignores_the_rest() -> None:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await raw.async_close()
+
+
+async def test_nothing_of_a_stopping_nodes_record_goes_out_after_its_goodbye() -> None:
+    """A multicast answer zeroconf holds back (20-120 ms after the query) when the node stops
+    must not follow its goodbye: it would bring the record back at every listener, which drops
+    the goodbye's repeats as duplicates of the first. A fresh browser's second query (multicast)
+    gets such an answer queued; the node stops the moment it is. What the node sends is watched
+    at zeroconf's send."""
+    a = _advertised(unique_swarm(), "node-a", "worker", 7001)
+    asker: AsyncZeroconf | None = None  # opened after the announcement: it knows no answer
+    sent: list[tuple[bool, list[tuple[str, int]]]] = []  # (zeroconf closed?, (name, ttl)s)
+    browser: AsyncServiceBrowser | None = None
+    try:
+        async with a:
+            task = asyncio.create_task(a.run())
+            await asyncio.wait_for(a.registered.wait(), 20)
+            assert a._aiozc is not None
+            zc = a._aiozc.zeroconf
+            real_send = zc.async_send
+
+            def spy(out: Any, *args: Any, **kwargs: Any) -> None:
+                records = [(getattr(r, "alias", r.name), r.ttl) for r, _ in out.answers]
+                sent.append((zc.done, records))
+                real_send(out, *args, **kwargs)
+
+            zc.async_send = spy  # type: ignore[method-assign]
+            asker = AsyncZeroconf(interfaces=["127.0.0.1"])
+            browser = AsyncServiceBrowser(asker.zeroconf, SERVICE_TYPE, handlers=[_ignore])
+            deadline = time.monotonic() + 10
+            while not zc.out_queue.queue:  # the answer is due in 20-120 ms: look often
+                assert time.monotonic() < deadline, "no answer was queued within 10 s"
+                await asyncio.sleep(0.001)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert zc.done
+    finally:
+        if browser is not None:
+            await browser.async_cancel()
+        if asker is not None:
+            await asker.async_close()
+    ours = [[ttl for name, ttl in records if name.startswith("node-a.")]
+            for closed, records in sent if not closed]  # fmt: skip
+    goodbye = next(i for i, ttls in enumerate(ours) if ttls and not any(ttls))
+    assert [ttls for ttls in ours[goodbye + 1 :] if any(ttls)] == []
+
+
+def _ignore(**_: Any) -> None:
+    """A browser's handler that wants nothing."""
 
 
 # ----- real node processes ------------------------------------------------------------------------

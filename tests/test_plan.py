@@ -262,6 +262,24 @@ def test_impossible_settings_are_config_errors() -> None:
 # ---- the command ------------------------------------------------------------------------------
 
 
+def test_the_printed_plan_marks_the_row_it_predicts_and_why_nodes_are_spare(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["plan", "--model", "llama-8b", "--nodes", "16x24gb", "--mode", "lora"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    (marked,) = [line for line in text.splitlines() if line.endswith("<- prediction")]
+    assert marked.startswith("int4-block")
+    predicted = marked.split()[-3]  # the row's samples/s
+    assert f"predicted {predicted} samples/s" in text
+    assert "with auto (stages cut as for int4-block; it would send " in text
+    assert main([*args, "--codec", "none", "--stages", "12"]) == 0
+    text = capsys.readouterr().out
+    (marked,) = [line for line in text.splitlines() if line.endswith("<- prediction")]
+    assert marked.startswith("none") and "with none;" in text
+    assert "spare nodes (not in the --stages asked for): n12, n13, n14, n15" in text
+
+
 def test_bad_arguments_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "llama-8b", "--nodes", "16xrtx9999"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -316,6 +334,12 @@ def test_plan_json_from_a_real_process() -> None:
     assert predicted["samples_per_s"] > 0 and predicted["bottleneck"]
     assert predicted["tokens_per_s"] == pytest.approx(predicted["samples_per_s"] * 2048)
     assert record["codec"] in record["auto_choices"]
+    # Under auto the stages are cut as the swarm's planner counts it, and the prediction is
+    # that cut's row of the table, whatever each link would then send.
+    assert record["cut_for"] == "int4-block"
+    row = record["links"][record["cut_for"]]
+    assert predicted["samples_per_s"] == pytest.approx(row["samples_per_s"])
+    assert row["stages"] == len(stages)
 
 
 def test_a_local_llama_is_planned_from_its_config(tmp_path: Path) -> None:

@@ -414,6 +414,7 @@ def to_json(found: Estimate) -> dict[str, Any]:
         "links": found.links,
         "auto_choices": list(found.auto_choices),
         "codec": found.codec,
+        "cut_for": found.cut_for,
         "largest_frame_bytes": frame,
         "frame_limit_bytes": limit,
         "predicted": {
@@ -451,6 +452,13 @@ def _print_header(head: dict[str, Any], out: TextIO) -> None:
     print(f"link     {rate}, round trip {rtt_ms:g} ms", file=out)
 
 
+def _codec_text(r: dict[str, Any]) -> str:
+    """The prediction's codec: under `auto`, the cut it was planned for and what it sends."""
+    if r["cut_for"] == r["codec"]:
+        return str(r["codec"])
+    return f"auto (stages cut as for {r['cut_for']}; it would send {r['codec']})"
+
+
 def _print_plan(r: dict[str, Any], out: TextIO) -> None:
     recompute = "on (the backward recomputes each block's forward)" if r["recompute"] else "off"
     print(f"\nactivation recomputation: {recompute}", file=out)
@@ -469,7 +477,10 @@ def _print_plan(r: dict[str, Any], out: TextIO) -> None:
             file=out,
         )
     if r["spare"]:
-        print(f"spare nodes (would not make it faster): {', '.join(r['spare'])}", file=out)
+        why = "would not make it faster"
+        if r["training"]["stages"]:
+            why = "not in the --stages asked for"
+        print(f"spare nodes ({why}): {', '.join(r['spare'])}", file=out)
         used = len(r["stages"]) * r["pipelines"]
         more = (used + len(r["spare"])) // len(r["stages"])
         if more > r["pipelines"]:
@@ -482,7 +493,7 @@ def _print_plan(r: dict[str, Any], out: TextIO) -> None:
         "\ncodec        bits/elem  MB/step each way  link s/microbatch  stages  samples/s", file=out
     )
     for codec, row in r["links"].items():
-        mark = " <- prediction" if codec == r["codec"] else ""
+        mark = " <- prediction" if codec == r["cut_for"] else ""
         print(
             f"{codec:<11}  {row['bits_per_element']:>9.2f}  "
             f"{row['bytes_per_step_each_way'] / 1e6:>16.1f}  "
@@ -495,7 +506,7 @@ def _print_plan(r: dict[str, Any], out: TextIO) -> None:
     p = r["predicted"]
     print(
         f"\npredicted {p['samples_per_s']:.3f} samples/s ({p['tokens_per_s']:,.0f} tokens/s) "
-        f"with {r['codec']}; bottleneck: {p['bottleneck']}",
+        f"with {_codec_text(r)}; bottleneck: {p['bottleneck']}",
         file=out,
     )
     if r["largest_frame_bytes"] > r["frame_limit_bytes"]:

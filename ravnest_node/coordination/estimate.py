@@ -408,6 +408,9 @@ class Estimate:
     stages: tuple[StageEstimate, ...]
     codec: str
     """The codec of the prediction (the chosen one, or what `auto` picks)."""
+    cut_for: str
+    """The codec the stages were cut for: the chosen one, or for `auto` its most compact, as
+    the swarm's planner counts it (the prediction is that plan's: `links[cut_for]`)."""
     auto_choices: tuple[str, ...]
     """What `auto` would pick on each boundary (activations; gradients alike)."""
     links: dict[str, dict[str, float]]
@@ -584,11 +587,11 @@ def _estimate(
             raise DoesNotFit(_shortfall(shape, blocks, nodes, t, recompute, work)) from None
     # The swarm's planner counts `auto` as its most compact codec (negotiate.wire_ratio): where
     # auto picks a more faithful one, that one's transfer hides behind compute.
-    compact = plans[AUTO_LADDER[-1]]
-    choices = _auto_choices(compact, blocks, link, bits, dtype.itemsize)
+    cut_for = codec if codec != "auto" else AUTO_LADDER[-1]
+    choices = _auto_choices(plans[AUTO_LADDER[-1]], blocks, link, bits, dtype.itemsize)
     chosen = codec if codec != "auto" else max(choices, key=AUTO_LADDER.index, default="none")
     table = {c: _link_row(plans[c], blocks, bits[c], dtype.itemsize, t, host) for c in CODECS}
-    plan = plans[chosen] if codec != "auto" else compact
+    plan = plans[cut_for]
     step_s, bottleneck = _step(plan, t, host)
     stages = tuple(
         StageEstimate(
@@ -610,6 +613,7 @@ def _estimate(
         recompute=recompute,
         stages=stages,
         codec=chosen,
+        cut_for=cut_for,
         auto_choices=tuple(choices),
         links=table,
         step_s=step_s,

@@ -449,13 +449,13 @@ class Worker:
 
     async def _measure_coordinator_link(self) -> LinkEstimate | None:
         """This node's link to the coordinator, for the planner (Capabilities.uplink_bps):
-        link probes under epoch 0. None for the coordinator's own node, a coordinator on
-        loopback (the same machine), or one that does not take probes (best effort: the planner
-        then assumes a fast link)."""
+        link probes under epoch 0, in turn with the other nodes measuring it. None for the
+        coordinator's own node, a coordinator on loopback (the same machine), or one that does
+        not take probes (best effort: the planner then assumes a fast link)."""
         if self.coordinator == self._address or is_loopback(self.coordinator):
             return None  # its own node, or the same machine: memory, not a network
         try:
-            link = await self._probe_link(self.coordinator, self.coordinator, epoch=0)
+            link = await self._measure_in_turn(self.coordinator, self.coordinator, pull=False)
         except PeerError as exc:
             log.info("the link to the coordinator is not measured: %s", exc)
             return None

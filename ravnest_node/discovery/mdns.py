@@ -93,6 +93,25 @@ async def advertised_ips(host: str, interface: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found)) or ("127.0.0.1",)
 
 
+def _drop_queued_answers(zc: Zeroconf) -> None:
+    """Drop the multicast answers zeroconf holds back to send later, before the goodbyes.
+
+    A responder sends a multicast answer 20-120 ms after the query, and over a second later for
+    records it multicast within the last second (RFC 6762 sections 6 and 14); python-zeroconf
+    (0.154) keeps such answers in queues that unregistering does not empty. An answer queued
+    just before the goodbye then goes out after it and brings the record back at every
+    listener, which also drops the goodbye's repeats as duplicates of the first: the stopped
+    node would stay listed for the record's TTL (75 minutes for the service's pointer). Seen
+    as a worker still counted by its coordinator 10 s after it stopped, and reproduced with
+    three zeroconf instances (a fresh browser's query about a second before the close: 2 in 25
+    closes). The queues are zeroconf's own attributes, not its API: a version without them
+    is left as it is (the race then stays)."""
+    for name in ("out_queue", "out_delay_queue"):
+        pending = getattr(getattr(zc, name, None), "queue", None)
+        if pending is not None:
+            pending.clear()
+
+
 class MdnsDiscovery:
     """Advertises one node (optional) and keeps the records of the other nodes of its swarm.
 
@@ -174,7 +193,10 @@ class MdnsDiscovery:
         if self._browser is not None:
             await self._browser.async_cancel()
         if self._aiozc is not None:
-            await self._aiozc.async_close()  # sends goodbyes for our service
+            # No await between the two: no query is answered after the queues are emptied.
+            _drop_queued_answers(self._aiozc.zeroconf)
+            await self._aiozc.async_unregister_all_services()  # goodbyes for our service
+            await self._aiozc.async_close()
 
     async def run(self) -> None:
         """Announce this node and resolve what the browser finds, until cancelled."""
@@ -246,6 +268,7 @@ class MdnsDiscovery:
         state_change: ServiceStateChange,
     ) -> None:
         """Zeroconf's handler, on the event loop: queue or forget, never block."""
+        log.debug("mDNS: %s %s", state_change.name.lower(), name[:100])
         if state_change is ServiceStateChange.Removed:
             if name in self._queued or name in self._in_flight:
                 self._gone.add(name)

@@ -27,7 +27,7 @@ microbatch and used by all of them, is therefore not the weights of version v bu
 prediction of version t: w - (t - v) lr (m_hat / (sqrt(v_hat) + eps) + wd w), the update
 AdamW's current moments would apply, repeated. Under a constant gradient that is the weights
 step t will have (up to weight decay compounding, a term of order (t - v)^2 lr^2 wd); after
-the synchronous warm-up on bench-small it cuts the loss that staleness costs by half or more
+the synchronous warm-up on bench-small it takes 40-45% off the loss that staleness costs
 (docs/benchmarks.md). Synchronous steps (t = v) use the weights unchanged. Without prediction a
 snapshot is the current version's, taken at its first forward and shared by the steps that
 run forward with it.
