@@ -298,6 +298,19 @@ async def test_a_record_that_appears_later_ends_the_wait() -> None:
     assert found.via == pb.FOUND_VIA_MDNS
 
 
+async def test_a_wait_cancelled_as_a_record_arrives_is_cancelled() -> None:
+    """A node's stop cancels its loops just as its peers' goodbyes arrive: a wait for a newer
+    record that returned normally then (Python 3.11's wait_for does) would keep the loop that
+    called it running, and the node's stop would never end."""
+    hints = StaticDiscovery()
+    wait = asyncio.create_task(hints.wait_newer(hints.generation, 60))
+    await asyncio.sleep(0)  # it waits now
+    hints.add(_record("boss", "coordinator", "c:1"))
+    wait.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await wait
+
+
 # ----- real mDNS packets on 127.0.0.1, one process ------------------------------------------------
 def _advertised(swarm: str, node_id: str, role: Role, port: int) -> MdnsDiscovery:
     record = TxtRecord(swarm=swarm, node_id=node_id, protocol=PROTOCOL, role=role)

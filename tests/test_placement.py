@@ -144,6 +144,15 @@ def test_small_instances_match_brute_force(
         2,
     )
 )  # fmt: skip
+@example(  # no start fits: only 4 stages can, with the big nodes in the middle (found in CI)
+    instance=(
+        [Block(0.0, 0, 1), Block(0.0, 0, 4), Block(0.0, 0, 4), Block(0.0, 0, 1)],
+        [NodeCaps("n0", 0.5, 2), NodeCaps("n1", 0.5, 2), NodeCaps("n2", 0.5, 4),
+         NodeCaps("n3", 0.5, 4)],
+        Links(default=Link(1e9, 1e-3), codec_ratio=0.125, in_flight=4),
+        1,
+    )
+)  # fmt: skip
 def test_the_local_search_gives_a_valid_plan_no_worse_than_the_speed_sorted_start(
     instance: tuple[list[Block], list[NodeCaps], Links, int],
 ) -> None:

@@ -251,7 +251,8 @@ class Relay:
                 w.close()
             for w in writers:
                 with contextlib.suppress(OSError, TimeoutError):
-                    await asyncio.wait_for(w.wait_closed(), _CLOSE_GRACE_S)
+                    async with asyncio.timeout(_CLOSE_GRACE_S):
+                        await w.wait_closed()
 
     async def _fill(self, src: asyncio.StreamReader, line: _DelayLine) -> None:
         """Reads chunks into the line (waiting while it is full) until EOF."""

@@ -228,7 +228,8 @@ class _Links:
         )
         self._relays.append(proc)
         assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        async with asyncio.timeout(30):
+            line = await proc.stdout.readline()
         try:
             port = int(json.loads(line)["port"])
         except (ValueError, KeyError, TypeError):
@@ -241,7 +242,8 @@ class _Links:
                 proc.terminate()
         for proc in self._relays:
             try:
-                await asyncio.wait_for(proc.wait(), 5)
+                async with asyncio.timeout(5):
+                    await proc.wait()
             except TimeoutError:
                 proc.kill()
                 await proc.wait()

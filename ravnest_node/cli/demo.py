@@ -285,9 +285,8 @@ class Demo:
     async def _explain_death(self, node: _Node) -> None:
         """If `node` is exiting, wait for it and raise RunFailed with its status and log."""
         try:
-            code = await asyncio.wait_for(
-                asyncio.shield(node.exited), self.cfg.transport.stop_grace_s + 5
-            )
+            async with asyncio.timeout(self.cfg.transport.stop_grace_s + 5):
+                code = await asyncio.shield(node.exited)
         except TimeoutError:
             return
         raise RunFailed(f"node {node.index} exited with status {code}{self._tail(node)}")

@@ -19,6 +19,13 @@ and channels) the process hung with no dump at all, as if a call into grpc's C c
 (grpc/grpc#42247 describes such a deadlock in channel close). So a second watchdog, faulthandler's
 own C thread, which needs no GIL, dumps every thread's stack and ends the process with status 1
 a moment after the first should have.
+
+A later case (CI, 2026-12-02) had a simpler cause: an elected coordinator whose election loop
+went on after its cancel, because Python 3.11's `asyncio.wait_for` returns normally when the
+task is cancelled just as what it waits for happens (CPython gh-86296; here the other nodes'
+mDNS goodbyes); the code uses `asyncio.timeout` instead. Its log had no dump either: a node
+started with `--join elect` has a worker's deadline (STOP_DEADLINE_S + --leave-timeout), long
+past the test's wait, which may explain the earlier missing dump too.
 """
 
 from __future__ import annotations

@@ -332,7 +332,9 @@ def plan_swarm(
             order = _start_order(nodes, s, pipelines)
             starts.append((inst.value(order, s, pipelines), s, order))
     if not exact:  # local search: the three most promising stage counts, then restarts
-        ranked = sorted(starts, key=lambda r: (r[0], r[1]))[:3]
+        # Starts that do not fit rank after those that do, most stages first: smaller stages
+        # fit smaller nodes, so that is where a swap or two most likely makes one fit.
+        ranked = sorted(starts, key=lambda r: (r[0], r[1] if math.isfinite(r[0]) else -r[1]))[:3]
         refined = []
         for _, s, order in ranked:
             refined.append((_local_search(inst, order, s, pipelines), s, order))

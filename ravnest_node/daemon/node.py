@@ -993,7 +993,7 @@ class NodeDaemon:
         """--join elect, once the swarm has a plan: while this node follows an elected
         coordinator, wait for its loss and elect another (`_fail_over`); while this node is
         the coordinator, watch for one of a higher term, and step down if there is one."""
-        while True:
+        while not self._stop.is_set():
             if self.coordinator is None:
                 await worker.wait_until(
                     lambda: (

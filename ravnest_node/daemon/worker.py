@@ -162,7 +162,8 @@ async def open_channel(address: str, transport: TransportConfig) -> AsyncIterato
     channel = grpc_channel(address, transport)
     try:
         try:
-            await asyncio.wait_for(channel.channel_ready(), transport.connect_timeout_s)
+            async with asyncio.timeout(transport.connect_timeout_s):
+                await channel.channel_ready()
         except TimeoutError:
             raise PeerUnavailable(
                 f"no answer from {address} within {transport.connect_timeout_s:g} s"

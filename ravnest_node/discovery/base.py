@@ -50,8 +50,12 @@ class ChangeSignal:
     async def wait_newer(self, generation: int, timeout_s: float) -> None:
         if generation != self.generation:
             return
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns normally when the task
+        # is cancelled just as the event is set (CPython gh-86296), and a cancelled loop that
+        # waits here would run on (a node's stop that never ended, seen in CI).
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._event.wait()
 
 
 class StaticDiscovery:

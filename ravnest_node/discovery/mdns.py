@@ -232,7 +232,8 @@ class MdnsDiscovery:
             raise RuntimeError("set_role() needs an advertisement and `async with`")
         self._advertisement = ad = replace(ad, txt=replace(ad.txt, role=role))
         try:
-            await asyncio.wait_for(self.registered.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self.registered.wait()
         except TimeoutError:
             log.error("mDNS: this node was not announced within %g s; role not updated", timeout_s)
             return

@@ -365,7 +365,8 @@ class RelayServer:
                 raise TunnelError(f"node {node_id} already has a tunnel here")
             old.control.close()
             try:
-                await asyncio.wait_for(old.closed.wait(), HEADER_TIMEOUT_S)
+                async with asyncio.timeout(HEADER_TIMEOUT_S):
+                    await old.closed.wait()
             except TimeoutError:
                 raise TunnelError(f"the old tunnel of node {node_id} does not close") from None
         if len(self._tunnels) >= self._max_tunnels:
