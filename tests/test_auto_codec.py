@@ -13,7 +13,13 @@ import pytest_asyncio
 import torch
 
 from ravnest_node.compression import CODECS
-from ravnest_node.compression.auto import AUTO, AUTO_LADDER, choose_codec, payload_sizes
+from ravnest_node.compression.auto import (
+    AUTO,
+    AUTO_LADDER,
+    choose_codec,
+    link_bound,
+    payload_sizes,
+)
 from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
@@ -86,6 +92,18 @@ def test_rule_moves_to_a_more_faithful_codec_only_with_a_margin() -> None:
     assert choose_codec(sizes, **fits_barely, current="int4-block") == "int4-block"
     roomy = {"bandwidth_bps": 1 * MBIT, "compute_s": 0.030}
     assert choose_codec(sizes, **roomy, current="int4-block") == "none"
+
+
+def test_deflate_is_for_links_that_even_the_smallest_codec_leaves_the_bottleneck() -> None:
+    int4 = dict(_bench_small_activation())["int4-block"]  # 73,728 bytes: 59 ms at 10 Mbit/s
+    assert link_bound(int4, bandwidth_bps=10 * MBIT, compute_s=0.040)  # internet: budget 20 ms
+    assert not link_bound(int4, bandwidth_bps=50 * MBIT, compute_s=0.040)  # home: 11.8 of 20
+    # Once on, it stays on until the transfer fits in 80% of the budget.
+    edge = {"bandwidth_bps": 10 * MBIT, "compute_s": 0.130}  # budget 65 ms, 80% of it 52 ms
+    assert not link_bound(int4, **edge) and link_bound(int4, **edge, was=True)
+    assert not link_bound(int4, bandwidth_bps=10 * MBIT, compute_s=0.150, was=True)
+    with pytest.raises(ValueError, match="must be > 0"):
+        link_bound(int4, bandwidth_bps=0.0, compute_s=1.0)
 
 
 def test_rule_refuses_nonsense() -> None:
@@ -287,6 +305,28 @@ def test_auto_starts_small_then_follows_the_measurements() -> None:
     assert _send_steps(choice, compute, 2, per_mb_s=0.004)[-4:] == ["int4-block"] * 4
 
 
+def test_auto_packs_with_deflate_only_while_the_link_is_the_bottleneck() -> None:
+    compute = _Compute()
+    choice = CodecChoice(AUTO, "gradient", compute_s=compute, every=4, what="test")
+    choice.bandwidth_bps = 1 * MBIT  # int4 of 8,192 elements (4.6 kB) in 37 ms
+
+    def asked(steps: int, per_mb_s: float) -> list[bool]:
+        tensor = torch.zeros(4, 32, 64)
+        out = []
+        for _ in range(steps * 4):
+            out.append(choice.outgoing("grad", tensor).deflate)
+            compute.s += per_mb_s
+        return out
+
+    # Nothing measured for two steps; then the link is the bottleneck (budget 2 ms).
+    assert asked(3, per_mb_s=0.004) == [False] * 8 + [True] * 4
+    assert choice.deflated == 4 and choice.name == "int4-block"
+    # A much faster link: int4 fits the budget, or a more faithful codec does: no deflate.
+    choice.bandwidth_bps = 1000 * MBIT
+    assert asked(2, per_mb_s=0.004) == [False] * 8
+    assert choice.deflated == 4
+
+
 def test_auto_without_a_measured_link_keeps_the_smallest_codec() -> None:
     compute = _Compute()
     choice = CodecChoice(AUTO, "gradient", compute_s=compute, every=4, what="test")
@@ -345,6 +385,9 @@ def test_a_slow_link_gets_a_lighter_codec_than_a_fast_one(tmp_path: Path) -> Non
     assert 0.5 * MBIT < middle["upstream_bandwidth_bps"] < 1.1 * MBIT
     assert first["activation_codec_frames"] == {"int4-block": steps * 4}
     assert middle["gradient_codec_frames"] == {"int4-block": steps * 4}
+    # ... packed with deflate once measured (the link is the bottleneck); never on loopback.
+    assert first["activation_deflated_frames"] > 0 and middle["gradient_deflated_frames"] > 0
+    assert middle["activation_deflated_frames"] == 0 == last["gradient_deflated_frames"]
     # The loopback link: far faster, and a more faithful codec once measured.
     assert middle["downstream_bandwidth_bps"] > 50 * MBIT
     rank = AUTO_LADDER.index

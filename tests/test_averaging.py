@@ -481,6 +481,13 @@ async def test_bad_pushes_are_refused_with_a_status_and_change_nothing() -> None
             await averager.receive(_delta_frame(2, nan), "b", source="203.0.113.9")
         result = await averager.average(2, torch.ones(numel))
         assert result.rejected == ("b",) and averager.bans.strikes["b"] == 0
+        # A push that arrived before its sender was banned (it raced the round that banned
+        # it, as in test_replicas' poisoning run) is left out: neither used nor rejected again.
+        assert await _push(address, _delta_frame(3, ok * 5), "b") == code.OK
+        averager.bans.banned["b"] = "3 rejected deltas"
+        result = await averager.average(3, torch.ones(numel))
+        assert result.participants == ("a",) and result.rejected == () and not result.missing
+        torch.testing.assert_close(result.mean, torch.ones(numel))
     finally:
         await averager.close()
         await server.stop(0)

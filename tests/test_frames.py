@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import zlib
 
 import msgpack
 import pytest
@@ -16,6 +17,7 @@ from ravnest_node.errors import FrameError
 from ravnest_node.transport.frames import (
     MAGIC,
     Expected,
+    Frame,
     FrameKind,
     FrameLimits,
     Outgoing,
@@ -91,6 +93,63 @@ def test_hostile_lz4_payload_is_refused() -> None:
         parse_frame(_raw_frame(_header(lz4=True, nbytes=99999), b"\0" * 99999), LIMITS)
 
 
+def test_deflate_packs_quantised_codes_where_asked_and_when_it_pays() -> None:
+    """int4 codes of a bell-shaped tensor carry about 3.5 bits of entropy: deflate (asked for)
+    shrinks them where lz4 does not, and they decode to exactly what they would unpacked."""
+    int4 = get_codec("int4-block")
+    x = torch.randn(4, 128, 64, generator=torch.Generator().manual_seed(0))
+
+    def sent(deflate: bool, data: torch.Tensor = x, codec: str = "int4-block") -> Frame:
+        out = Outgoing("hidden", data, get_codec(codec), deflate=deflate)
+        return parse_frame(encode_frame(FrameKind.FORWARD, 0, 0, [out]), LIMITS)
+
+    plain, packed = sent(False), sent(True)
+    assert not plain.headers[0].lz4 and not plain.headers[0].deflate  # lz4: no gain
+    assert packed.headers[0].deflate and not packed.headers[0].lz4
+    assert plain.nbytes == int4.payload_nbytes(x.shape, x.dtype, {"bits": 4, "block": 64})
+    assert packed.nbytes < plain.nbytes / 1.05
+    assert torch.equal(packed.decode()["hidden"], plain.decode()["hidden"])
+    # Bytes with no structure do not shrink: sent as they are. `lz4_min_ratio` 0 packs nothing.
+    noise = torch.randint(0, 256, (64, 64), dtype=torch.uint8, generator=torch.Generator())
+    assert not sent(True, noise, "none").headers[0].deflate
+    off = encode_frame(FrameKind.FORWARD, 0, 0, [Outgoing("hidden", x, int4, deflate=True)],
+                       lz4_min_ratio=0)  # fmt: skip
+    assert not parse_frame(off, LIMITS).headers[0].deflate
+
+
+def _deflated(data: bytes) -> bytes:
+    packer = zlib.compressobj(1, zlib.DEFLATED, -15)
+    return packer.compress(data) + packer.flush()
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\xff" * 20, "bad deflate payload"),  # not a deflate stream
+        (_deflated(b"\0" * 23), "does not unpack to 24"),  # too short
+        (_deflated(b"\0" * 25), "does not unpack to 24"),  # too long: stops at 24
+        (_deflated(b"\0" * 24) + b"\0", "does not unpack to 24"),  # bytes after the end
+        (_deflated(b"\0" * 24)[:-1], "does not unpack to 24"),  # cut short
+    ],
+)
+def test_hostile_deflate_payload_is_refused(payload: bytes, reason: str) -> None:
+    frame = parse_frame(_raw_frame(_header(deflate=True, nbytes=len(payload)), payload), LIMITS)
+    with pytest.raises(FrameError, match=reason):
+        frame.decode()
+
+
+def test_a_deflate_bomb_unpacks_no_further_than_the_header_allows() -> None:
+    """A 64 KiB stream that would unpack to 64 MiB (deflate's limit is about 1000:1), sent as a
+    1 MiB tensor: unpacking stops at the 1 MiB the header's shape allows; the frame is refused."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    bomb = b"".join(packer.compress(b"\0" * (1 << 20)) for _ in range(64)) + packer.flush()
+    assert len(bomb) < 128 << 10
+    meta = _header(shape=[1 << 18], nbytes=len(bomb), deflate=True)  # 1 MiB of float32
+    frame = parse_frame(_raw_frame(meta, bomb), FrameLimits(max_message_bytes=8 << 20))
+    with pytest.raises(FrameError, match="does not unpack to 1048576"):
+        frame.decode()
+
+
 def test_payload_size_is_counted_exactly() -> None:
     x = torch.zeros(2, 3)
     message = encode_frame(FrameKind.BACKWARD, 0, 0, [("grad", x, get_codec("fp16"))])
@@ -125,6 +184,9 @@ def test_payload_size_is_counted_exactly() -> None:
         (_raw_frame(_header(params={"block": 64}), b"\0" * 24), "takes no params"),
         (_raw_frame(_header(params={"a": True}), b"\0" * 24), "params must map"),
         (_raw_frame(_header(lz4=1), b"\0" * 24), "'lz4' must be bool"),
+        (_raw_frame(_header(deflate=1, nbytes=20), b"\0" * 20), "'deflate' must be bool"),
+        (_raw_frame(_header(deflate=True, lz4=True, nbytes=20), b"\0" * 20), "not both"),
+        (_raw_frame(_header(deflate=True), b"\0" * 24), "deflate payload of 24 bytes for 24"),
         (
             _raw_frame(_header(codec="int8-block", params={"bits": 8, "block": 1 << 40}), b""),
             "block",

@@ -211,6 +211,21 @@ def test_a_link_slower_than_the_compute_it_would_save_is_not_used() -> None:
     assert len(squeezed.stages) == 2 and squeezed.bottleneck == "compute of stage 0"
 
 
+def test_when_a_link_sets_the_pace_compute_is_still_balanced() -> None:
+    """bench-small's shape (a light embedding, six layers, a head) on three alike nodes and a
+    10 Mbit/s link: every 3-stage cut has the same boundary, so the link sets the same pace for
+    all of them; the plan takes the one whose slowest stage computes least, not the first stage
+    cut as short as it can be (the embedding alone, leaving one stage four blocks)."""
+    blocks = [Block(0.0001, 10**6, 1)] + [Block(0.1, 10**6, 1)] * 6 + [Block(0.05, 0, 1)]
+    nodes = [NodeCaps(v) for v in ("a", "b", "c")]
+    plan = plan_swarm(blocks, nodes, Links(default=Link(1e7)), stages=3)
+    assert plan.bottleneck == "the link after stage 0"
+    compute = [stage.compute_s for stage in plan.stages]
+    assert max(compute) == pytest.approx(0.25)  # embedding + 2 | 2 | 2 + head; was 0.55
+    assert plan.step_s == pytest.approx(0.8)  # 1 MB at 10 Mbit/s, as for any cut
+    check_valid(plan, blocks, nodes, Links(default=Link(1e7)))
+
+
 def test_replica_groups_gather_nodes_of_like_speed() -> None:
     blocks = [Block(1.0, 0, 1) for _ in range(8)]
     nodes = [NodeCaps(f"n{i}", speed=s) for i, s in enumerate([1.0, 2.0, 1.0, 2.0])]

@@ -434,9 +434,12 @@ class ReplicaAverager:
             for member in self._others:
                 tg.create_task(self._push_whole(member, message, deadline, traffic, unreachable))
             await self._wait_until(settled, deadline)
-            # What the round uses is fixed here; later arrivals change nothing.
-            deltas = {self.node_id: own, **inbox.deltas}
-            refused = dict(inbox.rejected)
+            # What the round uses is fixed here; later arrivals change nothing. A member banned
+            # since its push arrived (the push raced the round that banned it) is left out.
+            banned = self.bans.banned
+            deltas = {self.node_id: own}
+            deltas.update((k, v) for k, v in inbox.deltas.items() if k not in banned)
+            refused = {k: why for k, why in inbox.rejected.items() if k not in banned}
             elsewhere = set(inbox.elsewhere)
         screening, mean = await self._in_executor(self._combine, deltas)
         missing = tuple(

@@ -2,7 +2,8 @@
 
 Two tables:
 - **micro**: for every registered codec, on a real bench-small activation and its gradient
-  (batch 16, 128 x 256 values each): bits per element on the wire (lz4 included when it pays),
+  (batch 16, 128 x 256 values each): bits per element on the wire (lz4 included when it pays;
+  the block quantisers also packed with deflate, as `auto` sends them over a bottleneck link),
   encode+decode throughput on one core, and the relative error of one round trip; and, for the
   codecs of replica averaging, the same on the parameter delta of a two-block stage;
 - **convergence**: the default model trained on a local 3-node swarm for the same samples with
@@ -43,6 +44,7 @@ from ravnest_node.transport.frames import (
     FrameKind,
     FrameLimits,
     Outgoing,
+    TensorHeader,
     encode_frame,
     parse_frame,
 )
@@ -54,6 +56,8 @@ DELTA_BLOCKS = slice(1, 3)
 """The stage whose parameter delta the micro table compresses: two transformer blocks (1.58 M
 parameters in bench-small)."""
 MEASURED_DELTA_CODECS = ("none", "int8-block", "int4-block", "powersgd")
+DEFLATED_CODECS = ("int8-block", "int4-block")
+"""Codecs the micro table also measures packed with deflate (`auto`'s bottleneck links)."""
 
 
 def sample_tensors(
@@ -110,35 +114,42 @@ def _delta_round_trip(
         "codec": codec_name,
         "bits_per_element": nbytes * 8 / x.numel(),
         "lz4": False,
+        "deflate": False,
         "encode_decode_mb_s": x.numel() * 4 / seconds / 1e6,
         "relative_error": err,
     }
 
 
 def _round_trip(
-    codec_name: str, role: str, x: torch.Tensor, before: torch.Tensor | None, repeats: int
+    codec_name: str,
+    role: str,
+    x: torch.Tensor,
+    before: torch.Tensor | None,
+    repeats: int,
+    deflate: bool = False,
 ) -> Record:
-    """Bits, throughput and error of `x` through frames. For aq-delta, `before` (the same
-    samples' previous activation) is sent first, so `x` travels as a delta."""
+    """Bits, throughput and error of `x` through frames (packed with deflate if asked). For
+    aq-delta, `before` (the same samples' previous activation) is sent first, so `x` travels as
+    a delta."""
     limits = FrameLimits(max_message_bytes=1 << 28)
     codec = encoder(codec_name, "activation" if role == "activation" else "gradient")
     samples = list(range(x.shape[0])) if codec_name in ACTIVATION_ONLY else []
     state = codec.new_state()
     refs = {"t": SampleReferences()}
 
-    def send(t: torch.Tensor) -> tuple[int, bool, torch.Tensor]:
+    def send(t: torch.Tensor) -> tuple[int, TensorHeader, torch.Tensor]:
         message = encode_frame(
-            FrameKind.FORWARD, 0, 0, [Outgoing("t", t, codec, state)], samples=samples
+            FrameKind.FORWARD, 0, 0, [Outgoing("t", t, codec, state, deflate)], samples=samples
         )
         frame = parse_frame(message, limits)
         tensors, commit = frame.decode_with(refs)
         commit()
-        return frame.nbytes, frame.headers[0].lz4, tensors["t"]
+        return frame.nbytes, frame.headers[0], tensors["t"]
 
     if before is not None:
         send(before)  # the warm-up visit
     # Error of one round trip from a fresh state (a residual would add to it).
-    nbytes, lz4, decoded = send(x)
+    nbytes, header, decoded = send(x)
     err = float((decoded - x).norm() / x.norm())
     started = time.perf_counter()
     for _ in range(repeats):
@@ -146,9 +157,10 @@ def _round_trip(
     seconds = (time.perf_counter() - started) / repeats
     return {
         "role": role,
-        "codec": codec_name,
+        "codec": codec_name + (" + deflate" if deflate else ""),
         "bits_per_element": nbytes * 8 / x.numel(),
-        "lz4": lz4,
+        "lz4": header.lz4,
+        "deflate": header.deflate,
         "encode_decode_mb_s": x.numel() * 4 / seconds / 1e6,
         "relative_error": err,
     }
@@ -175,6 +187,8 @@ def micro_table(repeats: int = 10) -> list[Record]:
                     rows.append(_round_trip(name, role, revisit, x, repeats))
                 else:
                     rows.append(_round_trip(name, role, x, None, repeats))
+                if name in DEFLATED_CODECS:
+                    rows.append(_round_trip(name, role, x, None, repeats, deflate=True))
         blocks = get_model("bench-small").build_blocks(0)[DELTA_BLOCKS]
         layout = [tuple(p.shape) for b in blocks for p in b.parameters()]
         for name in MEASURED_DELTA_CODECS:
@@ -372,6 +386,7 @@ def run_codec_bench(suite: Suite) -> int:
             ("encode_decode_mb_s", "encode+decode MB/s", ".0f"),
             ("relative_error", "relative error", ".2e"),
             ("lz4", "lz4 used", ""),
+            ("deflate", "deflate used", ""),
         ],
     )
     print(micro_md, file=suite.out, flush=True)

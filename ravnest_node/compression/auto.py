@@ -8,6 +8,10 @@ time, and the smallest one when none fits:
     transfer_s(codec) = payload_bytes(codec, tensor) * 8 / bandwidth_bps
     pick the first codec of AUTO_LADDER with transfer_s <= LINK_SHARE * compute_s_per_microbatch
 
+When even the smallest codec does not fit, the link is the pipeline's bottleneck, and `auto` also
+packs that codec's payloads with deflate (transport/frames.py): 1.1-1.4x fewer bytes for about
+1.5 ms of one core per 74 kB frame, time the link would spend anyway (`link_bound`).
+
 RTT does not count: boundary streams pipeline frames, so latency delays a microbatch but does not
 lower the rate. `LINK_SHARE` = 0.5 leaves the other half for what the estimate misses (the
 measurement's noise, bubbles, the targets and headers that travel along, the receiver's decode).
@@ -82,3 +86,22 @@ def choose_codec(
         if transfer_s(nbytes, bandwidth_bps) <= limit_s:
             return name
     return names[-1]
+
+
+def link_bound(
+    nbytes: int,
+    *,
+    bandwidth_bps: float,
+    compute_s: float,
+    was: bool = False,
+    share: float = LINK_SHARE,
+    hysteresis: float = HYSTERESIS,
+) -> bool:
+    """Whether `nbytes` (a payload of the smallest codec) takes longer on a link of
+    `bandwidth_bps` than `share` of `compute_s`: the link, not compute, sets the pace, and
+    packing with deflate pays. Once true (`was`), it stays true until the transfer fits with
+    the `hysteresis` margin, so a link near the threshold does not flap."""
+    if not bandwidth_bps > 0 or not compute_s > 0:
+        raise ValueError(f"bandwidth_bps={bandwidth_bps} and compute_s={compute_s} must be > 0")
+    budget_s = share * compute_s
+    return transfer_s(nbytes, bandwidth_bps) > (budget_s * (1 - hysteresis) if was else budget_s)

@@ -103,12 +103,15 @@ def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
         "averaging_rounds_incomplete": report.averaging_rounds_incomplete,
         "averaging_bytes_sent": report.averaging_bytes_sent,
         "averaging_wait_s": report.averaging_wait_s,
-        # The codec each role last travelled with on this stage's links, frames per codec, and
-        # the bandwidth `auto` measured (bits/s; 0 when the link was not measured).
+        # The codec each role last travelled with on this stage's links, frames per codec (and
+        # how many of them `auto` packed with deflate), and the bandwidth `auto` measured
+        # (bits/s; 0 when the link was not measured).
         "activation_codec": report.activation_codec,
         "gradient_codec": report.gradient_codec,
         "activation_codec_frames": dict(report.activation_codec_frames),
         "gradient_codec_frames": dict(report.gradient_codec_frames),
+        "activation_deflated_frames": report.activation_deflated_frames,
+        "gradient_deflated_frames": report.gradient_deflated_frames,
         "downstream_bandwidth_bps": report.downstream_bandwidth_bps,
         "upstream_bandwidth_bps": report.upstream_bandwidth_bps,
     }

@@ -13,7 +13,10 @@ moves one microbatch per `step_s` seconds, the slowest of
 
 The planner minimises `step_s` within memory: a stage's blocks must fit in every one of its
 owners. Nodes it does not use (they would not make the swarm faster, or cannot hold any stage)
-are *spare*. Ties go to fewer stages, fewer hops for every microbatch.
+are *spare*. Ties go to fewer stages, fewer hops for every microbatch. Among the cuts that reach
+the least `step_s`, the planner takes one whose slowest stage computes least: when a link sets
+the pace, compute is balanced anyway (it is what a synchronous step, a faster codec or a
+re-measured link then wait on), rather than the first stages left nearly empty.
 
 For a fixed order of owners the best cut is exact (a min-max dynamic programme over blocks, done
 on whole cost matrices with torch). Which node goes where is exact for small swarms (every
@@ -219,13 +222,19 @@ class _Instance:
     def build(self, order: Sequence[int], stages: int, pipelines: int, exact: bool) -> SwarmPlan:
         slots = _slots(order, stages, pipelines)
         costs = self.slot_costs(slots)
-        best = self.best_from(costs, self.done)
-        optimum = float(best[0][0])
+        optimum = float(self.best_from(costs, self.done)[0][0])
+        # Within the stages that allow the optimum (exact: same floats), the least slowest
+        # compute: a second min-max programme over the compute of those stages alone.
+        computes = [
+            self._compute(tuple(owners)).masked_fill(cost > optimum, math.inf)
+            for owners, cost in zip(slots, costs, strict=True)
+        ]
+        best = self.best_from(computes, self.done)
         planned, start = [], 0
         for s, owners in enumerate(slots):
-            # The shortest stage that still allows the optimum (exact: same floats).
-            row = torch.maximum(costs[s][start], best[s + 1])
-            stop = int(torch.nonzero(row <= optimum)[0])
+            # The shortest stage that still allows both optima.
+            row = torch.maximum(computes[s][start], best[s + 1])
+            stop = int(torch.nonzero(row <= best[s][start])[0])
             speed = min(self.speed[v] for v in owners)
             send_s = 0.0
             if s + 1 < len(slots):

@@ -1880,6 +1880,8 @@ class Worker:
                     gradient_codec=r.metrics.gradient_codec,
                     activation_codec_frames=r.metrics.activation_codec_frames,
                     gradient_codec_frames=r.metrics.gradient_codec_frames,
+                    activation_deflated_frames=r.metrics.activation_deflated_frames,
+                    gradient_deflated_frames=r.metrics.gradient_deflated_frames,
                     downstream_bandwidth_bps=r.metrics.downstream_bandwidth_bps,
                     upstream_bandwidth_bps=r.metrics.upstream_bandwidth_bps,
                     checkpoint_step=self.checkpoint_step,

@@ -10,6 +10,9 @@ stage starts with the smallest codec of the ladder (nothing is known yet), and r
   the new one). The first window holds start-up costs (first calls, allocations) and is
   skipped, so the first decision comes at frame 2 x `every`.
 
+When the smallest codec still does not fit (`link_bound`), its payloads are also packed with
+deflate; `deflated` counts those frames.
+
 A change takes effect at the next frame; the sender state (error feedback, rounding RNG) starts
 afresh with the new codec. Changes are logged; the metrics keep the codec of the last frame and
 how many frames each codec carried.
@@ -23,7 +26,13 @@ from collections.abc import Callable
 import torch
 
 from ravnest_node.compression import Codec, encoder
-from ravnest_node.compression.auto import AUTO, AUTO_LADDER, choose_codec, payload_sizes
+from ravnest_node.compression.auto import (
+    AUTO,
+    AUTO_LADDER,
+    choose_codec,
+    link_bound,
+    payload_sizes,
+)
 from ravnest_node.compression.codecs import Role
 from ravnest_node.transport.frames import Outgoing
 
@@ -56,6 +65,10 @@ class CodecChoice:
         self.compute_per_microbatch_s: float | None = None
         self.frames: dict[str, int] = {}
         """Frames sent per codec (replaced, never mutated: safe to read from another thread)."""
+        self.deflate = False
+        """Whether the next frame's payload is packed with deflate (auto, bottleneck links)."""
+        self.deflated = 0
+        """Frames sent asking for deflate."""
         self._compute_s = compute_s
         self._every = max(1, every)
         self._current = self._make(AUTO_LADDER[-1] if self.auto else name)
@@ -79,7 +92,8 @@ class CodecChoice:
         self._sent += 1
         codec, state = self._current
         self.frames = {**self.frames, codec.name: self.frames.get(codec.name, 0) + 1}
-        return Outgoing(tensor_name, tensor, codec, state)
+        self.deflated += self.deflate
+        return Outgoing(tensor_name, tensor, codec, state, deflate=self.deflate)
 
     def _decide(self, tensor: torch.Tensor) -> None:
         now_s = self._compute_s()
@@ -101,13 +115,21 @@ class CodecChoice:
             compute_s=estimate,
             current=self.name,
         )
-        if chosen != self.name:
+        smallest = dict(self._sizes)[AUTO_LADDER[-1]]
+        deflate = chosen == AUTO_LADDER[-1] and link_bound(
+            smallest, bandwidth_bps=self.bandwidth_bps, compute_s=estimate, was=self.deflate
+        )
+        if chosen != self.name or deflate != self.deflate:
             log.info(
-                "%s: codec %s -> %s (link %.1f Mbit/s, compute %.1f ms per microbatch)",
+                "%s: codec %s%s -> %s%s (link %.1f Mbit/s, compute %.1f ms per microbatch)",
                 self.what,
                 self.name,
+                " + deflate" if self.deflate else "",
                 chosen,
+                " + deflate" if deflate else "",
                 self.bandwidth_bps / 1e6,
                 estimate * 1e3,
             )
+        if chosen != self.name:
             self._current = self._make(chosen)
+        self.deflate = deflate

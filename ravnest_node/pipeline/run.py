@@ -66,7 +66,8 @@ class TrainConfig:
     gradient_codec: str = ""
     """Codec for activation gradients only (default: --codec); also topk-ef, auto."""
     lz4: bool = True
-    """lz4-compress a frame's payload when that makes it at least 1.1x smaller."""
+    """lz4-compress a frame's payload when that makes it at least 1.1x smaller; with `auto`
+    codecs, deflate it instead on a link that is the bottleneck. Off: no packing at all."""
     schedule: ScheduleName = "gpipe"
     """gpipe: a step's microbatches overlap in the pipeline; sequential: one at a time (naive)."""
     max_staleness: int = 1

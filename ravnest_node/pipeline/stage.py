@@ -164,6 +164,10 @@ class StageMetrics:
     """Activation frames sent, per codec."""
     gradient_codec_frames: dict[str, int] = field(default_factory=dict)
     """Gradient frames sent, per codec."""
+    activation_deflated_frames: int = 0
+    """Activation frames whose payload `auto` asked to pack with deflate."""
+    gradient_deflated_frames: int = 0
+    """Gradient frames whose payload `auto` asked to pack with deflate."""
     downstream_bandwidth_bps: float = 0.0
     """Bandwidth `auto` measured towards the next stage, bits/s (0: not measured)."""
     upstream_bandwidth_bps: float = 0.0
@@ -510,6 +514,8 @@ class StageRuntime:
             gradient_codec=self.gradient_codec.name if not self.spec.is_first else "",
             activation_codec_frames=self.activation_codec.frames,
             gradient_codec_frames=self.gradient_codec.frames,
+            activation_deflated_frames=self.activation_codec.deflated,
+            gradient_deflated_frames=self.gradient_codec.deflated,
             downstream_bandwidth_bps=self.activation_codec.bandwidth_bps or 0.0,
             upstream_bandwidth_bps=self.gradient_codec.bandwidth_bps or 0.0,
         )
