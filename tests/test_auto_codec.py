@@ -306,25 +306,35 @@ def test_auto_starts_small_then_follows_the_measurements() -> None:
 
 
 def test_auto_packs_with_deflate_only_while_the_link_is_the_bottleneck() -> None:
-    compute = _Compute()
-    choice = CodecChoice(AUTO, "gradient", compute_s=compute, every=4, what="test")
-    choice.bandwidth_bps = 1 * MBIT  # int4 of 8,192 elements (4.6 kB) in 37 ms
+    def link(peer_unpacks_deflate: bool = True, packs: bool = True) -> tuple[CodecChoice, _Compute]:
+        compute = _Compute()
+        choice = CodecChoice(AUTO, "gradient", compute_s=compute, every=4, what="test",
+                             packs=packs)  # fmt: skip
+        choice.bandwidth_bps = 1 * MBIT  # int4 of 8,192 elements (4.6 kB) in 37 ms
+        choice.peer_unpacks_deflate = peer_unpacks_deflate
+        return choice, compute
 
-    def asked(steps: int, per_mb_s: float) -> list[bool]:
+    def asked(choice: CodecChoice, compute: _Compute, steps: int) -> list[bool]:
         tensor = torch.zeros(4, 32, 64)
         out = []
         for _ in range(steps * 4):
-            out.append(choice.outgoing("grad", tensor).deflate)
-            compute.s += per_mb_s
+            wanted = choice.outgoing("grad", tensor).deflate
+            out.append(wanted)
+            choice.sent("deflate" if wanted else "")  # (as encode_frame would report it)
+            compute.s += 0.004  # budget 2 ms
         return out
 
-    # Nothing measured for two steps; then the link is the bottleneck (budget 2 ms).
-    assert asked(3, per_mb_s=0.004) == [False] * 8 + [True] * 4
+    # Nothing measured for two steps; then the link is the bottleneck.
+    choice, compute = link()
+    assert asked(choice, compute, 3) == [False] * 8 + [True] * 4
     assert choice.deflated == 4 and choice.name == "int4-block"
     # A much faster link: int4 fits the budget, or a more faithful codec does: no deflate.
     choice.bandwidth_bps = 1000 * MBIT
-    assert asked(2, per_mb_s=0.004) == [False] * 8
+    assert asked(choice, compute, 2) == [False] * 8
     assert choice.deflated == 4
+    # Never towards a peer that does not unpack it (an older node), nor with packing off.
+    for choice, compute in (link(peer_unpacks_deflate=False), link(packs=False)):
+        assert not any(asked(choice, compute, 4)) and choice.deflated == 0
 
 
 def test_auto_without_a_measured_link_keeps_the_smallest_codec() -> None:
@@ -385,7 +395,8 @@ def test_a_slow_link_gets_a_lighter_codec_than_a_fast_one(tmp_path: Path) -> Non
     assert 0.5 * MBIT < middle["upstream_bandwidth_bps"] < 1.1 * MBIT
     assert first["activation_codec_frames"] == {"int4-block": steps * 4}
     assert middle["gradient_codec_frames"] == {"int4-block": steps * 4}
-    # ... packed with deflate once measured (the link is the bottleneck); never on loopback.
+    # ... and deflated once measured (the link is the bottleneck and every node unpacks
+    # deflate; a frame counts only where deflate made it smaller); never on loopback.
     assert first["activation_deflated_frames"] > 0 and middle["gradient_deflated_frames"] > 0
     assert middle["activation_deflated_frames"] == 0 == last["gradient_deflated_frames"]
     # The loopback link: far faster, and a more faithful codec once measured.

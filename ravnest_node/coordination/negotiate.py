@@ -360,6 +360,7 @@ def negotiated_plan(
     placed = place(blocks, nodes, links, pipelines=pipelines, stages=run.stages)
     address = {m.node_id: m.address for m in members}
     relayed = {m.node_id for m, c in zip(members, capabilities, strict=True) if c.relay_node_id}
+    inflating = {m.node_id for m, c in zip(members, capabilities, strict=True) if c.unpacks_deflate}
     stages = [
         pb.StageAssignment(
             pipeline=p,
@@ -369,6 +370,7 @@ def negotiated_plan(
             node_id=stage.owners[p],
             address=address[stage.owners[p]],
             relayed=stage.owners[p] in relayed,
+            unpacks_deflate=stage.owners[p] in inflating,
         )
         for p in range(pipelines)
         for s, stage in enumerate(placed.stages)

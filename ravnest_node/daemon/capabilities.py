@@ -64,4 +64,6 @@ def measure(
     """This node's capabilities for `model_name` (`scale` multiplies the measured times and
     `block_delay_s` adds to each block's: a test's way to make one node look, or be, slower)."""
     block_s = [t * scale + block_delay_s for t in time_blocks(model_name, microbatch)]
-    return pb.Capabilities(block_s=block_s, memory_bytes=available_memory_bytes(), device="cpu")
+    return pb.Capabilities(
+        block_s=block_s, memory_bytes=available_memory_bytes(), device="cpu", unpacks_deflate=True
+    )

@@ -822,6 +822,7 @@ class Worker:
                             choice.name)  # fmt: skip
                 return
             choice.bandwidth_bps = estimate.bandwidth_bps
+            choice.peer_unpacks_deflate = peer.unpacks_deflate
             log.info(
                 "%s: link to %s measured at %.1f Mbit/s, RTT %.2f ms (%d probe bytes)",
                 choice.what,

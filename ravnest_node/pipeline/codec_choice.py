@@ -10,8 +10,9 @@ stage starts with the smallest codec of the ladder (nothing is known yet), and r
   the new one). The first window holds start-up costs (first calls, allocations) and is
   skipped, so the first decision comes at frame 2 x `every`.
 
-When the smallest codec still does not fit (`link_bound`), its payloads are also packed with
-deflate; `deflated` counts those frames.
+When the smallest codec still does not fit (`link_bound`) and the peer unpacks deflate (its
+plan entry says so; an older node does not), the payloads are also packed with deflate;
+`deflated` counts the frames that went deflated (the sender reports each with `sent`).
 
 A change takes effect at the next frame; the sender state (error feedback, rounding RNG) starts
 afresh with the new codec. Changes are logged; the metrics keep the codec of the last frame and
@@ -54,10 +55,13 @@ class CodecChoice:
         compute_s: Callable[[], float],
         every: int,
         what: str,
+        packs: bool = True,
     ) -> None:
         """`name`: a registered codec or "auto"; `compute_s`: the stage's compute seconds so
-        far; `every`: frames between two decisions; `what`: the link, for logs."""
+        far; `every`: frames between two decisions; `what`: the link, for logs; `packs`: the
+        run packs payloads (its lz4 setting; off, nothing is deflated either)."""
         self.auto = name == AUTO
+        self.packs = packs
         self.role: Role = role
         self.what = what
         self.bandwidth_bps: float | None = None
@@ -65,10 +69,13 @@ class CodecChoice:
         self.compute_per_microbatch_s: float | None = None
         self.frames: dict[str, int] = {}
         """Frames sent per codec (replaced, never mutated: safe to read from another thread)."""
+        self.peer_unpacks_deflate = False
+        """The peer unpacks deflated payloads (set by the worker from the plan)."""
         self.deflate = False
-        """Whether the next frame's payload is packed with deflate (auto, bottleneck links)."""
+        """Whether the next frame asks for deflate (auto, a bottleneck link, a peer that
+        unpacks it)."""
         self.deflated = 0
-        """Frames sent asking for deflate."""
+        """Frames that went deflated (`sent`)."""
         self._compute_s = compute_s
         self._every = max(1, every)
         self._current = self._make(AUTO_LADDER[-1] if self.auto else name)
@@ -92,8 +99,11 @@ class CodecChoice:
         self._sent += 1
         codec, state = self._current
         self.frames = {**self.frames, codec.name: self.frames.get(codec.name, 0) + 1}
-        self.deflated += self.deflate
         return Outgoing(tensor_name, tensor, codec, state, deflate=self.deflate)
+
+    def sent(self, packing: str) -> None:
+        """The frame of the last `outgoing` went with this packing ("deflate", "lz4", "")."""
+        self.deflated += packing == "deflate"
 
     def _decide(self, tensor: torch.Tensor) -> None:
         now_s = self._compute_s()
@@ -116,8 +126,13 @@ class CodecChoice:
             current=self.name,
         )
         smallest = dict(self._sizes)[AUTO_LADDER[-1]]
-        deflate = chosen == AUTO_LADDER[-1] and link_bound(
-            smallest, bandwidth_bps=self.bandwidth_bps, compute_s=estimate, was=self.deflate
+        deflate = (
+            self.packs
+            and self.peer_unpacks_deflate
+            and chosen == AUTO_LADDER[-1]
+            and link_bound(
+                smallest, bandwidth_bps=self.bandwidth_bps, compute_s=estimate, was=self.deflate
+            )
         )
         if chosen != self.name or deflate != self.deflate:
             log.info(

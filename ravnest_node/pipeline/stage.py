@@ -260,10 +260,12 @@ class StageRuntime:
         self.activation_codec = CodecChoice(
             run.activation, "activation", compute_s=lambda: self.compute_s,
             every=run.microbatches, what=f"stage {spec.index} activations downstream",
+            packs=run.lz4,
         )  # fmt: skip
         self.gradient_codec = CodecChoice(
             run.gradient, "gradient", compute_s=lambda: self.compute_s,
             every=run.microbatches, what=f"stage {spec.index} gradients upstream",
+            packs=run.lz4,
         )  # fmt: skip
         self._lz4_ratio = LZ4_MIN_RATIO if run.lz4 else 0.0
         mb = run.microbatch_size
@@ -851,7 +853,8 @@ class StageRuntime:
             out = torch.func.functional_call(self._blocks, weights, (x,))
             self._in_flight[seq] = _InFlight(version, weights, x, out)
         self.activation_fp32_bytes += 4 * out.numel()  # (an int += on the compute thread)
-        return encode_frame(
+        packing: list[str] = []
+        message = encode_frame(
             FrameKind.FORWARD,
             seq,
             version,
@@ -861,7 +864,10 @@ class StageRuntime:
             ],
             samples=samples,
             lz4_min_ratio=self._lz4_ratio,
+            packing=packing,
         )
+        self.activation_codec.sent(packing[0])
+        return message
 
     def _forward_loss_backward(
         self, seq: int, received: dict[str, torch.Tensor]
@@ -908,13 +914,17 @@ class StageRuntime:
             return None
         assert x.grad is not None
         self.gradient_fp32_bytes += 4 * x.grad.numel()
-        return encode_frame(
+        packing: list[str] = []
+        message = encode_frame(
             FrameKind.BACKWARD,
             seq,
             version,
             [self.gradient_codec.outgoing(GRAD, x.grad)],
             lz4_min_ratio=self._lz4_ratio,
+            packing=packing,
         )
+        self.gradient_codec.sent(packing[0])
+        return message
 
     def _slow_down(self) -> None:
         """Test only: the stage named by fault_slow_stage works fault_slow_ms longer per

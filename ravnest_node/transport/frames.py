@@ -192,12 +192,14 @@ def encode_frame(
     *,
     samples: Sequence[int] = (),
     lz4_min_ratio: float = LZ4_MIN_RATIO,
+    packing: list[str] | None = None,
 ) -> bytes:
     """One frame carrying `tensors`, and the dataset ids of their rows if `samples` is given.
     Codecs that do not apply to a tensor's dtype (e.g. int8 on integer targets) fall back to
     `none`. Each payload is lz4-compressed when that makes it at least `lz4_min_ratio` times
     smaller, or deflate-compressed where its `Outgoing` asks for deflate and that makes it at
-    least DEFLATE_MIN_RATIO times smaller (`lz4_min_ratio` 0 disables both)."""
+    least DEFLATE_MIN_RATIO times smaller (`lz4_min_ratio` 0 disables both). `packing`, if
+    given, gets one entry per tensor: "deflate", "lz4" or "" (sent as the codec made it)."""
     metas: list[dict[str, Any]] = []
     payloads: list[bytes] = []
     for item in tensors:
@@ -221,6 +223,8 @@ def encode_frame(
         }
         if deflated is not None:
             meta["deflate"] = True
+        if packing is not None:
+            packing.append("deflate" if deflated is not None else "lz4" if packed else "")
         metas.append(meta)
         payloads.append(wire)
     fields: dict[str, Any] = {"kind": int(kind), "seq": seq, "version": version, "tensors": metas}
