@@ -61,6 +61,16 @@ def transfer_s(nbytes: int, bandwidth_bps: float) -> float:
     return nbytes * 8 / bandwidth_bps
 
 
+def _fits(
+    nbytes: int, bandwidth_bps: float, compute_s: float, share: float, margin: float
+) -> bool:
+    """Whether `nbytes` moves over `bandwidth_bps` within `share` of `compute_s`, less a
+    `margin` (0, or the hysteresis). ValueError for non-positive measurements."""
+    if not bandwidth_bps > 0 or not compute_s > 0:
+        raise ValueError(f"bandwidth_bps={bandwidth_bps} and compute_s={compute_s} must be > 0")
+    return transfer_s(nbytes, bandwidth_bps) <= share * compute_s * (1 - margin)
+
+
 def choose_codec(
     sizes: Sizes,
     *,
@@ -76,14 +86,10 @@ def choose_codec(
     margin. ValueError for empty sizes or non-positive measurements."""
     if not sizes:
         raise ValueError("choose_codec needs at least one candidate")
-    if not bandwidth_bps > 0 or not compute_s > 0:
-        raise ValueError(f"bandwidth_bps={bandwidth_bps} and compute_s={compute_s} must be > 0")
     names = [name for name, _ in sizes]
     rank = names.index(current) if current in names else 0  # codecs more faithful than current
-    budget_s = share * compute_s
     for i, (name, nbytes) in enumerate(sizes):
-        limit_s = budget_s * (1 - hysteresis) if i < rank else budget_s
-        if transfer_s(nbytes, bandwidth_bps) <= limit_s:
+        if _fits(nbytes, bandwidth_bps, compute_s, share, hysteresis if i < rank else 0.0):
             return name
     return names[-1]
 
@@ -101,7 +107,4 @@ def link_bound(
     `bandwidth_bps` than `share` of `compute_s`: the link, not compute, sets the pace, and
     packing with deflate pays. Once true (`was`), it stays true until the transfer fits with
     the `hysteresis` margin, so a link near the threshold does not flap."""
-    if not bandwidth_bps > 0 or not compute_s > 0:
-        raise ValueError(f"bandwidth_bps={bandwidth_bps} and compute_s={compute_s} must be > 0")
-    budget_s = share * compute_s
-    return transfer_s(nbytes, bandwidth_bps) > (budget_s * (1 - hysteresis) if was else budget_s)
+    return not _fits(nbytes, bandwidth_bps, compute_s, share, hysteresis if was else 0.0)

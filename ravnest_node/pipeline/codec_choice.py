@@ -125,7 +125,7 @@ class CodecChoice:
             compute_s=estimate,
             current=self.name,
         )
-        smallest = dict(self._sizes)[AUTO_LADDER[-1]]
+        smallest = self._sizes[-1][1]  # (sizes are in ladder order)
         deflate = (
             self.packs
             and self.peer_unpacks_deflate
