@@ -20,6 +20,8 @@ from ravnest_node.compression.auto import (
     link_bound,
     payload_sizes,
 )
+from ravnest_node.compression.codecs import BOTTLENECK_BLOCK, COARSE_CODES
+from ravnest_node.compression.quant import BlockQuant
 from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
@@ -314,24 +316,41 @@ def test_auto_packs_with_deflate_only_while_the_link_is_the_bottleneck() -> None
         choice.peer_unpacks_deflate = peer_unpacks_deflate
         return choice, compute
 
+    coarse: list[bool] = []
+
     def asked(choice: CodecChoice, compute: _Compute, steps: int) -> list[bool]:
         tensor = torch.zeros(4, 32, 64)
         out = []
         for _ in range(steps * 4):
-            wanted = choice.outgoing("grad", tensor).deflate
-            out.append(wanted)
-            choice.sent("deflate" if wanted else "")  # (as encode_frame would report it)
+            sent = choice.outgoing("grad", tensor)
+            out.append(sent.deflate)
+            coarse.append(isinstance(sent.codec, BlockQuant) and sent.codec.codes == COARSE_CODES)
+            choice.sent("deflate" if sent.deflate else "")  # (as encode_frame would report it)
             compute.s += 0.004  # budget 2 ms
         return out
 
-    # Nothing measured for two steps; then the link is the bottleneck.
+    # Nothing measured for two steps; then the link is the bottleneck, and the gradients go
+    # with coarse codes (still int4-block on the wire) as long as they are deflated.
     choice, compute = link()
     assert asked(choice, compute, 3) == [False] * 8 + [True] * 4
+    assert coarse == [False] * 8 + [True] * 4
     assert choice.deflated == 4 and choice.name == "int4-block"
     # A much faster link: int4 fits the budget, or a more faithful codec does: no deflate.
     choice.bandwidth_bps = 1000 * MBIT
     assert asked(choice, compute, 2) == [False] * 8
-    assert choice.deflated == 4
+    assert choice.deflated == 4 and not any(coarse[12:])
+    # Activations are deflated on the same link; they keep all 15 values, with one scale per
+    # 256 elements.
+    activations = CodecChoice(AUTO, "activation", compute_s=(a := _Compute()), every=4,
+                              what="test")  # fmt: skip
+    activations.bandwidth_bps, activations.peer_unpacks_deflate = 1 * MBIT, True
+    sent = []
+    for _ in range(12):
+        sent.append(activations.outgoing("hidden", torch.zeros(4, 32, 64)))
+        a.s += 0.004
+    assert [o.deflate for o in sent] == [False] * 8 + [True] * 4
+    kinds = [(o.codec.block, o.codec.codes) for o in sent if isinstance(o.codec, BlockQuant)]
+    assert kinds == [(64, 0)] * 8 + [(BOTTLENECK_BLOCK, 0)] * 4
     # Never towards a peer that does not unpack it (an older node), nor with packing off.
     for choice, compute in (link(peer_unpacks_deflate=False), link(packs=False)):
         assert not any(asked(choice, compute, 4)) and choice.deflated == 0

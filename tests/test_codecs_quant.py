@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import struct
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ravnest_node.compression.codecs import Codec
+from ravnest_node.compression.codecs import Codec, get_codec
 from ravnest_node.compression.quant import BlockQuant, int4_block, int8_block
 from ravnest_node.compression.sparse import TopK
 from ravnest_node.errors import ConfigError, FrameError
@@ -438,3 +439,51 @@ def test_topk_decodes_a_valid_handmade_payload() -> None:
     expected[[0, 7, 999]] = [1.5, -2.0, 3.0]
     assert out.dtype == torch.float16
     assert np.array_equal(out.float().reshape(-1).numpy(), expected)
+
+
+# ---- coarse codes: fewer values in an ordinary payload ----
+
+
+@given(x=tensors(), codes=st.integers(1, 6), stochastic=st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_coarse_codes_keep_their_bound_and_decode_as_plain_int4(
+    x: torch.Tensor, codes: int, stochastic: bool
+) -> None:
+    coarse = int4_block(stochastic=stochastic, codes=codes)
+    params, payload = coarse.encode(x, coarse.new_state())
+    # Any int4-block decoder reads it: the wire format is the registered codec's.
+    plain = get_codec("int4-block")
+    assert params == {"bits": 4, "block": 64}
+    out = plain.decode(memoryview(payload), x.shape, x.dtype, params)
+    s = block_scales(x, 64)
+    bound = s / codes * (1.0 if stochastic else 0.5) + s * 1e-6
+    assert bool(((out.reshape(-1) - x.reshape(-1)).abs() <= bound).all())
+    _, sent = coarse.quantise(x.reshape(-1).float(), torch.Generator().manual_seed(0))
+    assert sent.numel() == 0 or int(sent.abs().max()) <= codes
+
+
+def test_coarse_codes_are_unbiased_and_fall_back_where_the_scale_would_overflow() -> None:
+    codec = int4_block(stochastic=True, codes=3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 64, generator=gen) * torch.tensor([[1.0], [1e-4]])
+    state = codec.new_state()
+    mean = sum(roundtrip(codec, x, state) for _ in range(2000)) / 2000
+    step = block_scales(x, 64).view_as(x) / 3
+    assert bool(((mean - x).abs() <= 6 * step / (2 * math.sqrt(2000))).all())
+    # s * 7 / 3 overflows float32 for this block: it keeps the 15 values and decodes right.
+    huge = torch.full((64,), 3e38)
+    huge[1] = -1e38
+    out = roundtrip(int4_block(codes=3), huge)
+    assert bool(torch.isfinite(out).all())
+    assert bool(((out - huge).abs() <= 3e38 / 14 * (1 + 1e-6)).all())
+
+
+def test_coarse_gradients_pack_smaller_with_deflate() -> None:
+    x = torch.randn(64 * 512, generator=torch.Generator().manual_seed(5))
+
+    def packed(codec: BlockQuant) -> int:
+        return len(zlib.compress(codec.encode(x, codec.new_state())[1], 1))
+
+    assert packed(int4_block(stochastic=True, codes=3)) < 0.9 * packed(int4_block(stochastic=True))
+    with pytest.raises(ConfigError):
+        int4_block(codes=8)

@@ -9,18 +9,25 @@ end the final weights are evaluated on 8 batches that training never drew.
 
     FWD=4 BWD=2 python docs/bench/boundary_codec_sim.py [STEPS]
 
-FWD, BWD: none, 8, 4 or 2 (2 bits: ternary codes, the ones aq-delta2 sends); BLOCK=64 elements
-per scale. With FWD=none BWD=none it reproduces the three-process run's losses (mean of the last
-5 steps 2.8911 after 40 steps); FWD=4 BWD=4 gives 2.8951 (+0.14%; the processes: +0.17%).
+FWD, BWD: none, 8, 4 or 2 (2 bits: ternary codes, the ones aq-delta2 sends); 3, 5 or 6: codes
+-3..3, -2..2 or -1..1 in int4-block payloads (`BlockQuant.codes`, what `auto` sends gradients
+with over a bottleneck link is 3); sub: the experimental transform codec of subspace_codec.py
+(ALPHA, RANK, REFRESH, ITERS set it). BLOCK=64 elements per scale, FBLOCK the activations' own
+(default BLOCK); SEED=0 the model's and the data's seed. Bits per element are of the payloads
+packed with deflate (the subspace codec packs its own). With FWD=none BWD=none it reproduces
+the three-process run's losses (mean of the last 5 steps 2.8911 after 40 steps); FWD=4 BWD=4
+gives 2.8951 (+0.14%; the processes: +0.17%).
 """
 
 import itertools
 import os
 import sys
+import zlib
 from typing import Any
 
 import torch
 from sim_report import report
+from subspace_codec import Subspace, SubspaceBases, SubspaceState
 
 from ravnest_node.compression.quant import BlockQuant
 from ravnest_node.data.stdlib_bytes import StdlibBytes
@@ -30,40 +37,67 @@ torch.set_num_threads(1)
 env = os.environ.get
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 40
 block = int(env("BLOCK", "64"))
+alpha, rank, refresh = float(env("ALPHA", "0.5")), int(env("RANK", "32")), int(env("REFRESH", "8"))
 
 
-def codec(bits: str, stochastic: bool) -> BlockQuant | None:
-    return None if bits == "none" else BlockQuant("sim", int(bits), block, stochastic)
+Coder = BlockQuant | tuple[Subspace, SubspaceState, SubspaceBases] | None
 
 
-forward_codec, backward_codec = codec(env("FWD", "none"), False), codec(env("BWD", "none"), True)
+def codec(bits: str, stochastic: bool, block: int = block) -> Coder:
+    if bits == "sub":
+        sub = Subspace(alpha=alpha, rank=rank, refresh=refresh, stochastic=stochastic,
+                       iterations=int(env("ITERS", "1")))  # fmt: skip
+        return sub, sub.new_state(), SubspaceBases()
+    if bits == "none":
+        return None
+    coarse = {"3": 3, "5": 2, "6": 1}.get(bits, 0)  # codes -c..c in int4 payloads
+    return BlockQuant("sim", 4 if coarse else int(bits), block, stochastic, codes=coarse)
+
+
+forward_codec = codec(env("FWD", "none"), False, int(env("FBLOCK", str(block))))
+backward_codec = codec(env("BWD", "none"), True)
 generator = torch.Generator().manual_seed(1)
+wire_bits = {"fwd": 0.0, "bwd": 0.0}
+elements = {"fwd": 0, "bwd": 0}
 
 
-def through(c: BlockQuant | None, x: torch.Tensor) -> torch.Tensor:
+def through(c: Coder, x: torch.Tensor, way: str) -> torch.Tensor:
     """`x` as the receiver decodes it after `c` encoded it."""
+    elements[way] += x.numel()
     if c is None:
+        wire_bits[way] += 32 * x.numel()
         return x
+    if isinstance(c, tuple):
+        sub, state, bases = c
+        params, payload = sub.encode(x, state)
+        wire_bits[way] += 8 * len(payload)
+        out, commit = sub.decode_with(bases, way, memoryview(payload), x.shape, x.dtype, params)
+        commit()
+        return out
     flat = x.detach().reshape(-1).float()
     scales, codes = c.quantise(flat, generator if c.stochastic else None)
+    packer = zlib.compressobj(1, zlib.DEFLATED, -15)
+    raw = c.pack(scales, codes)
+    wire_bits[way] += 8 * len(packer.compress(raw) + packer.flush())
     return c.dequantise(scales, codes)[: flat.numel()].view_as(x).to(x.dtype)
 
 
 class Boundary(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return through(forward_codec, x)
+        return through(forward_codec, x, "fwd")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return through(backward_codec, grad)
+        return through(backward_codec, grad, "bwd")
 
 
 model = get_model("bench-small")
-blocks = model.build_blocks(0)
+seed = int(env("SEED", "0"))
+blocks = model.build_blocks(seed)
 stages = [torch.nn.Sequential(*blocks[a:b]) for a, b in itertools.pairwise([0, 3, 5, 8])]
 opt = torch.optim.AdamW([p for s in stages for p in s.parameters()], lr=3e-4, weight_decay=0.01)
-data = StdlibBytes(seq_len=model.input_spec(1).shape[1], seed=0)
+data = StdlibBytes(seq_len=model.input_spec(1).shape[1], seed=seed)
 losses = []
 for step in range(steps):
     x, y = data.batch(step, 16)
@@ -82,3 +116,6 @@ for step in range(steps):
     losses.append(step_loss)
 
 report(stages, model, data, losses)
+fwd, bwd = (wire_bits[w] / max(1, elements[w]) for w in ("fwd", "bwd"))
+print(f"bits per element: activations {fwd:.2f}, gradients {bwd:.2f}, "
+      f"both {(wire_bits['fwd'] + wire_bits['bwd']) / max(1, sum(elements.values())):.2f}")

@@ -35,6 +35,7 @@ from ravnest_node.compression import (
     encoder,
     get_codec,
 )
+from ravnest_node.compression.quant import BlockQuant
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.models import get_model
@@ -57,7 +58,9 @@ DELTA_BLOCKS = slice(1, 3)
 parameters in bench-small)."""
 MEASURED_DELTA_CODECS = ("none", "int8-block", "int4-block", "powersgd")
 DEFLATED_CODECS = ("int8-block", "int4-block")
-"""Codecs the micro table also measures packed with deflate (`auto`'s bottleneck links)."""
+"""Codecs the micro table also measures packed with deflate as `auto` sends them over a
+bottleneck link (int4-block: activations with one scale per 256 elements, gradients with codes
+-3..3; compression/codecs.py)."""
 
 
 def sample_tensors(
@@ -120,6 +123,13 @@ def _delta_round_trip(
     }
 
 
+def _variant(codec: object) -> str:
+    """How a bottleneck variant differs from its registered codec (compression/codecs.py)."""
+    if not isinstance(codec, BlockQuant) or codec.name != "int4-block":
+        return ""
+    return f", codes -{codec.codes}..{codec.codes}" if codec.codes else f", block {codec.block}"
+
+
 def _round_trip(
     codec_name: str,
     role: str,
@@ -132,7 +142,10 @@ def _round_trip(
     aq-delta, `before` (the same samples' previous activation) is sent first, so `x` travels as
     a delta."""
     limits = FrameLimits(max_message_bytes=1 << 28)
-    codec = encoder(codec_name, "activation" if role == "activation" else "gradient")
+    # Deflated rows are what `auto` sends over a bottleneck link: its int4-block variants.
+    codec = encoder(
+        codec_name, "activation" if role == "activation" else "gradient", bottleneck=deflate
+    )
     samples = list(range(x.shape[0])) if codec_name in ACTIVATION_ONLY else []
     state = codec.new_state()
     refs = {"t": SampleReferences()}
@@ -157,7 +170,7 @@ def _round_trip(
     seconds = (time.perf_counter() - started) / repeats
     return {
         "role": role,
-        "codec": codec_name + (" + deflate" if deflate else ""),
+        "codec": codec_name + (_variant(codec) + " + deflate" if deflate else ""),
         "bits_per_element": nbytes * 8 / x.numel(),
         "lz4": header.lz4,
         "deflate": header.deflate,

@@ -12,7 +12,10 @@ stage starts with the smallest codec of the ladder (nothing is known yet), and r
 
 When the smallest codec still does not fit (`link_bound`) and the peer unpacks deflate (its
 plan entry says so; an older node does not), the payloads are also packed with deflate;
-`deflated` counts the frames that went deflated (the sender reports each with `sent`).
+`deflated` counts the frames that went deflated (the sender reports each with `sent`). int4-block
+then takes its bottleneck variants (`encoder(..., bottleneck=True)`): activations with one scale
+per 256 elements, gradients with codes -3..3; both are ordinary int4-block payloads that deflate
+packs 12-23% smaller.
 
 A change takes effect at the next frame; the sender state (error feedback, rounding RNG) starts
 afresh with the new codec. Changes are logged; the metrics keep the codec of the last frame and
@@ -34,7 +37,7 @@ from ravnest_node.compression.auto import (
     link_bound,
     payload_sizes,
 )
-from ravnest_node.compression.codecs import Role
+from ravnest_node.compression.codecs import BOTTLENECK_BLOCK, COARSE_CODES, Role
 from ravnest_node.transport.frames import Outgoing
 
 log = logging.getLogger(__name__)
@@ -88,8 +91,8 @@ class CodecChoice:
         """The codec the next frame is sent with."""
         return self._current[0].name
 
-    def _make(self, name: str) -> tuple[Codec, object | None]:
-        codec = encoder(name, self.role)
+    def _make(self, name: str, bottleneck: bool = False) -> tuple[Codec, object | None]:
+        codec = encoder(name, self.role, bottleneck=bottleneck)
         return codec, codec.new_state()
 
     def outgoing(self, tensor_name: str, tensor: torch.Tensor) -> Outgoing:
@@ -135,16 +138,21 @@ class CodecChoice:
             )
         )
         if chosen != self.name or deflate != self.deflate:
+            lean = (
+                f"codes -{COARSE_CODES}..{COARSE_CODES}"
+                if self.role == "gradient"
+                else f"block {BOTTLENECK_BLOCK}"
+            )
+            packed = f" + deflate ({lean})"  # (deflate only ever comes with int4-block)
             log.info(
                 "%s: codec %s%s -> %s%s (link %.1f Mbit/s, compute %.1f ms per microbatch)",
                 self.what,
                 self.name,
-                " + deflate" if self.deflate else "",
+                packed if self.deflate else "",
                 chosen,
-                " + deflate" if deflate else "",
+                packed if deflate else "",
                 self.bandwidth_bps / 1e6,
                 estimate * 1e3,
             )
-        if chosen != self.name:
-            self._current = self._make(chosen)
+            self._current = self._make(chosen, bottleneck=deflate)
         self.deflate = deflate
