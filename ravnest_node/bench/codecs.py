@@ -35,7 +35,7 @@ from ravnest_node.compression import (
     encoder,
     get_codec,
 )
-from ravnest_node.compression.quant import BlockQuant
+from ravnest_node.compression.codecs import variant_label
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.models import get_model
@@ -123,13 +123,6 @@ def _delta_round_trip(
     }
 
 
-def _variant(codec: object) -> str:
-    """How a bottleneck variant differs from its registered codec (compression/codecs.py)."""
-    if not isinstance(codec, BlockQuant) or codec.name != "int4-block":
-        return ""
-    return f", codes -{codec.codes}..{codec.codes}" if codec.codes else f", block {codec.block}"
-
-
 def _round_trip(
     codec_name: str,
     role: str,
@@ -170,7 +163,7 @@ def _round_trip(
     seconds = (time.perf_counter() - started) / repeats
     return {
         "role": role,
-        "codec": codec_name + (_variant(codec) + " + deflate" if deflate else ""),
+        "codec": codec_name + (variant_label(codec) + " + deflate" if deflate else ""),
         "bits_per_element": nbytes * 8 / x.numel(),
         "lz4": header.lz4,
         "deflate": header.deflate,

@@ -17,7 +17,7 @@ from typing import Literal, Protocol
 import torch
 
 from ravnest_node.compression.aq import AQDelta
-from ravnest_node.compression.quant import check_payload_size, int4_block, int8_block
+from ravnest_node.compression.quant import BlockQuant, check_payload_size, int4_block, int8_block
 from ravnest_node.compression.sparse import TopK
 from ravnest_node.errors import ConfigError, FrameError
 
@@ -237,3 +237,13 @@ _BOTTLENECK_GRADIENT: dict[str, Codec] = {
     **_GRADIENT_VARIANTS,
     "int4-block": int4_block(INT4_BLOCK, stochastic=True, codes=COARSE_CODES),
 }
+
+
+def variant_label(codec: Codec) -> str:
+    """How an int4-block bottleneck variant differs from the registered codec ("" otherwise),
+    for logs and tables: ", codes -3..3" or ", block 256"."""
+    if not isinstance(codec, BlockQuant) or codec.name != "int4-block":
+        return ""
+    if codec.codes:
+        return f", codes -{codec.codes}..{codec.codes}"
+    return f", block {codec.block}" if codec.block != INT4_BLOCK else ""

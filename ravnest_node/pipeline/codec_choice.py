@@ -37,7 +37,7 @@ from ravnest_node.compression.auto import (
     link_bound,
     payload_sizes,
 )
-from ravnest_node.compression.codecs import BOTTLENECK_BLOCK, COARSE_CODES, Role
+from ravnest_node.compression.codecs import Role, variant_label
 from ravnest_node.transport.frames import Outgoing
 
 log = logging.getLogger(__name__)
@@ -138,21 +138,19 @@ class CodecChoice:
             )
         )
         if chosen != self.name or deflate != self.deflate:
-            lean = (
-                f"codes -{COARSE_CODES}..{COARSE_CODES}"
-                if self.role == "gradient"
-                else f"block {BOTTLENECK_BLOCK}"
-            )
-            packed = f" + deflate ({lean})"  # (deflate only ever comes with int4-block)
+            before = self._label()
+            self._current = self._make(chosen, bottleneck=deflate)
+            self.deflate = deflate
             log.info(
-                "%s: codec %s%s -> %s%s (link %.1f Mbit/s, compute %.1f ms per microbatch)",
+                "%s: codec %s -> %s (link %.1f Mbit/s, compute %.1f ms per microbatch)",
                 self.what,
-                self.name,
-                packed if self.deflate else "",
-                chosen,
-                packed if deflate else "",
+                before,
+                self._label(),
                 self.bandwidth_bps / 1e6,
                 estimate * 1e3,
             )
-            self._current = self._make(chosen, bottleneck=deflate)
-        self.deflate = deflate
+
+    def _label(self) -> str:
+        """The current codec as logs name it: "int4-block, codes -3..3 + deflate"."""
+        codec = self._current[0]
+        return codec.name + variant_label(codec) + (" + deflate" if self.deflate else "")
