@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from ravnest_node.compression.codecs import Codec, get_codec
 from ravnest_node.compression.quant import BlockQuant, int4_block, int8_block
 from ravnest_node.compression.sparse import TopK
+from ravnest_node.compression.transform import KLT_ACTIVATION
 from ravnest_node.errors import ConfigError, FrameError
 
 QUANTS = [
@@ -246,8 +247,8 @@ def test_empty_tensor_quantises() -> None:
 
 # ---- hostile input: FrameError and nothing else ----
 
-ALL = [*QUANTS, TopK()]
-ALL_IDS = [*QUANT_IDS, "topk-ef"]
+ALL = [*QUANTS, TopK(), KLT_ACTIVATION]
+ALL_IDS = [*QUANT_IDS, "topk-ef", "klt"]
 HOSTILE_VALUES = st.one_of(
     st.integers(-(2**70), 2**70),
     st.sampled_from([0, 1, 2, 4, 8, 15, 16, 64, 65536, 65537, 2**31, 2**40, -1]),

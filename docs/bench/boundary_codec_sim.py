@@ -12,24 +12,28 @@ end the final weights are evaluated on 8 batches that training never drew.
 FWD, BWD: none, 8, 4 or 2 (2 bits: ternary codes, the ones aq-delta2 sends); 3, 5 or 6: codes
 -3..3, -2..2 or -1..1 in int4-block payloads (`BlockQuant.codes`, what `auto` sends gradients
 with over a bottleneck link is 3); sub: the experimental transform codec of subspace_codec.py
-(ALPHA, RANK, REFRESH, ITERS set it). BLOCK=64 elements per scale, FBLOCK the activations' own
-(default BLOCK); SEED=0 the model's and the data's seed. Bits per element are of the payloads
-packed with deflate (the subspace codec packs its own). With FWD=none BWD=none it reproduces
-the three-process run's losses (mean of the last 5 steps 2.8911 after 40 steps); FWD=4 BWD=4
-gives 2.8951 (+0.14%; the processes: +0.17%).
+(ALPHA, RANK, REFRESH, ITERS set it); klt: the klt codec (compression/transform.py) as a
+sender uses it for the role, a stream per boundary and direction. BLOCK=64 elements per scale,
+FBLOCK the activations' own (default BLOCK); SEED=0 the model's and the data's seed. Bits per
+element are of the payloads packed with deflate (the subspace and klt codecs pack their own).
+With FWD=none BWD=none it reproduces the three-process run's losses (mean of the last 5 steps
+2.8911 after 40 steps); FWD=4 BWD=4 gives 2.8951 (+0.14%; the processes: +0.17%).
 """
 
 import itertools
 import os
 import sys
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from sim_report import report
 from subspace_codec import Subspace, SubspaceBases, SubspaceState
 
+from ravnest_node.compression import encoder
 from ravnest_node.compression.quant import BlockQuant
+from ravnest_node.compression.transform import KLT, KLTBases, KLTState
 from ravnest_node.data.stdlib_bytes import StdlibBytes
 from ravnest_node.models.base import get_model
 
@@ -40,7 +44,16 @@ block = int(env("BLOCK", "64"))
 alpha, rank, refresh = float(env("ALPHA", "0.5")), int(env("RANK", "32")), int(env("REFRESH", "8"))
 
 
-Coder = BlockQuant | tuple[Subspace, SubspaceState, SubspaceBases] | None
+@dataclass
+class KLTStream:
+    """One boundary's stream of klt frames: the codec, the sender's state, the receiver's."""
+
+    codec: KLT
+    state: KLTState
+    bases: KLTBases
+
+
+Coder = BlockQuant | KLTStream | tuple[Subspace, SubspaceState, SubspaceBases] | None
 
 
 def codec(bits: str, stochastic: bool, block: int = block) -> Coder:
@@ -50,12 +63,17 @@ def codec(bits: str, stochastic: bool, block: int = block) -> Coder:
         return sub, sub.new_state(), SubspaceBases()
     if bits == "none":
         return None
+    if bits == "klt":
+        klt = encoder("klt", "gradient" if stochastic else "activation")
+        assert isinstance(klt, KLT)
+        return KLTStream(klt, klt.new_state(), KLTBases())
     coarse = {"3": 3, "5": 2, "6": 1}.get(bits, 0)  # codes -c..c in int4 payloads
     return BlockQuant("sim", 4 if coarse else int(bits), block, stochastic, codes=coarse)
 
 
-forward_codec = codec(env("FWD", "none"), False, int(env("FBLOCK", str(block))))
-backward_codec = codec(env("BWD", "none"), True)
+# One coder per boundary (a stateful codec keeps a stream per boundary and direction).
+forward_codecs = [codec(env("FWD", "none"), False, int(env("FBLOCK", str(block)))) for _ in "01"]
+backward_codecs = [codec(env("BWD", "none"), True) for _ in "01"]
 generator = torch.Generator().manual_seed(1)
 wire_bits = {"fwd": 0.0, "bwd": 0.0}
 elements = {"fwd": 0, "bwd": 0}
@@ -67,6 +85,12 @@ def through(c: Coder, x: torch.Tensor, way: str) -> torch.Tensor:
     if c is None:
         wire_bits[way] += 32 * x.numel()
         return x
+    if isinstance(c, KLTStream):
+        params, payload = c.codec.encode(x, c.state)
+        wire_bits[way] += 8 * len(payload)
+        out, commit = c.codec.decode_stream(c.bases, memoryview(payload), x.shape, x.dtype, params)
+        commit()
+        return out
     if isinstance(c, tuple):
         sub, state, bases = c
         params, payload = sub.encode(x, state)
@@ -84,12 +108,13 @@ def through(c: Coder, x: torch.Tensor, way: str) -> torch.Tensor:
 
 class Boundary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return through(forward_codec, x, "fwd")
+    def forward(ctx: Any, x: torch.Tensor, i: int) -> torch.Tensor:
+        ctx.i = i
+        return through(forward_codecs[i], x, "fwd")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return through(backward_codec, grad, "bwd")
+        return through(backward_codecs[ctx.i], grad, "bwd"), None
 
 
 model = get_model("bench-small")
@@ -107,7 +132,7 @@ for step in range(steps):
         for i, stage in enumerate(stages):
             h = stage(h)
             if i < len(stages) - 1:
-                h = Boundary.apply(h)
+                h = Boundary.apply(h, i)
         loss = model.loss(h, y[mb * 4 : (mb + 1) * 4]) / 4
         loss.backward()
         step_loss += loss.item()
@@ -117,5 +142,7 @@ for step in range(steps):
 
 report(stages, model, data, losses)
 fwd, bwd = (wire_bits[w] / max(1, elements[w]) for w in ("fwd", "bwd"))
-print(f"bits per element: activations {fwd:.2f}, gradients {bwd:.2f}, "
-      f"both {(wire_bits['fwd'] + wire_bits['bwd']) / max(1, sum(elements.values())):.2f}")
+print(
+    f"bits per element: activations {fwd:.2f}, gradients {bwd:.2f}, "
+    f"both {(wire_bits['fwd'] + wire_bits['bwd']) / max(1, sum(elements.values())):.2f}"
+)

@@ -36,6 +36,7 @@ from ravnest_node.compression import (
     get_codec,
 )
 from ravnest_node.compression.codecs import variant_label
+from ravnest_node.compression.transform import KLT, REFRESH_FIRST, KLTBases
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.models import get_model
@@ -141,7 +142,9 @@ def _round_trip(
     )
     samples = list(range(x.shape[0])) if codec_name in ACTIVATION_ONLY else []
     state = codec.new_state()
-    refs = {"t": SampleReferences()}
+    refs: dict[str, SampleReferences | KLTBases] = {
+        "t": KLTBases() if isinstance(codec, KLT) else SampleReferences()
+    }
 
     def send(t: torch.Tensor) -> tuple[int, TensorHeader, torch.Tensor]:
         message = encode_frame(
@@ -154,6 +157,9 @@ def _round_trip(
 
     if before is not None:
         send(before)  # the warm-up visit
+    if isinstance(codec, KLT):  # a basis learned on this tensor (in-sample: optimistic)
+        for _ in range(REFRESH_FIRST + 1):
+            send(x)
     # Error of one round trip from a fresh state (a residual would add to it).
     nbytes, header, decoded = send(x)
     err = float((decoded - x).norm() / x.norm())
@@ -213,6 +219,7 @@ PAIRS = [
     ("int4-block", "int8-block"),
     ("int4-block", "int4-block"),
     ("int8-block", "topk-ef"),
+    ("klt", "klt"),
 ]
 QUICK_PAIRS = [("none", "none"), ("int8-block", "int8-block"), ("int4-block", "int4-block")]
 """--quick: fp32 and the two block quantisers only (each row is a swarm run of ~10 s)."""

@@ -19,6 +19,7 @@ import torch
 from ravnest_node.compression.aq import AQDelta
 from ravnest_node.compression.quant import BlockQuant, check_payload_size, int4_block, int8_block
 from ravnest_node.compression.sparse import TopK
+from ravnest_node.compression.transform import KLT_ACTIVATION, KLT_GRADIENT
 from ravnest_node.errors import ConfigError, FrameError
 
 # The dtypes a frame may name, by wire name. Anything else is refused before allocation.
@@ -177,6 +178,7 @@ CODECS: Mapping[str, Codec] = {
         TopK(name="topk-ef", fraction=0.01),
         AQDelta(name="aq-delta", bits=4, block=AQ_BLOCK),
         AQDelta(name="aq-delta2", bits=2, block=AQ_BLOCK),
+        KLT_ACTIVATION,
     )
 }
 GRADIENT_ONLY = frozenset({"topk-ef"})
@@ -221,6 +223,9 @@ _GRADIENT_VARIANTS: dict[str, Codec] = {
     # Stochastic rounding keeps quantised gradients unbiased.
     "int8-block": int8_block(INT8_BLOCK, stochastic=True),
     "int4-block": int4_block(INT4_BLOCK, stochastic=True),
+    # One step for the whole tensor (only the sum of errors over rows reaches the weights),
+    # stochastic rounding.
+    "klt": KLT_GRADIENT,
 }
 # On a link that sets the pipeline's pace (auto packs its payloads with deflate there), both
 # int4-block variants stay ordinary int4-block payloads. In the one-process simulation of

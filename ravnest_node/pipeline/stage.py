@@ -65,6 +65,7 @@ import torch
 
 from ravnest_node.averaging import AveragingConfig, OuterOptimizer, ReplicaAverager, RoundResult
 from ravnest_node.compression import ACTIVATION_ONLY, SampleReferences, get_codec
+from ravnest_node.compression.transform import KLTBases
 from ravnest_node.errors import FrameError
 from ravnest_node.models import BlockModel
 from ravnest_node.pipeline.codec_choice import CodecChoice
@@ -287,12 +288,17 @@ class StageRuntime:
             if spec.is_first
             else None
         )
-        # aq-delta: the receiving end of the activation stream keeps a reference per sample.
-        self._references = (
-            {HIDDEN: SampleReferences(limit=run.dataset_samples)}
-            if run.activation in ACTIVATION_ONLY and not spec.is_first
-            else {}
-        )
+        # Receiver state per incoming stream: klt's basis (kept whatever the run's codecs, as
+        # a sender may pick klt by itself), and for aq-delta the reference of every sample.
+        self._references: dict[str, SampleReferences | KLTBases] = {}
+        if not spec.is_first:
+            self._references[HIDDEN] = (
+                SampleReferences(limit=run.dataset_samples)
+                if run.activation in ACTIVATION_ONLY
+                else KLTBases()
+            )
+        if not spec.is_last:
+            self._references[GRAD] = KLTBases()
         targets = model.target_spec(mb)
         self._expected_forward = [Expected(TARGETS, targets.shape, targets.dtype)]
         if not spec.is_first:

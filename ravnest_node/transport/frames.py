@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from math import prod
@@ -60,6 +60,7 @@ from ravnest_node.compression import (
     dtype_name,
 )
 from ravnest_node.compression.aq import Commit
+from ravnest_node.compression.transform import KLT, KLTBases
 from ravnest_node.errors import FrameError
 
 MAGIC = b"RVF1"
@@ -110,6 +111,10 @@ class TensorHeader:
     """The payload on the wire is that codec payload, raw-deflate-compressed."""
 
     def decode(self, payload: memoryview) -> torch.Tensor:
+        return self.codec.decode(self.unpacked(payload), self.shape, self.dtype, self.params)
+
+    def unpacked(self, payload: memoryview) -> memoryview:
+        """The codec payload of what came on the wire (lz4 or deflate undone)."""
         if self.deflate:
             payload = _inflate(payload, self.raw_nbytes, self.name)
         elif self.lz4:
@@ -121,7 +126,7 @@ class TensorHeader:
             if len(raw) != self.raw_nbytes:
                 raise FrameError(f"tensor {self.name!r}: lz4 payload has the wrong size")
             payload = raw
-        return self.codec.decode(payload, self.shape, self.dtype, self.params)
+        return payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,20 +163,31 @@ class Frame:
         return tensors
 
     def decode_with(
-        self, references: dict[str, SampleReferences]
+        self, references: Mapping[str, SampleReferences | KLTBases]
     ) -> tuple[dict[str, torch.Tensor], Commit]:
         """The frame's tensors, and a commit that applies the frame to the receiver's state.
 
         A tensor sent with aq-delta is rebuilt from the stream's per-sample references
-        (`references[name]`; FrameError if this receiver keeps none for that tensor). Nothing
+        (`references[name]`; FrameError if this receiver keeps none), one sent with klt in the
+        stream's basis (`references[name]`, a KLTBases; without one, only frames that carry their
+        basis decode). Nothing
         changes until the commit runs, so a frame refused after decoding changes nothing."""
         tensors: dict[str, torch.Tensor] = {}
         commits: list[Commit] = []
         for h, p in zip(self.headers, self.payloads, strict=True):
+            if isinstance(h.codec, KLT):
+                held = references.get(h.name)
+                bases = held if isinstance(held, KLTBases) else None
+                value, commit = h.codec.decode_stream(
+                    bases, h.unpacked(p), h.shape, h.dtype, h.params
+                )
+                commits.append(commit)
+                tensors[h.name] = value
+                continue
             value = h.decode(p)
             if isinstance(h.codec, AQDelta):
                 refs = references.get(h.name)
-                if refs is None:
+                if not isinstance(refs, SampleReferences):
                     raise FrameError(f"tensor {h.name!r}: codec {h.codec.name} is not expected")
                 value, commit = h.codec.reconstruct(refs, self.samples, value, h.params, h.dtype)
                 commits.append(commit)

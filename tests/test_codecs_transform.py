@@ -1,0 +1,260 @@
+"""klt (compression/transform.py) and its entropy coder (compression/rans.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ravnest_node.compression import encoder, get_codec, rans
+from ravnest_node.compression.transform import KLT, REFRESH_FIRST, KLTBases, KLTState
+from ravnest_node.errors import FrameError
+from ravnest_node.transport.frames import (
+    FrameKind,
+    FrameLimits,
+    Outgoing,
+    encode_frame,
+    parse_frame,
+)
+
+from .conftest import demo_summary
+from .test_codecs_quant import HOSTILE_VALUES, expect_frame_error_or_tensor
+
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LIMITS = FrameLimits(max_message_bytes=1 << 24)
+
+
+def correlated(rows: int, d: int, rank: int = 4, seed: int = 0) -> torch.Tensor:
+    """Rows that live mostly in the same few directions (whatever `seed`), as boundary
+    tensors do."""
+    mix = torch.randn(rank, d, generator=torch.Generator().manual_seed(99))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, rank, generator=g) @ mix + 0.05 * torch.randn(rows, d, generator=g)
+
+
+# ---- rans ----
+
+
+@given(
+    lanes=st.integers(1, 6),
+    n=st.integers(1, 40),
+    spread=st.floats(0.01, 60.0),
+    seed=st.integers(0, 2**16),
+)
+@FUZZ
+def test_rans_gives_back_every_code(lanes: int, n: int, spread: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    codes = (torch.randn(lanes, n, generator=g) * spread).round().clamp(-255, 255).long()
+    a, models, payload = rans.encode(codes)
+    assert a == int(codes.abs().max())
+    assert torch.equal(rans.decode(memoryview(payload), a, models, n), codes)
+
+
+def test_rans_spends_about_the_entropy_of_each_column() -> None:
+    g = torch.Generator().manual_seed(0)
+    scale = torch.logspace(1, -2, 64).unsqueeze(1)
+    codes = (torch.randn(64, 512, generator=g) * scale).round().long()
+    _, _, payload = rans.encode(codes)
+    entropy = 0.0
+    for lane in codes:
+        _, counts = torch.unique(lane, return_counts=True)
+        p = counts.double() / lane.numel()
+        entropy += float(-(p * p.log2()).sum()) * lane.numel()
+    bits = 8 * len(payload)
+    # Within 5% of the columns' entropy, plus the 48 bits per lane of counts and final state.
+    assert bits < 1.05 * entropy + 48 * 64
+    assert bits < 0.5 * 4 * codes.numel()  # half of what 4-bit codes would take
+
+
+@given(data=st.data())
+@FUZZ
+def test_a_corrupt_rans_payload_is_refused(data: st.DataObject) -> None:
+    codes = (torch.randn(4, 30, generator=torch.Generator().manual_seed(0)) * 3).round().long()
+    a, models, payload = rans.encode(codes)
+    raw = bytearray(payload)
+    for _ in range(data.draw(st.integers(1, 6))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    raw = raw[: cut - cut % 2] if data.draw(st.booleans()) else raw
+    try:
+        out = rans.decode(memoryview(bytes(raw)), a, models, 30)
+    except FrameError:
+        return
+    assert out.shape == codes.shape and int(out.abs().max()) <= a
+
+
+# ---- klt ----
+
+
+def send(codec: KLT, state: KLTState, bases: KLTBases, x: torch.Tensor) -> torch.Tensor:
+    params, payload = codec.encode(x, state)
+    out, commit = codec.decode_stream(bases, memoryview(payload), x.shape, x.dtype, params)
+    commit()
+    return out
+
+
+@given(
+    rows=st.integers(1, 40),
+    d=st.sampled_from([3, 16, 40]),
+    magnitude=st.sampled_from([1e-12, 1e-3, 1.0, 1e6]),
+    frames=st.integers(1, 10),
+    stochastic=st.booleans(),
+    per_row=st.booleans(),
+)
+@FUZZ
+def test_every_frame_stays_within_its_bound(
+    rows: int, d: int, magnitude: float, frames: int, stochastic: bool, per_row: bool
+) -> None:
+    codec = KLT(alpha=0.5, per_row=per_row, stochastic=stochastic)
+    state, bases = codec.new_state(), KLTBases()
+    for i in range(frames):
+        x = correlated(rows, d, seed=i) * magnitude
+        out = send(codec, state, bases, x)
+        basis = state.basis if state.basis is not None and d >= 16 else torch.eye(d)
+        rms = x.pow(2).mean(1, keepdim=True) if per_row else x.pow(2).mean().expand(rows, 1)
+        step = 0.5 * rms.sqrt() * 2**8  # bfloat16 rounding, and doubling where codes overflow
+        # Per row: |y - q s| <= s (stochastic) per coefficient, mapped back through V.
+        bound = torch.linalg.matrix_norm(basis, 2) * d**0.5 * step
+        assert bool(((out - x).norm(dim=1, keepdim=True) <= bound * 1.01 + 1e-30).all())
+        tight = 0.5 * rms.sqrt() * (1 if stochastic else 0.5) * 1.01 * (1 + 2**-7)
+        assert float((out - x).pow(2).mean()) <= float((tight.pow(2) * d).mean()) + 1e-30
+
+
+def test_the_basis_is_learned_sent_once_and_then_named() -> None:
+    codec = get_codec("klt")
+    assert isinstance(codec, KLT)
+    state, bases = codec.new_state(), KLTBases()
+    modes, sizes = [], []
+    for i in range(REFRESH_FIRST + 3):
+        params, payload = codec.encode(correlated(256, 64, seed=i), state)
+        _, commit = codec.decode_stream(
+            bases, memoryview(payload), (256, 64), torch.float32, params
+        )
+        commit()
+        modes.append(params["basis"])
+        sizes.append(len(payload))
+    assert modes == [0] * REFRESH_FIRST + [1, 2, 2]
+    assert bases.basis_id == state.basis_id == 1 and bases.received == 1
+    assert state.basis is not None and bases.basis is not None
+    assert torch.equal(bases.basis, state.basis)
+    # In its basis a correlated tensor takes a fraction of the identity basis' bytes.
+    assert sizes[-1] < 0.6 * sizes[0]
+
+
+def test_a_frame_naming_a_basis_the_receiver_lacks_is_refused_and_changes_nothing() -> None:
+    codec = get_codec("klt")
+    assert isinstance(codec, KLT)
+    state = codec.new_state()
+    frames = [codec.encode(correlated(64, 32, seed=i), state) for i in range(REFRESH_FIRST + 2)]
+    carrier, named = frames[-2], frames[-1]
+    assert (carrier[0]["basis"], named[0]["basis"]) == (1, 2)
+    fresh = KLTBases()
+    with pytest.raises(FrameError, match="holds none"):
+        codec.decode_stream(fresh, memoryview(named[1]), (64, 32), torch.float32, named[0])
+    assert fresh.basis is None
+    # Decoded but not committed (a frame the stage then refuses): still nothing.
+    codec.decode_stream(fresh, memoryview(carrier[1]), (64, 32), torch.float32, carrier[0])
+    assert fresh.basis is None and fresh.received == 0
+    with pytest.raises(FrameError, match="names basis"):
+        codec.decode(memoryview(named[1]), (64, 32), torch.float32, named[0])
+    stale = KLTBases(basis=torch.eye(32), basis_id=7)
+    with pytest.raises(FrameError, match="holds 7"):
+        codec.decode_stream(stale, memoryview(named[1]), (64, 32), torch.float32, named[0])
+
+
+def test_stochastic_gradients_are_unbiased() -> None:
+    codec = encoder("klt", "gradient")
+    assert isinstance(codec, KLT) and codec.stochastic and not codec.per_row
+    x = correlated(32, 32)
+    state, bases = codec.new_state(), KLTBases()
+    for _ in range(REFRESH_FIRST + 1):
+        send(codec, state, bases, x)
+    mean = sum(send(codec, state, bases, x) for _ in range(400)) / 400
+    one = send(codec, state, bases, x)
+    assert float((mean - x).norm()) < 0.15 * float((one - x).norm())
+
+
+@given(
+    params=st.dictionaries(
+        st.sampled_from(["basis", "id", "rows", "a", "packed", "x"]), HOSTILE_VALUES, max_size=6
+    ),
+    shape=st.lists(st.integers(0, 40), max_size=3),
+    payload=st.binary(max_size=4000),
+)
+@FUZZ
+def test_hostile_klt_params_and_payloads_raise_frame_error_only(
+    params: Mapping[str, Any], shape: list[int], payload: bytes
+) -> None:
+    codec = get_codec("klt")
+    with contextlib.suppress(FrameError):
+        codec.payload_nbytes(shape, torch.float32, params)
+    expect_frame_error_or_tensor(codec, payload, shape, params)
+
+
+@given(data=st.data())
+@FUZZ
+def test_mutated_klt_frames_are_refused_or_decode_finite(data: st.DataObject) -> None:
+    codec = get_codec("klt")
+    assert isinstance(codec, KLT)
+    state = codec.new_state()
+    for i in range(REFRESH_FIRST):
+        codec.encode(correlated(8, 16, seed=i), state)
+    x = correlated(8, 16)
+    message = bytearray(encode_frame(FrameKind.FORWARD, 0, 0, [Outgoing("h", x, codec, state)]))
+    for _ in range(data.draw(st.integers(1, 8))):
+        message[data.draw(st.integers(0, len(message) - 1))] = data.draw(st.integers(0, 255))
+    bases = KLTBases()
+    try:
+        tensors, commit = parse_frame(bytes(message), LIMITS).decode_with({"h": bases})
+    except FrameError:
+        assert bases.basis is None
+        return
+    commit()
+    assert all(bool(torch.isfinite(t).all()) for t in tensors.values())  # (a mutated name too)
+
+
+def test_frames_carry_klt_and_a_receiver_keeps_the_basis_per_stream() -> None:
+    codec = get_codec("klt")
+    assert isinstance(codec, KLT)
+    state = codec.new_state()
+    bases = {"h": KLTBases()}
+    for i in range(REFRESH_FIRST + 2):
+        x = correlated(64, 32, seed=i).reshape(4, 16, 32)
+        message = encode_frame(FrameKind.FORWARD, i, 0, [Outgoing("h", x, codec, state)])
+        frame = parse_frame(message, LIMITS)
+        assert frame.headers[0].codec is codec
+        tensors, commit = frame.decode_with(bases)
+        commit()
+        assert tensors["h"].shape == x.shape
+        assert float((tensors["h"] - x).norm()) < 0.2 * float(x.norm())
+    assert bases["h"].basis_id == 1
+    # A receiver that keeps no klt state for the tensor cannot decode a frame naming a basis.
+    with pytest.raises(FrameError, match="holds none"):
+        parse_frame(message, LIMITS).decode_with({})
+
+
+def test_three_node_processes_train_with_klt_both_ways(tmp_path: Path) -> None:
+    """Three `ravnest-node start` processes on loopback, `--codec klt`: every frame of both
+    boundaries goes with klt, each stream's bases arrive (frames naming them decode), far fewer
+    bytes than int4-block would send, and the model trains."""
+    steps = 12
+    s = demo_summary(
+        tmp_path, "klt", "--model", "small", "--seed", "0", "--steps", str(steps),
+        "--codec", "klt",
+    )  # fmt: skip
+    first, middle, last = s["stages"]
+    for stage, role in ((first, "activation"), (middle, "activation"), (middle, "gradient"),
+                        (last, "gradient")):  # fmt: skip
+        assert stage[f"{role}_codec_frames"] == {"klt": steps * 4}
+    # small: 64 tokens x 128 channels per sample cross each boundary each way; int4-block
+    # would take 4.5 bits per element.
+    int4 = 64 * 128 * 4.5 / 8
+    assert s["activation_bytes_per_sample"] < 2 * int4 * 0.75
+    assert s["gradient_bytes_per_sample"] < 2 * int4 * 0.75
+    assert s["final_loss"] < s["initial_loss"]
