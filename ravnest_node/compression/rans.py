@@ -131,23 +131,28 @@ def decode(payload: memoryview, a: int, models: torch.Tensor, n: int) -> torch.T
         raise FrameError("rans: the lanes' word counts do not add up to the payload")
     start = np.cumsum(counts) - counts + lanes  # index of each lane's first word
     x = (raw[start] << 16) | raw[start + 1]
+    if bool((x < LOW).any()):
+        raise FrameError("rans: a lane's final state is below the coder's range")
     ptr = start + 2
     end = start + counts
     k = 2 * a + 1
-    freq = tables(a)[models.to(torch.int64)].numpy()  # [lanes, k]
-    # All lanes' cumulative frequencies in one sorted array: lane i's are offset by i * 2^17
-    # (each lies in 1..2^16), so one searchsorted finds every lane's symbol.
-    spacing = np.arange(lanes, dtype=np.int64) * (2 * TOTAL)
+    # The models' cumulative frequencies in one sorted array, model m's offset by m * 2^17
+    # (each lies in 1..2^16), so one searchsorted finds every lane's symbol; tables of the
+    # MODELS models, not of every lane, so memory does not grow with the lanes.
+    freq = tables(a).numpy()  # [MODELS, k]
+    spacing = np.arange(MODELS, dtype=np.int64) * (2 * TOTAL)
     cum = (np.cumsum(freq, 1) + spacing[:, None]).reshape(-1)
     flat_freq = freq.reshape(-1)
     flat_base = (np.cumsum(freq, 1) - freq).reshape(-1)
-    first = np.arange(lanes, dtype=np.int64) * k
+    lane_model = models.to(torch.int64).numpy()
+    offset = spacing[lane_model]
+    first = lane_model * k
     out = np.empty((n, lanes), dtype=np.int64)
     bad = np.zeros(lanes, dtype=np.bool_)
     last = raw.size - 1
     for t in range(n):
         slot = x & 0xFFFF
-        index = np.searchsorted(cum, slot + spacing, side="right")
+        index = np.searchsorted(cum, slot + offset, side="right")
         out[t] = index - first
         x = flat_freq[index] * (x >> 16) + slot - flat_base[index]
         refill = x < LOW

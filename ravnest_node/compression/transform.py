@@ -19,7 +19,8 @@ near zero, and at int4's squared error the rate-distortion bound of the measured
 
 with s = alpha x rms (of the row, or of the tensor) rounded to bfloat16. Error: |y - q s| <=
 s / 2 per coefficient to nearest (< s stochastic, E[x'] = x), so ||x - x'|| <= ||V|| sqrt(d)
-s / 2 per row, ||V|| ~ 1. Coefficient column j of all rows goes as one rANS lane
+s / 2 per row (twice that stochastic), ||V|| ~ 1. A row's step doubles until its coefficients
+lie within the codes, before rounding. Coefficient column j of all rows goes as one rANS lane
 (compression/rans.py) with its own model: low-energy columns are nearly all zeros and cost a
 small fraction of a bit.
 
@@ -30,7 +31,8 @@ later frames name it (basis=2, by `id`), and the receiver keeps the last one per
 (`KLTBases`). Until the first basis, frames go in the identity basis (basis=0). A receiver that
 does not hold the basis a frame names refuses the frame (FrameError) rather than decode it
 wrongly. A new stream starts afresh on both ends. A tensor whose last dimension is outside
-MIN_DIM..MAX_DIM always goes in the identity basis.
+MIN_DIM..MAX_DIM is coded as rows of FALLBACK_WIDTH of its flattened elements (the last row
+zero-padded), always in the identity basis (`layout`).
 
 Payload (little-endian):
 
@@ -51,6 +53,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from math import prod
 
 import torch
 
@@ -104,13 +107,20 @@ class KLTBases:
     """Bases received on this stream."""
 
 
-def rows_and_dim(shape: Sequence[int]) -> tuple[int, int]:
-    """(rows, d): the tensor as rows of its last dimension (a scalar is one row of one)."""
+FALLBACK_WIDTH = 256
+"""Row width of a tensor whose last dimension is outside MIN_DIM..MAX_DIM: it is coded as its
+flattened elements in rows of this many (the last one zero-padded), in the identity basis."""
+
+
+def layout(shape: Sequence[int]) -> tuple[int, int]:
+    """(rows, d) the codec sees a tensor of `shape` as: rows of its last dimension when that
+    is within MIN_DIM..MAX_DIM, else rows of FALLBACK_WIDTH flattened elements (so no shape,
+    however hostile, makes more than MAX_DIM lanes or more than numel / MIN_DIM steps)."""
+    n = prod(shape)
     d = shape[-1] if len(shape) else 1
-    n = 1
-    for s in shape:
-        n *= s
-    return (n // d if d else 0), d
+    if transforms(d):
+        return n // d, d
+    return -(-n // FALLBACK_WIDTH), FALLBACK_WIDTH
 
 
 def transforms(d: int) -> bool:
@@ -143,23 +153,32 @@ class KLT:
     def encode(self, tensor: torch.Tensor, state: object | None) -> tuple[dict[str, int], bytes]:
         if not isinstance(state, KLTState):
             raise TypeError(f"{self.name} needs the state of new_state(), got {type(state)}")
-        rows, d = rows_and_dim(tuple(tensor.shape))
-        x = flat_float32(tensor).view(rows, d)
-        basis = state.basis if transforms(d) else None
+        shape = tuple(tensor.shape)
+        rows, d = layout(shape)
+        flat = flat_float32(tensor)
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError(f"{self.name}: the tensor holds values that are not finite")
+        learns = transforms(shape[-1] if shape else 1)
+        if flat.numel() != rows * d:  # the fallback layout's last row is zero-padded
+            flat = torch.cat([flat, flat.new_zeros(rows * d - flat.numel())])
+        x = flat.view(rows, d)
+        basis = state.basis if learns else None
         basis_id = state.basis_id
         y = x @ state.analysis if basis is not None and state.analysis is not None else x
         steps = self._steps(x)
+        # Double a step until its row's coefficients lie within the codes (before rounding,
+        # so that stochastic rounding stays unbiased), then round once.
         while True:
             z = y / steps
-            if state.generator is not None:
-                z = z.add_(torch.rand(z.shape, generator=state.generator)).floor_()
-            else:
-                z = z.round_()
             biggest = z.abs().amax(1, keepdim=True) if self.per_row else z.abs().amax()
             over = biggest > rans.MAX_CODE
             if not bool(over.any()):
                 break
             steps = torch.where(over, steps * 2, steps)
+        if state.generator is not None:
+            z = z.add_(torch.rand(z.shape, generator=state.generator)).floor_()
+        else:
+            z = z.round_()
         codes = z.to(torch.int64)
         a, models, coded = rans.encode(codes.T)
         parts = [steps.reshape(-1).to(torch.bfloat16).view(torch.int16).numpy().tobytes()]
@@ -172,7 +191,7 @@ class KLT:
                 state.send_basis = False
         parts += [models.numpy().tobytes(), coded]
         payload = b"".join(parts)
-        if transforms(d):
+        if learns:
             self._learn(x, state)
         params = {"basis": mode, "id": basis_id if mode else 0,
                   "rows": int(self.per_row), "a": a, "packed": len(payload)}  # fmt: skip
@@ -194,6 +213,8 @@ class KLT:
         """Fold x's rows into the covariance average; on a refresh frame, take the new basis
         (sent with the next frame)."""
         cov = (x.T @ x) / max(1, x.shape[0])
+        if not bool(torch.isfinite(cov).all()):
+            return  # (squares of huge values overflow float32): leave this frame out
         if state.covariance is None:
             state.covariance = cov
         else:
@@ -202,10 +223,8 @@ class KLT:
         if state.frames < state.next_refresh:
             return
         state.next_refresh += min(state.next_refresh * (REFRESH_GROWTH - 1), REFRESH_MAX)
-        cov64 = state.covariance.double()
-        if not bool(torch.isfinite(cov64).all()):
-            return  # keep the basis we have; the average recovers as frames come in
-        vectors = torch.linalg.eigh(cov64).eigenvectors.flip(1).to(torch.float32)
+        vectors = torch.linalg.eigh(state.covariance.double()).eigenvectors
+        vectors = vectors.flip(1).to(torch.float32)
         scales = (vectors.abs().amax(0) / 127).clamp(min=1e-30)
         codes = (vectors / scales).round().clamp(-127, 127).to(torch.int8)
         basis = codes.to(torch.float32) * scales
@@ -225,10 +244,11 @@ class KLT:
     ) -> int:
         check_params(self.name, params, _PARAMS)
         checked_numel(self.name, shape, dtype)
-        rows, d = rows_and_dim(shape)
-        if rows < 1 or d < 1:
+        rows, d = layout(shape)
+        if rows < 1:
             raise FrameError(f"codec {self.name}: nothing to decode in shape {list(shape)}")
-        mode = int_param(self.name, params, "basis", 0, 2 if transforms(d) else 0)
+        learns = transforms(shape[-1] if len(shape) else 1)
+        mode = int_param(self.name, params, "basis", 0, 2 if learns else 0)
         int_param(self.name, params, "id", 1 if mode else 0, MAX_ID if mode else 0)
         per_row = int_param(self.name, params, "rows", 0, 1)
         int_param(self.name, params, "a", 0, rans.MAX_CODE)
@@ -260,7 +280,7 @@ class KLT:
         changes until the commit runs; FrameError for a payload that does not decode or a
         frame that names a basis `bases` does not hold."""
         check_payload_size(self.name, payload, self.payload_nbytes(shape, dtype, params))
-        rows, d = rows_and_dim(shape)
+        rows, d = layout(shape)
         mode, basis_id = params["basis"], params["id"]
         n_steps = rows if params["rows"] else 1
         view = memoryview(payload)
@@ -289,7 +309,8 @@ class KLT:
         out = y @ basis.T if basis is not None else y
         if not bool(torch.isfinite(out).all()):
             raise FrameError(f"codec {self.name}: a decoded value is not finite")
-        value = cast_finite(self.name, out, dtype).reshape(tuple(shape))
+        numel = prod(shape)
+        value = cast_finite(self.name, out.reshape(-1)[:numel], dtype).reshape(tuple(shape))
 
         def commit() -> None:
             if mode == 1 and bases is not None and basis is not None:
