@@ -20,7 +20,6 @@ from ravnest_node.compression.transform import (
     KLTBases,
     KLTState,
     layout,
-    transforms,
 )
 from ravnest_node.errors import FrameError
 from ravnest_node.transport.frames import (
@@ -109,7 +108,7 @@ def send(codec: KLT, state: KLTState, bases: KLTBases, x: torch.Tensor) -> torch
 
 def rows_of(t: torch.Tensor) -> torch.Tensor:
     """`t` as the codec's rows (`layout`: the fallback's last row zero-padded)."""
-    rows, d = layout(tuple(t.shape))
+    rows, d, _ = layout(tuple(t.shape))
     flat = t.reshape(-1)
     return torch.cat([flat, flat.new_zeros(rows * d - flat.numel())]).view(rows, d)
 
@@ -134,7 +133,8 @@ def test_every_frame_stays_within_its_bound(
         assert out.shape == x.shape and bool(torch.isfinite(out).all())
         xr, err = rows_of(x).double(), rows_of(out - x).double()
         width = xr.shape[1]
-        basis = state.basis if state.basis is not None and transforms(d) else torch.eye(width)
+        learns = layout(tuple(x.shape))[2]
+        basis = state.basis if state.basis is not None and learns else torch.eye(width)
         ms = xr.pow(2).mean(1, keepdim=True) if per_row else xr.pow(2).mean().expand(len(xr), 1)
         # A row's step: 0.5 x rms, bfloat16-rounded, doubled where codes would overflow (never
         # here for per-row steps: a coefficient is at most sqrt(d) x rms).
@@ -160,10 +160,10 @@ def test_huge_values_leave_the_basis_learning_alone_and_non_finite_ones_are_refu
 
 
 def test_any_shape_is_rows_of_a_bounded_width() -> None:
-    assert layout((4, 128, 256)) == (512, 256)
-    assert layout((1, 20000)) == (79, FALLBACK_WIDTH)  # no lane per element of a long row
-    assert layout((20000, 1)) == (79, FALLBACK_WIDTH)  # nor a step per element of a column
-    assert layout(()) == (1, FALLBACK_WIDTH)
+    assert layout((4, 128, 256)) == (512, 256, True)
+    assert layout((1, 20000)) == (79, FALLBACK_WIDTH, False)  # no lane per element of a long row
+    assert layout((20000, 1)) == (79, FALLBACK_WIDTH, False)  # nor a step per element of a column
+    assert layout(()) == (1, FALLBACK_WIDTH, False)
 
 
 def test_the_basis_is_learned_sent_once_and_then_named() -> None:

@@ -1,10 +1,10 @@
 """Entropy coding of small integer codes: interleaved rANS (Duda, arXiv 1311.2540), one lane per
-column, vectorised over the lanes in torch.
+column, the loops vectorised over the lanes in numpy.
 
-`encode(codes)` takes integer codes [lanes, n] in -A..A and returns (A, classes, payload); each
+`encode(codes)` takes integer codes [lanes, n] in -A..A and returns (A, models, payload); each
 lane (a column of a transform codec's coefficients, whose codes share one distribution) is coded
 with its own static model, chosen from MODELS by the sender to minimise that lane's length and
-named by one byte (`classes`). A model is a two-sided geometric distribution: P(0) and a ratio r
+named by one byte (`models`). A model is a two-sided geometric distribution: P(0) and a ratio r
 for |q| >= 1 (P(+-q) proportional to r^(|q|-1)). Its integer frequencies over -A..A (each at
 least 1, summing to 2^16) are built with integer arithmetic only, so both ends build the same
 tables on any machine.
@@ -30,6 +30,8 @@ words left over, or does not end in the encoder's initial state (2^16) makes the
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -50,9 +52,11 @@ MODELS = len(_P0) * len(_RATIO)
 """Number of models a lane may name (one byte)."""
 
 
+@functools.lru_cache(maxsize=32)
 def tables(a: int) -> torch.Tensor:
     """Frequencies [MODELS, 2a+1] of every model over the codes -a..a (int64, rows sum to
-    TOTAL, every entry >= 1). Integer arithmetic only."""
+    TOTAL, every entry >= 1). Integer arithmetic only. Cached (both ends build them for every
+    frame): callers must not modify the tensor."""
     if not 0 <= a <= MAX_CODE:
         raise ValueError(f"codes must lie within -{MAX_CODE}..{MAX_CODE}, not -{a}..{a}")
     p0 = torch.tensor(_P0, dtype=torch.int64).repeat_interleave(len(_RATIO))
@@ -78,9 +82,8 @@ def encode(codes: torch.Tensor) -> tuple[int, torch.Tensor, bytes]:
     freq = tables(a)
     symbols = (codes.to(torch.int64) + a).contiguous()
     k = 2 * a + 1
-    hist = torch.zeros(lanes * k, dtype=torch.float64)
     offsets = (torch.arange(lanes, dtype=torch.int64) * k).unsqueeze(1)
-    hist.index_add_(0, (symbols + offsets).reshape(-1), torch.ones(lanes * n, dtype=torch.float64))
+    hist = torch.bincount((symbols + offsets).reshape(-1), minlength=lanes * k).double()
     cost = hist.view(lanes, k) @ -torch.log2(freq.double() / TOTAL).T  # [lanes, MODELS]
     model = cost.argmin(1)
     lane_freq = freq[model]  # [lanes, k]

@@ -38,8 +38,8 @@ Payload (little-endian):
 
 ```
 bfloat16 steps[rows or 1]     finite and > 0 (params rows=1: one per row)
-float32  scales[d]            only when basis=1: column j of V is codes[:, j] x scales[j];
-int8     codes[d, d]          finite and > 0, codes in -127..127
+float32  scales[d]            only when basis=1, finite and > 0: column j of V is
+int8     codes[d, d]          codes[:, j] x scales[j], codes in -127..127
 uint8    models[d]            the rANS model of each coefficient column
 rANS payload                  codes [d lanes, rows codes each] in -a..a (compression/rans.py)
 ```
@@ -51,13 +51,14 @@ params: {"basis": 0, 1 or 2, "id": the basis's number, "rows": 0 or 1, "a": larg
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from math import prod
 
 import torch
 
 from ravnest_node.compression import rans
+from ravnest_node.compression.aq import Commit
 from ravnest_node.compression.quant import (
     cast_finite,
     check_params,
@@ -65,6 +66,7 @@ from ravnest_node.compression.quant import (
     checked_numel,
     flat_float32,
     int_param,
+    owned_bytes,
 )
 from ravnest_node.errors import FrameError
 
@@ -76,7 +78,6 @@ REFRESH_GROWTH = 2
 REFRESH_MAX = 128
 MAX_ID = 2**31 - 1
 _PARAMS = ("basis", "id", "rows", "a", "packed")
-Commit = Callable[[], None]
 
 
 @dataclass(slots=True)
@@ -103,7 +104,7 @@ class KLTBases:
 
     basis: torch.Tensor | None = None
     basis_id: int = -1
-    received: int = field(default=0)
+    received: int = 0
     """Bases received on this stream."""
 
 
@@ -112,20 +113,16 @@ FALLBACK_WIDTH = 256
 flattened elements in rows of this many (the last one zero-padded), in the identity basis."""
 
 
-def layout(shape: Sequence[int]) -> tuple[int, int]:
-    """(rows, d) the codec sees a tensor of `shape` as: rows of its last dimension when that
-    is within MIN_DIM..MAX_DIM, else rows of FALLBACK_WIDTH flattened elements (so no shape,
-    however hostile, makes more than MAX_DIM lanes or more than numel / MIN_DIM steps)."""
+def layout(shape: Sequence[int]) -> tuple[int, int, bool]:
+    """(rows, d, learns): the codec sees a tensor of `shape` as rows of its last dimension when
+    that is within MIN_DIM..MAX_DIM, coded in the learned basis (learns), else as rows of
+    FALLBACK_WIDTH flattened elements in the identity basis (so no shape, however hostile,
+    makes more than MAX_DIM lanes or more than numel / MIN_DIM steps)."""
     n = prod(shape)
     d = shape[-1] if len(shape) else 1
-    if transforms(d):
-        return n // d, d
-    return -(-n // FALLBACK_WIDTH), FALLBACK_WIDTH
-
-
-def transforms(d: int) -> bool:
-    """Whether a tensor with last dimension `d` is coded in a learned basis."""
-    return MIN_DIM <= d <= MAX_DIM
+    if MIN_DIM <= d <= MAX_DIM:
+        return n // d, d, True
+    return -(-n // FALLBACK_WIDTH), FALLBACK_WIDTH, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,11 +151,10 @@ class KLT:
         if not isinstance(state, KLTState):
             raise TypeError(f"{self.name} needs the state of new_state(), got {type(state)}")
         shape = tuple(tensor.shape)
-        rows, d = layout(shape)
+        rows, d, learns = layout(shape)
         flat = flat_float32(tensor)
         if not bool(torch.isfinite(flat).all()):
             raise ValueError(f"{self.name}: the tensor holds values that are not finite")
-        learns = transforms(shape[-1] if shape else 1)
         if flat.numel() != rows * d:  # the fallback layout's last row is zero-padded
             flat = torch.cat([flat, flat.new_zeros(rows * d - flat.numel())])
         x = flat.view(rows, d)
@@ -244,10 +240,9 @@ class KLT:
     ) -> int:
         check_params(self.name, params, _PARAMS)
         checked_numel(self.name, shape, dtype)
-        rows, d = layout(shape)
+        rows, d, learns = layout(shape)
         if rows < 1:
             raise FrameError(f"codec {self.name}: nothing to decode in shape {list(shape)}")
-        learns = transforms(shape[-1] if len(shape) else 1)
         mode = int_param(self.name, params, "basis", 0, 2 if learns else 0)
         int_param(self.name, params, "id", 1 if mode else 0, MAX_ID if mode else 0)
         per_row = int_param(self.name, params, "rows", 0, 1)
@@ -280,18 +275,17 @@ class KLT:
         changes until the commit runs; FrameError for a payload that does not decode or a
         frame that names a basis `bases` does not hold."""
         check_payload_size(self.name, payload, self.payload_nbytes(shape, dtype, params))
-        rows, d = layout(shape)
+        rows, d, _ = layout(shape)
         mode, basis_id = params["basis"], params["id"]
         n_steps = rows if params["rows"] else 1
-        view = memoryview(payload)
-        steps = torch.frombuffer(bytearray(view[: 2 * n_steps]), dtype=torch.int16)
+        steps = torch.frombuffer(owned_bytes(payload[: 2 * n_steps]), dtype=torch.int16)
         steps = steps.view(torch.bfloat16).to(torch.float32).reshape(n_steps, 1)
         if not bool((torch.isfinite(steps) & (steps > 0)).all()):
             raise FrameError(f"codec {self.name}: steps must be finite and positive")
         at = 2 * n_steps
         basis = None
         if mode == 1:
-            basis = _read_basis(self.name, view[at : at + _basis_nbytes(d)], d)
+            basis = _read_basis(self.name, payload[at : at + _basis_nbytes(d)], d)
             at += _basis_nbytes(d)
         elif mode == 2:
             if bases is None or bases.basis is None or bases.basis_id != basis_id:
@@ -302,9 +296,9 @@ class KLT:
             if bases.basis.shape != (d, d):
                 raise FrameError(f"codec {self.name}: the stream's basis is not {d}x{d}")
             basis = bases.basis
-        models = torch.frombuffer(bytearray(view[at : at + d]), dtype=torch.uint8)
+        models = torch.frombuffer(owned_bytes(payload[at : at + d]), dtype=torch.uint8)
         at += d
-        codes = rans.decode(view[at:], params["a"], models, rows)  # [d, rows]
+        codes = rans.decode(payload[at:], params["a"], models, rows)  # [d, rows]
         y = codes.T.to(torch.float32) * steps
         out = y @ basis.T if basis is not None else y
         if not bool(torch.isfinite(out).all()):
@@ -327,10 +321,10 @@ def _basis_nbytes(d: int) -> int:
 def _read_basis(codec: str, raw: memoryview, d: int) -> torch.Tensor:
     """V [d, d] from its float32 column scales and int8 codes; FrameError for a scale that is
     not finite and positive or a code of -128."""
-    scales = torch.frombuffer(bytearray(raw[: 4 * d]), dtype=torch.float32)
+    scales = torch.frombuffer(owned_bytes(raw[: 4 * d]), dtype=torch.float32)
     if not bool((torch.isfinite(scales) & (scales > 0)).all()):
         raise FrameError(f"codec {codec}: basis scales must be finite and positive")
-    codes = torch.frombuffer(bytearray(raw[4 * d :]), dtype=torch.int8).reshape(d, d)
+    codes = torch.frombuffer(owned_bytes(raw[4 * d :]), dtype=torch.int8).reshape(d, d)
     if bool((codes == -128).any()):
         raise FrameError(f"codec {codec}: basis code -128 is refused")
     return codes.to(torch.float32) * scales
