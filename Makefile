@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo bench test check lint typecheck protos docs clean browser
+.PHONY: setup demo bench test check lint typecheck layers protos docs clean browser
 
 setup: $(STAMP)
 
@@ -31,7 +31,11 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy ravnest_node
 
-check: lint typecheck
+# The layering of docs/architecture.md: contracts in pyproject.toml (tool.importlinter).
+layers: setup
+	$(VENV)/bin/lint-imports
+
+check: lint typecheck layers
 
 # Best effort: Debian's Chromium for tests/test_web.py's browser test (skipped without it).
 browser:

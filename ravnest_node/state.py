@@ -8,6 +8,7 @@ from pathlib import Path
 
 NODE_ID_FILE = "node_id"
 MAX_NODE_ID_LEN = 64
+MAX_SWARM_NAME_LEN = 64
 
 
 def valid_node_id(node_id: str) -> bool:
@@ -17,6 +18,12 @@ def valid_node_id(node_id: str) -> bool:
         and node_id.isascii()
         and node_id.replace("-", "").replace("_", "").isalnum()
     )
+
+
+def valid_swarm_name(name: str) -> bool:
+    """Swarm names are 1 to 64 printable characters, no '=' (they travel as mDNS TXT values and
+    in member certificates)."""
+    return 0 < len(name) <= MAX_SWARM_NAME_LEN and name.isprintable() and "=" not in name
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:

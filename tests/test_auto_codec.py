@@ -26,7 +26,8 @@ from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.run import TrainConfig
-from ravnest_node.transport.boundary import EPOCH_KEY, NODE_ID_KEY, LinkCounters, Refusal
+from ravnest_node.transport.boundary import EPOCH_KEY, NODE_ID_KEY, LinkCounters
+from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.probe import (
     MAX_PROBE_BYTES,
     PULL_KEY,

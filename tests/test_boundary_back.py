@@ -19,9 +19,9 @@ from ravnest_node.transport.boundary import (
     BoundaryLink,
     BoundaryServer,
     LinkCounters,
-    Refusal,
     run_back_stream,
 )
+from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.frames import Frame, FrameKind, FrameLimits, encode_frame
 
 LIMITS = FrameLimits(max_message_bytes=1 << 20)

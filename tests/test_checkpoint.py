@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ravnest_node.blocks import BlockWeights, export_blocks
 from ravnest_node.checkpoint import (
     SET_ASIDE_DIR,
     CheckpointDir,
@@ -24,7 +25,6 @@ from ravnest_node.coordination.negotiate import check_capabilities, resume_point
 from ravnest_node.coordination.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
-from ravnest_node.pipeline.handoff import BlockWeights, export_blocks
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 
@@ -219,7 +219,7 @@ WRITERS = """
 import json, os, signal, sys, torch
 from pathlib import Path
 from ravnest_node.checkpoint import CheckpointDir
-from ravnest_node.pipeline.handoff import BlockWeights
+from ravnest_node.blocks import BlockWeights
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.models import get_model
 

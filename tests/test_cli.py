@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from ravnest_node.cli import settings
+from ravnest_node import settings
 from ravnest_node.cli.main import main
-from ravnest_node.cli.progress import ProgressBar
-from ravnest_node.daemon.node import NodeConfig
+from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.errors import ConfigError
+from ravnest_node.launch.progress import ProgressBar
 
 from .conftest import NODE_ENV, ravnest
 

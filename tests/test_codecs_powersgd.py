@@ -28,7 +28,7 @@ from ravnest_node.averaging import (
 from ravnest_node.compression import get_codec
 from ravnest_node.compression.powersgd import MAX_RANK, PowerSGD, compresses
 from ravnest_node.errors import ConfigError, FrameError
-from ravnest_node.transport.boundary import Refusal
+from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.frames import FrameKind, Outgoing, encode_frame
 from ravnest_node.transport.options import TransportConfig, server_options
 

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from ravnest_node.coordination.coordinator import MEASURING_S, PROTOCOL, CoordinatorService
+from ravnest_node.coordination.coordinator import MEASURING_S, CoordinatorService
 from ravnest_node.coordination.static_plan import (
     Member,
     check_plan,
@@ -21,7 +21,8 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.transport.boundary import Refusal
+from ravnest_node.protocol import PROTOCOL
+from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.probe import PROBE_BUDGET_BYTES
 
 

@@ -27,7 +27,8 @@ from ravnest_node.checkpoint import (
 from ravnest_node.daemon.worker import Worker
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.transport.boundary import LinkCounters, Refusal
+from ravnest_node.transport.boundary import LinkCounters
+from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.options import TransportConfig
 
 from .test_checkpoint import MODEL, RUN, assert_same, save, trained_blocks

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ravnest_node.cli import settings
-from ravnest_node.daemon.node import NodeConfig
+from ravnest_node import settings
+from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.transport.credentials import create_swarm
 
 from .conftest import NODE_ENV, Procs, progress_events, ravnest, read_line

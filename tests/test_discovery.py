@@ -21,11 +21,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from ravnest_node.cli import settings
+from ravnest_node import settings
 from ravnest_node.cli.main import _parser, main
-from ravnest_node.coordination.coordinator import PROTOCOL
 from ravnest_node.coordination.locate import AskStatus, Found, locate_coordinator
-from ravnest_node.daemon.node import NodeConfig
+from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.discovery import (
     SERVICE_TYPE,
     Advertisement,
@@ -42,6 +41,7 @@ from ravnest_node.discovery import (
 from ravnest_node.discovery.records import MAX_ADDRESSES
 from ravnest_node.errors import ConfigError, PeerUnavailable
 from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.protocol import PROTOCOL
 from ravnest_node.transport.options import split_host_port
 
 from .conftest import NODE_ENV, Procs, node_status, poll_until, progress_events, ravnest

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from ravnest_node.bench.runner import BenchConfig
-from ravnest_node.cli.demo import DemoConfig
 from ravnest_node.cli.reference import render
-from ravnest_node.cli.settings import field_docs
-from ravnest_node.daemon.node import NodeConfig
+from ravnest_node.daemon.config import NodeConfig
+from ravnest_node.launch.demo import DemoConfig
+from ravnest_node.settings import field_docs
 
 ROOT = Path(__file__).resolve().parent.parent
 

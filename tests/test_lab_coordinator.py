@@ -15,11 +15,12 @@ from typing import Any
 import grpc
 import pytest
 
-from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
+from ravnest_node.coordination.coordinator import CoordinatorService
 from ravnest_node.coordination.store import STORE_FILE, CoordinatorStore
 from ravnest_node.errors import ConfigError
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.protocol import PROTOCOL
 from tests.conftest import NODE_ENV, Procs, node_status, progress_events, ravnest
 from tests.test_coordinator import Aborted, Clock, FakeContext, _caps
 

@@ -13,10 +13,11 @@ from typing import Any
 import grpc
 import pytest
 
-from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
-from ravnest_node.coordination.membership import Leases, heartbeat_interval
+from ravnest_node.coordination.coordinator import CoordinatorService
+from ravnest_node.coordination.membership import Leases
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.protocol import PROTOCOL, heartbeat_interval
 
 from .conftest import NODE_ENV, Procs, poll_until, progress_events, ravnest, swarm_view
 

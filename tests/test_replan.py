@@ -17,15 +17,10 @@ import grpc
 import pytest
 import torch
 
+from ravnest_node.blocks import BlockWeights, export_blocks, restore_blocks
 from ravnest_node.errors import PeerRefused
 from ravnest_node.models import get_model
-from ravnest_node.pipeline.handoff import (
-    BlockWeights,
-    export_blocks,
-    from_chunks,
-    restore_blocks,
-    to_chunks,
-)
+from ravnest_node.pipeline.handoff import from_chunks, to_chunks
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from tests.conftest import Procs, node_status, poll_until, progress_events

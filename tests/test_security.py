@@ -24,7 +24,7 @@ from cryptography.x509.oid import NameOID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ravnest_node.daemon.node import NodeConfig
+from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable
 from ravnest_node.transport.credentials import (
     TLS_NAME,

@@ -9,14 +9,14 @@ from typing import Literal
 
 import pytest
 
-from ravnest_node.cli.settings import (
+from ravnest_node.errors import ConfigError
+from ravnest_node.settings import (
     add_arguments,
     env_name,
     field_docs,
     load,
     reference_markdown,
 )
-from ravnest_node.errors import ConfigError
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

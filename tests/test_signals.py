@@ -57,7 +57,7 @@ def test_demo_stops_on_interrupt(procs: Procs, tmp_path: Path, whole_group: bool
 
 STUCK_STOP = """
 import asyncio, sys
-from ravnest_node.cli.signals import install_stop_handlers
+from ravnest_node.launch.signals import install_stop_handlers
 
 async def main():
     never = asyncio.Event()
@@ -72,7 +72,7 @@ asyncio.run(main())
 
 STOP_STUCK_HOLDING_THE_GIL = """
 import asyncio, re
-from ravnest_node.cli.signals import install_stop_handlers
+from ravnest_node.launch.signals import install_stop_handlers
 
 def stop():
     # A stop stuck in C code that never lets go of the GIL (a regex that backtracks for ages),

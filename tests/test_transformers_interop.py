@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
+from ravnest_node.blocks import export_blocks
 from ravnest_node.checkpoint import CheckpointDir
+from ravnest_node.checkpoint.export import export_pretrained
 from ravnest_node.models import get_model, run_blocks
-from ravnest_node.models.export import export_pretrained
 from ravnest_node.models.lora import LoRALinear
 from ravnest_node.models.pretrained import PretrainedModel
 from ravnest_node.models.safetensors import index_directory
-from ravnest_node.pipeline.handoff import export_blocks
 from ravnest_node.pipeline.run import TrainConfig
 
 transformers = pytest.importorskip("transformers")

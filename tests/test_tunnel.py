@@ -19,7 +19,7 @@ import pytest
 
 from ravnest_node.bench.links import LinkSpec, NetnsSwarm, netns_available
 from ravnest_node.bench.runner import free_port
-from ravnest_node.daemon.node import NodeConfig
+from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc

@@ -35,7 +35,7 @@ from ravnest_node.compression import encoder
 from ravnest_node.compression.quant import BlockQuant
 from ravnest_node.compression.transform import KLT, KLTBases, KLTState
 from ravnest_node.data.stdlib_bytes import StdlibBytes
-from ravnest_node.models.base import get_model
+from ravnest_node.models import get_model
 
 torch.set_num_threads(1)
 env = os.environ.get

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from sim_report import UNSEEN
 
+from ravnest_node.checkpoint.export import blocks_at
 from ravnest_node.data.stdlib_bytes import StdlibBytes
 from ravnest_node.models import get_model
-from ravnest_node.models.export import blocks_at
 
 torch.set_num_threads(1)
 seed = int(sys.argv[1])

@@ -36,7 +36,7 @@ import torch
 from sim_report import report
 
 from ravnest_node.data.stdlib_bytes import StdlibBytes
-from ravnest_node.models.base import get_model
+from ravnest_node.models import get_model
 
 torch.set_num_threads(1)
 delay = int(sys.argv[1])
@@ -71,7 +71,10 @@ def predicted(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The stage's weights, moved `predict` AdamW steps ahead along its current moments."""
     weights = copy.deepcopy(stage.state_dict())
     for name, p in stage.named_parameters():
-        state, group = opt.state.get(p), next(g for g in opt.param_groups if any(p is q for q in g["params"]))
+        state, group = (
+            opt.state.get(p),
+            next(g for g in opt.param_groups if any(p is q for q in g["params"])),
+        )
         if state:
             k, (b1, b2) = float(state["step"]), group["betas"]
             m = state["exp_avg"] / (1 - b1**k)
@@ -98,7 +101,9 @@ for step in range(steps):
     for i, stage in enumerate(stages):
         used = useds[i]
         hin = h.detach().requires_grad_(h.dtype.is_floating_point)
-        w = {k: t.clone().requires_grad_(True) for k, t in used.items() if t.dtype.is_floating_point}
+        w = {
+            k: t.clone().requires_grad_(True) for k, t in used.items() if t.dtype.is_floating_point
+        }
         out = torch.func.functional_call(stage, {**used, **w}, (hin,))
         ins.append(hin)
         outs.append(out)
@@ -122,8 +127,12 @@ for step in range(steps):
             g = leaves[i][name].grad
             if dc and lags[i]:
                 g = g + dc * g * g * (p.detach() - useds[i][name]) / (
-                    opt.state[p]["exp_avg_sq"].div(1 - 0.999 ** float(opt.state[p]["step"]))
-                    .sqrt().add(1e-8) if dca else 1.0
+                    opt.state[p]["exp_avg_sq"]
+                    .div(1 - 0.999 ** float(opt.state[p]["step"]))
+                    .sqrt()
+                    .add(1e-8)
+                    if dca
+                    else 1.0
                 )
             p.grad = g
     if ramp:

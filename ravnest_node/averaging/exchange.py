@@ -68,7 +68,8 @@ from ravnest_node.averaging.wire import (
 from ravnest_node.compression import CODECS
 from ravnest_node.compression.powersgd import PowerSGD
 from ravnest_node.errors import ConfigError, FrameError, PeerError, PeerRefused, PeerUnavailable
-from ravnest_node.transport.boundary import LinkCounters, Refusal
+from ravnest_node.transport.boundary import LinkCounters
+from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.frames import (
     Expected,
     Frame,

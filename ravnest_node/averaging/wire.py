@@ -20,7 +20,8 @@ import grpc
 
 from ravnest_node.averaging.robust import BanList
 from ravnest_node.errors import PeerRefused, PeerUnavailable
-from ravnest_node.transport.boundary import NODE_ID_KEY, LinkCounters, Refusal
+from ravnest_node.transport.boundary import NODE_ID_KEY, LinkCounters
+from ravnest_node.transport.errors import UNANSWERED, Refusal
 from ravnest_node.transport.gate import peer_address, peer_host
 from ravnest_node.transport.options import TransportConfig, grpc_channel
 
@@ -36,9 +37,6 @@ ChannelFactory = Callable[[str], Any]
 
 _NOT_YET = frozenset({grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION})
 """Refusals of a push that came too early (see PeerBehind)."""
-_UNREACHABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +164,7 @@ class Pusher:
             )
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            if code in _UNREACHABLE:
+            if code in UNANSWERED:
                 raise PeerUnavailable(f"{member.node_id}: {code.name}: {exc.details()}") from None
             raise _REFUSED.get(code, PeerRefused)(
                 f"{member.node_id} refused a push: {code.name}: {exc.details()}"

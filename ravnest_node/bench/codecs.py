@@ -26,7 +26,7 @@ import torch
 
 from ravnest_node.averaging import delta_codec
 from ravnest_node.bench.suite import Suite
-from ravnest_node.cli.demo import DemoConfig, train_quietly
+from ravnest_node.checkpoint.export import blocks_at
 from ravnest_node.compression import (
     ACTIVATION_ONLY,
     CODECS,
@@ -39,8 +39,8 @@ from ravnest_node.compression.codecs import variant_label
 from ravnest_node.compression.transform import KLT, REFRESH_FIRST, KLTBases
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError, RunFailed
+from ravnest_node.launch.demo import DemoConfig, train_quietly
 from ravnest_node.models import get_model
-from ravnest_node.models.export import blocks_at
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.frames import (
     FrameKind,

@@ -44,7 +44,6 @@ from typing import Any, TextIO
 import grpc
 import torch
 
-from ravnest_node.cli.demo import Demo, DemoConfig
 from ravnest_node.compression.codecs import get_codec
 from ravnest_node.coordination.estimate import (
     Estimate,
@@ -56,6 +55,7 @@ from ravnest_node.coordination.estimate import (
 )
 from ravnest_node.coordination.placement import Link
 from ravnest_node.daemon.capabilities import available_memory_bytes
+from ravnest_node.launch.demo import Demo, DemoConfig
 from ravnest_node.models import BlockModel, get_model
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.frames import FrameKind, FrameLimits, encode_frame, parse_frame

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ravnest_node.bench.suite import Suite
-from ravnest_node.cli.demo import Demo, DemoConfig
+from ravnest_node.launch.demo import Demo, DemoConfig
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.options import TransportConfig
 

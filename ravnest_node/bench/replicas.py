@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ravnest_node.bench.suite import Suite
-from ravnest_node.cli.demo import DemoConfig, train_quietly
+from ravnest_node.launch.demo import DemoConfig, train_quietly
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.options import TransportConfig

@@ -45,11 +45,11 @@ from ravnest_node.bench.links import (
     remove_leftovers,
 )
 from ravnest_node.bench.report import markdown_table, plot
-from ravnest_node.cli.demo import Demo, DemoConfig, NodeSlot
-from ravnest_node.cli.progress import ProgressBar
-from ravnest_node.cli.signals import install_stop_handlers
 from ravnest_node.coordination.planner import partition
 from ravnest_node.errors import ConfigError, RunFailed
+from ravnest_node.launch.demo import Demo, DemoConfig, NodeSlot
+from ravnest_node.launch.progress import ProgressBar
+from ravnest_node.launch.signals import install_stop_handlers
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb

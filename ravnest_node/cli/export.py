@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ravnest_node.models.export import export_pretrained
+from ravnest_node.checkpoint.export import export_pretrained
 
 __all__ = ["add_export_parser", "run_export"]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import functools
 import json
 import logging
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from ravnest_node import __version__
+from ravnest_node import settings
 from ravnest_node.bench.codecs import run_codec_bench
 from ravnest_node.bench.planner import run_planner_bench
 from ravnest_node.bench.replan import run_replan_bench
@@ -28,17 +27,19 @@ from ravnest_node.bench.replicas import run_replicas_bench
 from ravnest_node.bench.runner import BenchConfig, run_bench
 from ravnest_node.bench.suite import Suite
 from ravnest_node.cli import plan as plan_command
-from ravnest_node.cli import settings
-from ravnest_node.cli.demo import DemoConfig, run_demo
 from ravnest_node.cli.export import add_export_parser, run_export
-from ravnest_node.cli.signals import STOP_DEADLINE_S, ignore_stop_signals, install_stop_handlers
 from ravnest_node.cli.status import run_status, run_swarm_status, watch
-from ravnest_node.daemon.node import NodeConfig, NodeDaemon, NodeInfo
+from ravnest_node.daemon.config import NodeConfig
+from ravnest_node.daemon.node import NodeDaemon, NodeInfo
 from ravnest_node.discovery import valid_swarm_name
 from ravnest_node.errors import ConfigError, RunFailed, StartupError
+from ravnest_node.launch.demo import DemoConfig, run_demo
+from ravnest_node.launch.signals import STOP_DEADLINE_S, ignore_stop_signals, install_stop_handlers
+from ravnest_node.logs import JsonLines, setup_logging
 from ravnest_node.models import model_names
 from ravnest_node.transport.credentials import MEMBER_DAYS, TOKEN_FILE, create_swarm
 from ravnest_node.transport.options import TransportConfig
+from ravnest_node.version import __version__
 
 PROG = "ravnest-node"
 
@@ -231,43 +232,8 @@ def _fail(message: str) -> int:
     return 2
 
 
-class JsonLines(logging.Formatter):
-    """One JSON object per record: time (ISO 8601, UTC), level, logger, message, node_id, and
-    the traceback as `exception` when there is one."""
-
-    def __init__(self, node_id: str = "") -> None:
-        super().__init__()
-        self.node_id = node_id
-
-    def format(self, record: logging.LogRecord) -> str:
-        when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
-        event = {
-            "time": when.isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-            "node_id": self.node_id,
-        }
-        if record.exc_info:
-            event["exception"] = self.formatException(record.exc_info)
-        return json.dumps(event)
-
-
-def _setup_logging(level: str, fmt: str = "text") -> logging.Formatter:
-    """Log to standard error at `level`, as text or JSON lines; the formatter."""
-    handler = logging.StreamHandler(sys.stderr)
-    formatter = (
-        JsonLines()
-        if fmt == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
-    handler.setFormatter(formatter)
-    logging.basicConfig(level=level.upper(), handlers=[handler])
-    return formatter
-
-
 def _start(cfg: NodeConfig) -> int:
-    formatter = _setup_logging(cfg.log_level, cfg.log_format)
+    formatter = setup_logging(cfg.log_level, cfg.log_format)
 
     def announce(info: NodeInfo) -> None:
         event = {"event": "ready", "node_id": info.node_id, "address": info.address,

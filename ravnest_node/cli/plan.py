@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -39,6 +38,7 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, model_names
 from ravnest_node.models.pretrained import PretrainedModel, parse_spec, without_lora
 from ravnest_node.transport.options import TransportConfig
+from ravnest_node.units import rate_text
 
 GIB = 2**30
 TERA = 1e12
@@ -254,9 +254,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"full: train every parameter; lora: adapters, frozen base (default "
         f"{defaults.mode}, or an hf: model's lora=)",
     )
-    parser.add_argument(
-        "--lora-rank", type=int, metavar="R", help=f"default {defaults.lora_rank}"
-    )
+    parser.add_argument("--lora-rank", type=int, metavar="R", help=f"default {defaults.lora_rank}")
     parser.add_argument(
         "--base",
         choices=["fp32", "bf16", "int8"],
@@ -517,17 +515,3 @@ def _print_plan(r: dict[str, Any], out: TextIO) -> None:
             "microbatches",
             file=out,
         )
-
-
-def rate_text(bps: float) -> str:
-    """A link rate for people: "50 Mbit/s"; "over 1 Tbit/s" for what only a probe that took
-    no longer than an empty one reports (two nodes on one machine: nothing to measure)."""
-    if math.isinf(bps):
-        return "unlimited"
-    rounded = float(f"{bps:.4g}")  # 999.96 Mbit/s reads 1 Gbit/s, not 1000 Mbit/s
-    if rounded >= 1e12:
-        return "over 1 Tbit/s"
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if rounded >= scale:
-            return f"{rounded / scale:g} {unit}"
-    return f"{rounded:g} bit/s"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
+from ravnest_node import settings
 from ravnest_node.bench.runner import BenchConfig
-from ravnest_node.cli import settings
-from ravnest_node.cli.demo import DemoConfig
-from ravnest_node.daemon.node import NodeConfig
+from ravnest_node.daemon.config import NodeConfig
+from ravnest_node.launch.demo import DemoConfig
 
 HEADER = """\
 # Configuration reference

@@ -24,19 +24,19 @@ from typing import Any, TextIO
 
 import grpc
 
-from ravnest_node.cli.plan import rate_text
-from ravnest_node.coordination.coordinator import PROTOCOL
 from ravnest_node.coordination.locate import Found, grpc_status_asker, locate_coordinator
 from ravnest_node.discovery.mdns import MdnsDiscovery
 from ravnest_node.errors import ConfigError, PeerError, StartupError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.protocol import PROTOCOL
 from ravnest_node.transport.options import (
     TransportConfig,
     grpc_channel,
     grpc_sync_channel,
     split_host_port,
 )
+from ravnest_node.units import rate_text
 
 _ENUMS = {"role": ("NODE_ROLE_", pb.NodeRole), "coordinator_found_via": ("FOUND_VIA_", pb.FoundVia)}
 

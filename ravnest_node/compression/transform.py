@@ -57,7 +57,7 @@ from math import prod
 
 import torch
 
-from ravnest_node.compression import rans
+import ravnest_node.compression.rans as rans
 from ravnest_node.compression.aq import Commit
 from ravnest_node.compression.quant import (
     cast_finite,

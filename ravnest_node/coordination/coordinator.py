@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ravnest_node.checkpoint import run_key
-from ravnest_node.coordination.membership import DEFAULT_LEASE_S, Leases, RoundTrips
+from ravnest_node.coordination.membership import Leases, RoundTrips
 from ravnest_node.coordination.negotiate import (
     check_capabilities,
     check_offers,
@@ -38,29 +38,28 @@ from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.protocol import (
+    DEFAULT_LEASE_S,
+    LOST_AFTER_LEASES,
+    MAX_EPOCH_AHEAD,
+    PROTOCOL,
+    UNREACHABLE_KEY,
+)
 from ravnest_node.state import MAX_NODE_ID_LEN, valid_node_id, write_atomic
-from ravnest_node.transport.boundary import Refusal
+from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.options import split_host_port
 from ravnest_node.transport.probe import MIN_PROBE_COST, PROBE_BUDGET_BYTES, ProbeTurns
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PROTOCOL = "ravnest.v1"
-UNREACHABLE_KEY = "ravnest-unreachable"
-"""Trailing metadata of a Join refused because this coordinator cannot reach the node at its
-address: the node may then go through a relay (SwarmView.relays) and join again."""
 # Members a swarm may grow to after its first plan (before it, exactly --swarm-size).
 MAX_MEMBERS = 1024
-LOST_AFTER_LEASES = 2
-"""A member with a stage silent for this many leases is lost (one late heartbeat is not)."""
 MAX_SUSPECTS = 8
 REACH_TIMEOUT_S = 3.0
 """How long the coordinator waits for a joining node to answer at its address."""
 MAX_REACHING = 4
 """Joining nodes the coordinator checks at once (the others wait for a turn)."""
-MAX_EPOCH_AHEAD = 16
-"""How far past the plan it took over a member's newest plan epoch may be (JoinRequest)."""
 RESTORE_RETRY_LEASES = 3
 """A restore from checkpoints that finds no step at once is tried again on each heartbeat for
 this many leases (a member's offers may come with its next heartbeat)."""

@@ -26,6 +26,7 @@ from ravnest_node.discovery import Discovery
 from ravnest_node.errors import ConfigError, PeerError, PeerRefused, PeerUnavailable
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.transport.errors import peer_error
 from ravnest_node.transport.options import TransportConfig, grpc_channel, split_host_port
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,7 @@ def grpc_status_asker(transport: TransportConfig) -> AskStatus:
             status: pb.NodeStatus = await stub.Status(pb.StatusRequest(), timeout=timeout_s)
             return status
         except grpc.aio.AioRpcError as exc:
-            what = f"{exc.code().name}: {exc.details()}"
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise PeerUnavailable(what) from None
-            raise PeerRefused(what) from None
+            raise peer_error(exc, f"status of {address}") from None
         finally:
             await channel.close(grace=None)
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_LEASE_S", "Leases", "RoundTrips", "heartbeat_interval"]
+from ravnest_node.protocol import DEFAULT_LEASE_S
 
-DEFAULT_LEASE_S = 6.0
+__all__ = ["Leases", "RoundTrips"]
+
 PROBE_MIN_S = 2.0
 """A probe of a suspected member waits at least this long for its answer (a busy machine's
 event loop may take that long to answer; a killed process refuses the connection at once)."""
@@ -22,11 +23,6 @@ PROBE_RTTS = 10
 """... and at least this many of its measured round trips (a slow or far link)."""
 RTT_WEIGHT = 0.2
 """Weight of a new sample in a member's round-trip average (exponential)."""
-
-
-def heartbeat_interval(lease_s: float) -> float:
-    """How often a member sends a heartbeat for a lease of `lease_s`."""
-    return lease_s / 3
 
 
 @dataclass

@@ -50,6 +50,7 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.models import BlockModel
 from ravnest_node.models.base import shapes_only
 from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.protocol import MAX_OFFERS, MAX_PEER_LINKS
 from ravnest_node.state import valid_node_id
 from ravnest_node.transport.options import split_host_port
 
@@ -69,13 +70,10 @@ SPEED_GROUP = 1.3
 DEFAULT_LINK = Link(bandwidth_bps=1e9, rtt_s=1e-3)
 ADAM_BYTES_PER_PARAM = 16
 STASH_BYTES_PER_PARAM = 4
-MAX_OFFERS = 64
 MAX_PIPELINES = 1024  # a swarm has at most 1024 members
 MAX_LINK_BPS = 1e13
 MAX_RTT_S = 60.0
 MIN_LINK_BPS = 1e3
-MAX_PEER_LINKS = 16
-"""A node measures its links to at most this many earlier members (about 4 MiB each)."""
 SPARE_GAIN = 1.25
 
 

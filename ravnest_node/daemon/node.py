@@ -10,26 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
-import math
 import os
 import random
 import socket
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
 
 from ravnest_node.averaging import AveragingService
 from ravnest_node.checkpoint import CheckpointDir
-from ravnest_node.coordination.coordinator import PROTOCOL, CoordinatorService
+from ravnest_node.coordination.coordinator import CoordinatorService
 from ravnest_node.coordination.election import Ballot, ElectionService, VoteBook, stand
 from ravnest_node.coordination.locate import (
     AskStatus,
@@ -39,8 +37,15 @@ from ravnest_node.coordination.locate import (
     grpc_vote_asker,
     locate_coordinator,
 )
-from ravnest_node.coordination.membership import DEFAULT_LEASE_S
 from ravnest_node.coordination.store import CoordinatorStore
+from ravnest_node.daemon.config import (
+    JOIN_AUTO,
+    JOIN_ELECT,
+    NodeConfig,
+    ipaddress_is_wildcard,
+    is_address,
+    parse_port_range,
+)
 from ravnest_node.daemon.web import (
     Family,
     WebServer,
@@ -54,10 +59,8 @@ from ravnest_node.discovery import (
     MdnsDiscovery,
     TxtRecord,
     advertised_ips,
-    valid_swarm_name,
 )
 from ravnest_node.errors import (
-    ConfigError,
     PeerError,
     PeerRefused,
     PeerUnavailable,
@@ -67,11 +70,12 @@ from ravnest_node.errors import (
     Unreachable,
 )
 from ravnest_node.models.pretrained import local_paths
-from ravnest_node.pipeline.run import TrainConfig, check_frame_limit, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.protocol import PROTOCOL
 from ravnest_node.state import load_or_create_node_id, write_atomic
-from ravnest_node.transport.boundary import BoundaryServer, LinkCounters, Refusal
+from ravnest_node.transport.boundary import BoundaryServer, LinkCounters
+from ravnest_node.transport.errors import Refusal, unanswered
 from ravnest_node.transport.gate import TlsGate
 from ravnest_node.transport.limits import PeerLimiter
 from ravnest_node.transport.options import (
@@ -86,8 +90,6 @@ from ravnest_node.transport.tunnel import RelayServer, TunnelClient, connect_rtt
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-LogLevel = Literal["debug", "info", "warning", "error"]
-LogFormat = Literal["text", "json"]
 READY_FILE = "ready.json"
 # Calls a node serves at once (boundary streams, control calls, status); more fail. One peer
 # gets at most TransportConfig.peer_max_calls of them (transport/limits.py).
@@ -109,245 +111,11 @@ FAILOVER_STAND_S = 1.0
 seconds apart: the first at once, each next one only if no coordinator has come up by then."""
 FAILOVER_STATUS_S = 2.0
 """How long a failover waits for a member's Node.Status when looking for the new coordinator."""
-JOIN_AUTO = "auto"
-JOIN_ELECT = "elect"
-MAX_PEERS = 64
-DEFAULT_SWARM = "default"
-"""The swarm name when none is given (a protected swarm's name comes from its credentials)."""
 
 # --no-inbound without --relay: of the relays the coordinator offers, at most this many are
 # timed, each connect within this many seconds.
 MAX_RELAY_OFFERS = 16
 RELAY_RTT_TIMEOUT_S = 2.0
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class NodeConfig:
-    """One ravnest-node daemon."""
-
-    listen: str = "127.0.0.1:0"
-    """Address of this node's gRPC server, HOST:PORT; port 0 picks a free port."""
-    advertise: str | None = None
-    """Address other nodes use to reach this one (default: the listen address)."""
-    state_dir: Path | None = None
-    """Directory for this node's id and state files (default: none kept, a new id each start)."""
-    join: str | None = field(default=None, metadata={"flag": "--join"})
-    """Coordinator to join: HOST:PORT, `auto` to find it over mDNS or through --peer, or `elect`.
-
-    Without --join and --peer this node is the coordinator. With `elect` (and --mdns) the nodes
-    of a LAN swarm, all started alike with the same --swarm-size, choose one among themselves."""
-    model_dirs: tuple[str, ...] = field(default=(), metadata={"flag": "--model-dir"})
-    """A directory of pretrained models and data this node may read (repeatable): a run whose
-    model is `hf:DIR,...` is trained only if DIR and its data file lie inside one of these or
-    inside the node's own --model (docs/fine-tuning.md). A coordinator cannot make a node read
-    any other file."""
-    peers: tuple[str, ...] = field(default=(), metadata={"flag": "--peer"})
-    """Bootstrap HOST:PORT of any node of the swarm (repeatable); a node given one is a worker.
-
-    Without --join it asks them for the coordinator's address."""
-    mdns: bool = False
-    """Advertise this node and look for its swarm's coordinator over mDNS (multicast DNS)."""
-    mdns_interface: str | None = None
-    """Interface IP for mDNS, e.g. 127.0.0.1 for a one-machine swarm (default: all interfaces)."""
-    swarm_size: int = 1
-    """Coordinator only: nodes to wait for before handing out the plan (itself included,
-    unless it is a --coordinator-only lab coordinator)."""
-    coordinator_only: bool = False
-    """Only coordinate, hold no stage: what `ravnest-node coordinator` runs for a lab. It keeps
-    membership, the plan and progress in --state-dir (SQLite) and, restarted, carries on."""
-    coordinator_grace_s: float = 600.0
-    """Worker: seconds to keep training and retrying reports while the coordinator does not
-    answer (a lab coordinator being restarted); after that the run fails."""
-    swarm_name: str = DEFAULT_SWARM
-    """Name of the swarm: part of its id; over mDNS a node sees only nodes of the same name."""
-    compute_threads: int = field(default=0, metadata={"flag": "--threads"})
-    """Threads torch may use for this node's compute (0 = torch's default)."""
-    log_level: LogLevel = "info"
-    """How much the node logs (to standard error)."""
-    log_format: LogFormat = "text"
-    """text: one line per event for people; json: one JSON object per line (time, level,
-    logger, message, node_id), for a log collector."""
-    leave_timeout_s: float = 120.0
-    """Worker with a stage: on SIGINT/SIGTERM it first leaves the swarm and stays (at most this
-    long) until a plan without it has taken its blocks over; a second signal stops it at once."""
-    resume: bool = False
-    """Carry on from this node's checkpoints in --state-dir: it offers them to the coordinator,
-    which resumes the run at the newest step every block has a checkpoint of. Without it, a new
-    run starts and checkpoints newer than its start are moved to checkpoints.previous/."""
-    checkpoint_keep: int = 3
-    """Checkpoints a node keeps in --state-dir/checkpoints (the newest; older ones are removed
-    once a newer one is complete)."""
-    relay: str | None = None
-    """Reach this node through a relay, HOST:PORT of a node started with --relay-listen: for a
-    node behind NAT, which cannot accept connections. It opens every connection itself, and its
-    address for the others is the port the relay opens for it (--advertise is not used)."""
-    no_inbound: bool = False
-    """This node cannot accept connections (behind NAT): it is reached through a relay, --relay
-    or, without it, the one it chooses from the coordinator's offers (the lowest round trip). A
-    coordinator refuses a node it cannot reach, with that advice."""
-    relay_listen: str | None = None
-    """Serve as a relay on HOST:PORT for nodes that cannot accept connections (--relay). The
-    ports it opens for them are on this node's advertised (or listen) host, and their traffic
-    crosses this node's link twice."""
-    relay_ports: str | None = None
-    """With --relay-listen: LOW-HIGH, the ports the relay opens for its nodes (one each), for a
-    firewall that lets only those through (default: any port the system picks)."""
-    lease_s: float = DEFAULT_LEASE_S
-    """On the coordinator: seconds a member stays a member without a heartbeat (members send
-    one every third of it); before the plan, a member silent longer loses its place."""
-    metrics_port: int | None = None
-    """Serve Prometheus metrics (/metrics) and a live page of the swarm (/) over HTTP on this
-    port (0: any free one, written to ready.json as "metrics")."""
-    metrics_host: str = "127.0.0.1"
-    """Host the --metrics-port endpoint listens on; 0.0.0.0 lets other machines scrape it and
-    open the page (plain HTTP without credentials: it shows what `status` shows)."""
-    fault_compute_scale: float = 1.0
-    """Test only: multiply the compute time this node measures and reports to the planner."""
-    fault_block_ms: float = 0.0
-    """Test only: this node works this many ms longer per block of its stage and microbatch,
-    as a slower machine would (a sleep: it costs no CPU), and its measurement includes it."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """The training run (used by the coordinator, which hands it to every node)."""
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    """Limits and timeouts of the gRPC transport."""
-
-    def __post_init__(self) -> None:
-        split_host_port(self.listen)
-        if self.advertise is not None:
-            _, port = split_host_port(self.advertise)
-            if port == 0:
-                raise ConfigError(f"advertise={self.advertise!r}: needs a real port, not 0")
-        if self.join is not None and self.join not in (JOIN_AUTO, JOIN_ELECT):
-            split_host_port(self.join)
-        if self.join == JOIN_ELECT and not self.mdns:
-            raise ConfigError(
-                "join='elect' chooses a coordinator among the nodes found over mDNS: add --mdns"
-            )
-        if self.coordinator_only and (self.join is not None or self.peers):
-            raise ConfigError(
-                "coordinator_only: a lab coordinator joins nobody: drop --join/--peer"
-            )
-        if self.coordinator_only and self.state_dir is None:
-            raise ConfigError(
-                "coordinator_only: a lab coordinator keeps its state in --state-dir: give one"
-            )
-        if not (math.isfinite(self.coordinator_grace_s) and self.coordinator_grace_s >= 0):
-            raise ConfigError(f"coordinator_grace_s={self.coordinator_grace_s}: must be >= 0")
-        if not (math.isfinite(self.leave_timeout_s) and 0 <= self.leave_timeout_s <= 3600):
-            raise ConfigError(f"leave_timeout_s={self.leave_timeout_s}: must be 0 to 3600")
-        if self.resume and self.state_dir is None:
-            raise ConfigError("resume: checkpoints live in --state-dir: give the one used before")
-        if self.resume and self.coordinator_only:
-            raise ConfigError(
-                "resume: a lab coordinator carries on from its --state-dir by itself; --resume "
-                "is for nodes that train a stage"
-            )
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port={self.metrics_port}: must be 0 to 65535")
-        if not 1 <= self.checkpoint_keep <= 1000:
-            raise ConfigError(f"checkpoint_keep={self.checkpoint_keep}: must be 1 to 1000")
-        if not (math.isfinite(self.lease_s) and 0.3 <= self.lease_s <= 3600):
-            raise ConfigError(f"lease_s={self.lease_s}: must be between 0.3 and 3600 seconds")
-        if not (math.isfinite(self.fault_block_ms) and 0 <= self.fault_block_ms <= 60_000):
-            raise ConfigError(f"fault_block_ms={self.fault_block_ms}: must be 0 to 60000")
-        if not (math.isfinite(self.fault_compute_scale) and self.fault_compute_scale > 0):
-            raise ConfigError(f"fault_compute_scale={self.fault_compute_scale}: must be > 0")
-        if len(self.peers) > MAX_PEERS:
-            raise ConfigError(f"peers: {len(self.peers)} given, at most {MAX_PEERS}")
-        for peer in self.peers:
-            if split_host_port(peer)[1] == 0:
-                raise ConfigError(f"peer {peer!r}: needs a real port, not 0")
-        if self.join == JOIN_AUTO and not (self.mdns or self.peers):
-            raise ConfigError(
-                "join='auto' finds the coordinator over mDNS or through bootstrap peers: "
-                "add --mdns (on a LAN) or --peer HOST:PORT"
-            )
-        if self.mdns_interface is not None:
-            try:
-                ipaddress.ip_address(self.mdns_interface)
-            except ValueError:
-                raise ConfigError(
-                    f"mdns_interface={self.mdns_interface!r}: must be an IP address of this "
-                    "machine, e.g. 127.0.0.1 or 192.168.1.10"
-                ) from None
-        if not valid_swarm_name(self.swarm_name):
-            raise ConfigError(
-                f"swarm_name={self.swarm_name[:80]!r}: must be 1 to 64 printable characters "
-                "without '='"
-            )
-        if not 1 <= self.swarm_size <= 1024:
-            raise ConfigError(f"swarm_size={self.swarm_size}: must be between 1 and 1024")
-        if self.compute_threads < 0:
-            raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
-        self._check_relay()
-        creds = self.transport.credentials
-        if creds is not None and self.swarm_name != creds.swarm:
-            if self.swarm_name != DEFAULT_SWARM:
-                raise ConfigError(
-                    f"swarm_name={self.swarm_name!r}, but the credentials are swarm "
-                    f"{creds.swarm!r}'s: drop --swarm-name, or give that swarm's credentials"
-                )
-            object.__setattr__(self, "swarm_name", creds.swarm)  # frozen: set once, here
-        if self.is_coordinator or self.elects:
-            check_frame_limit(self.train, self.transport.max_message_bytes)
-            check_swarm_shape(self.swarm_size, self.train)
-
-    def _check_relay(self) -> None:
-        if (
-            self.no_inbound
-            and self.relay is None
-            and not (self.peers or self.join not in (None, JOIN_AUTO, JOIN_ELECT))
-        ):
-            raise ConfigError(
-                "no_inbound: a node that cannot accept connections is reached through a relay; "
-                "it asks the coordinator for one, so give --join HOST:PORT or --peer, or name "
-                "one: --relay HOST:PORT (a reachable node started with --relay-listen)"
-            )
-        if self.relay is not None:
-            split_host_port(self.relay)
-        if self.relay is not None or self.no_inbound:
-            what = "relay" if self.relay is not None else "no_inbound"
-            if self.advertise is not None:
-                raise ConfigError(
-                    f"{what}: the relay gives this node its address: drop --advertise"
-                )
-            if self.is_coordinator or self.elects or self.coordinator_only:
-                raise ConfigError(
-                    f"{what}: a coordinator must accept connections: start it on a reachable node "
-                    "(a worker may use a relay)"
-                )
-            if self.mdns:
-                raise ConfigError(f"{what}: mDNS would advertise this node's own address: drop "
-                                  "--mdns (a LAN needs no relay)")  # fmt: skip
-            if self.relay_listen is not None:
-                raise ConfigError(f"{what}: a node reached through a relay cannot be one")
-        if self.relay_ports is not None:
-            if self.relay_listen is None:
-                raise ConfigError("relay_ports: only a relay opens ports: add --relay-listen")
-            parse_port_range(self.relay_ports)
-        if self.relay_listen is not None:
-            host, _ = split_host_port(self.relay_listen)
-            public = split_host_port(self.advertise)[0] if self.advertise else host
-            if ipaddress_is_wildcard(public):
-                raise ConfigError(
-                    f"relay_listen={self.relay_listen!r}: on a wildcard address, give --advertise "
-                    "so the relay knows the host its ports are reached at"
-                )
-
-    @property
-    def is_coordinator(self) -> bool:
-        """No --join and no --peer: this node is the coordinator."""
-        return self.join is None and not self.peers
-
-    @property
-    def elects(self) -> bool:
-        """--join elect: this node may become the coordinator by election."""
-        return self.join == JOIN_ELECT
-
-    @property
-    def finds_coordinator(self) -> bool:
-        """A worker without a coordinator address: it looks over mDNS and asks its peers."""
-        return self.join == JOIN_AUTO or (self.join is None and bool(self.peers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,7 +183,7 @@ async def probe_node(
                     pb.StatusRequest(brief=True), timeout=timeout_s
                 )
             except grpc.aio.AioRpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if unanswered(exc.code()):
                     continue
                 return True  # it answered, if only to refuse
             return bool(status.node_id == node_id)
@@ -830,7 +598,7 @@ class NodeDaemon:
             raise StartupError(
                 f"behind NAT: cannot ask the coordinator for a relay: {exc}"
             ) from None
-        offers = [o for o in view.relays[:MAX_RELAY_OFFERS] if _is_address(o.address)]
+        offers = [o for o in view.relays[:MAX_RELAY_OFFERS] if is_address(o.address)]
         if not offers:
             raise StartupError(
                 f"behind NAT: coordinator {address} offers no relay: start a reachable node "
@@ -1341,28 +1109,6 @@ def _relay_advice(relay: str) -> str:
         "(the host its ports are reached at) and that its firewall lets the swarm reach its "
         "ports (--relay-ports LOW-HIGH)"
     )
-
-
-def parse_port_range(text: str) -> range:
-    """The ports of "LOW-HIGH" (both included, 1 to 65535); ConfigError if it is not one."""
-    low, sep, high = text.partition("-")
-    if not (sep and low.isascii() and low.isdigit() and high.isascii() and high.isdigit()):
-        raise ConfigError(f"relay_ports={text!r}: give LOW-HIGH, e.g. 7100-7115")
-    if not 1 <= int(low) <= int(high) <= 65535:
-        raise ConfigError(f"relay_ports={text!r}: need 1 <= LOW <= HIGH <= 65535")
-    return range(int(low), int(high) + 1)
-
-
-def _is_address(text: str) -> bool:
-    try:
-        split_host_port(text)
-    except ConfigError:
-        return False
-    return True
-
-
-def ipaddress_is_wildcard(host: str) -> bool:
-    return host in ("0.0.0.0", "::", "")
 
 
 def _check_bindable(host: str, port: int, listen: str) -> None:

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from ravnest_node import __version__
 from ravnest_node.errors import PeerError
 from ravnest_node.pipeline.stage import StageMetrics, StageSpec
 from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.version import __version__
 
 log = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ import grpc
 import torch
 
 from ravnest_node.averaging import AveragingConfig, AveragingService, Member, ReplicaAverager
+from ravnest_node.blocks import BlockWeights
 from ravnest_node.checkpoint import (
     CheckpointCopies,
     CheckpointDir,
@@ -42,14 +43,6 @@ from ravnest_node.checkpoint import (
     parse_manifest,
     run_key,
 )
-from ravnest_node.coordination.coordinator import (
-    LOST_AFTER_LEASES,
-    MAX_EPOCH_AHEAD,
-    PROTOCOL,
-    UNREACHABLE_KEY,
-)
-from ravnest_node.coordination.membership import DEFAULT_LEASE_S, heartbeat_interval
-from ravnest_node.coordination.negotiate import MAX_OFFERS, MAX_PEER_LINKS
 from ravnest_node.coordination.static_plan import (
     check_plan,
     dials_back,
@@ -70,21 +63,31 @@ from ravnest_node.errors import (
 from ravnest_node.models import get_model
 from ravnest_node.models.pretrained import check_allowed
 from ravnest_node.pipeline.codec_choice import CodecChoice
-from ravnest_node.pipeline.handoff import CHUNK_BYTES, BlockAssembler, BlockWeights, to_chunks
+from ravnest_node.pipeline.handoff import CHUNK_BYTES, BlockAssembler, to_chunks
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
 from ravnest_node.pipeline.stage import Averaging, StageRuntime, StageSpec, StepReport
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.protocol import (
+    DEFAULT_LEASE_S,
+    LOST_AFTER_LEASES,
+    MAX_EPOCH_AHEAD,
+    MAX_OFFERS,
+    MAX_PEER_LINKS,
+    PROTOCOL,
+    UNREACHABLE_KEY,
+    heartbeat_interval,
+)
 from ravnest_node.state import valid_node_id
 from ravnest_node.transport.boundary import (
     Accept,
     BoundaryLink,
     LinkAborted,
     LinkCounters,
-    Refusal,
     run_back_stream,
     run_client_stream,
 )
+from ravnest_node.transport.errors import Refusal, peer_errors
 from ravnest_node.transport.frames import FrameLimits
 from ravnest_node.transport.options import (
     TransportConfig,
@@ -179,13 +182,8 @@ T = TypeVar("T")
 @contextmanager
 def coordinator_errors(address: str) -> Iterator[None]:
     """Translate a failed call to the coordinator into PeerUnavailable / PeerRefused."""
-    try:
+    with peer_errors(f"coordinator {address}"):
         yield
-    except grpc.aio.AioRpcError as exc:
-        what = f"coordinator {address}: {exc.code().name}: {exc.details()}"
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise PeerUnavailable(what) from None
-        raise PeerRefused(what) from None
 
 
 @dataclass(slots=True)

@@ -15,8 +15,8 @@ from ravnest_node.discovery.records import (
     encode_txt,
     parse_txt,
     peer_addresses,
-    valid_swarm_name,
 )
+from ravnest_node.state import valid_swarm_name
 
 __all__ = [
     "SERVICE_TYPE",

@@ -22,14 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ravnest_node.state import valid_node_id
+from ravnest_node.state import valid_node_id, valid_swarm_name
 
 SERVICE_TYPE = "_ravnest._tcp.local."
 Role = Literal["coordinator", "worker"]
 ROLES: tuple[Role, ...] = ("coordinator", "worker")
 TXT_KEYS = ("swarm", "node", "proto", "role")
 
-MAX_SWARM_NAME_LEN = 64
 # One TXT string is `key=value` in at most 255 bytes; a longer value cannot be ours.
 MAX_VALUE_BYTES = 200
 # Our records have four keys; leave room for later versions, refuse a flood.
@@ -38,11 +37,6 @@ MAX_KEY_BYTES = 32
 MAX_PROTOCOL_LEN = 32
 # Addresses taken from one record; more are dropped (a record is a hint, not a host list).
 MAX_ADDRESSES = 8
-
-
-def valid_swarm_name(name: str) -> bool:
-    """Swarm names are 1 to 64 printable characters, no '=' (they travel as TXT values)."""
-    return 0 < len(name) <= MAX_SWARM_NAME_LEN and name.isprintable() and "=" not in name
 
 
 @dataclass(frozen=True, slots=True)

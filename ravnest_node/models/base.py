@@ -10,24 +10,14 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ravnest_node.errors import ConfigError
-
-__all__ = [
-    "MODEL_PRESETS",
-    "BlockModel",
-    "TensorSpec",
-    "get_model",
-    "model_names",
-    "register_model",
-    "run_blocks",
-]
+__all__ = ["BlockModel", "TensorSpec", "run_blocks", "shapes_only"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,36 +178,3 @@ def run_blocks(blocks: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tens
     for block in blocks:
         x = block(x)
     return x
-
-
-MODEL_PRESETS: dict[str, Callable[[], BlockModel]] = {}
-"""Registry: model name -> zero-argument factory. Filled by `register_model`; the built-in presets
-are registered when `ravnest_node.models` is imported."""
-
-
-def register_model(name: str, factory: Callable[[], BlockModel]) -> None:
-    """Add a preset to `MODEL_PRESETS`; raises `ValueError` if `name` is already taken."""
-    if name in MODEL_PRESETS:
-        raise ValueError(f"model name {name!r} is already registered")
-    MODEL_PRESETS[name] = factory
-
-
-def model_names() -> list[str]:
-    """Registered model names, sorted."""
-    return sorted(MODEL_PRESETS)
-
-
-def get_model(name: str) -> BlockModel:
-    """A fresh instance of the preset `name`, or of the pretrained model an ``hf:DIR,...`` name
-    describes; raises `ConfigError` if there is no such preset or the directory is unusable."""
-    if name.startswith("hf:"):  # a pretrained model directory (models/pretrained.py)
-        from ravnest_node.models.pretrained import PretrainedModel
-
-        return PretrainedModel(name)
-    try:
-        factory = MODEL_PRESETS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown model {name!r}; choose one of: {', '.join(model_names())}"
-        ) from None
-    return factory()

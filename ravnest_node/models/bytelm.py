@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ravnest_node.errors import ConfigError
-from ravnest_node.models.base import BlockModel, TensorSpec, register_model
+from ravnest_node.models.base import BlockModel, TensorSpec
 
 __all__ = ["VOCAB_SIZE", "ByteLM", "ByteLMConfig"]
 
@@ -195,15 +195,3 @@ PRESETS: dict[str, ByteLMConfig] = {
     "bench-small": ByteLMConfig(d_model=256, n_layers=6, n_heads=4, seq_len=128),
 }
 """Built-in ByteLM shapes; ``bench-small`` is the benchmark model of BENCHMARKS.md."""
-
-
-def _register_presets() -> None:
-    for preset_name, preset_cfg in PRESETS.items():
-
-        def factory(cfg: ByteLMConfig = preset_cfg, name: str = preset_name) -> BlockModel:
-            return ByteLM(cfg, name=name)
-
-        register_model(preset_name, factory)
-
-
-_register_presets()

@@ -12,73 +12,17 @@ a wrong message is refused whole and changes nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
+from ravnest_node.blocks import DTYPE, ROLES, BlockWeights, block_shapes, check_block
 from ravnest_node.errors import PeerRefused
 from ravnest_node.proto import control_pb2 as pb
 
-ROLES = ("param", "exp_avg", "exp_avg_sq")
-DTYPE = "float32"
 CHUNK_BYTES = 1 << 20
 """Data per `BlockChunk`: a block of any size moves in messages far below gRPC's limits."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockWeights:
-    """One block after `version` optimizer steps: its parameters and, once it has taken a step,
-    AdamW's moments; tensors are float32 copies, keyed by (role, parameter name in the block)."""
-
-    block: int
-    version: int
-    optimizer_step: float
-    tensors: Mapping[tuple[str, str], torch.Tensor]
-
-
-def export_blocks(
-    blocks: torch.nn.Sequential, first_block: int, optimizer: torch.optim.Optimizer, version: int
-) -> dict[int, BlockWeights]:
-    """Copies of each block of a stage (on the compute thread, between steps)."""
-    out: dict[int, BlockWeights] = {}
-    with torch.no_grad():
-        for i, block in enumerate(blocks):
-            tensors: dict[tuple[str, str], torch.Tensor] = {}
-            step = 0.0
-            for name, p in block.named_parameters():
-                tensors[("param", name)] = p.detach().to(torch.float32).clone()
-                state = optimizer.state.get(p, {})
-                if "exp_avg" in state:
-                    tensors[("exp_avg", name)] = state["exp_avg"].to(torch.float32).clone()
-                    tensors[("exp_avg_sq", name)] = state["exp_avg_sq"].to(torch.float32).clone()
-                    step = float(state["step"])
-            out[first_block + i] = BlockWeights(first_block + i, version, step, tensors)
-    return out
-
-
-def restore_blocks(
-    blocks: torch.nn.Sequential,
-    first_block: int,
-    optimizer: torch.optim.Optimizer,
-    states: Mapping[int, BlockWeights],
-) -> None:
-    """Load `states` (checked by `BlockAssembler`, or exported here) into a stage's blocks and its
-    fresh optimizer; blocks without a state keep their initial weights."""
-    with torch.no_grad():
-        for i, block in enumerate(blocks):
-            state = states.get(first_block + i)
-            if state is None:
-                continue
-            for name, p in block.named_parameters():
-                p.copy_(state.tensors[("param", name)])
-                if ("exp_avg", name) in state.tensors:
-                    optimizer.state[p] = {
-                        "step": torch.tensor(state.optimizer_step, dtype=torch.float32),
-                        "exp_avg": state.tensors[("exp_avg", name)].clone(),
-                        "exp_avg_sq": state.tensors[("exp_avg_sq", name)].clone(),
-                    }
 
 
 def to_chunks(weights: BlockWeights, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.BlockChunk]:
@@ -184,46 +128,3 @@ def from_chunks(
     for chunk in chunks:
         assembler.add(chunk)
     return assembler.finish()
-
-
-def block_shapes(block: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of a block (a block built on the meta device will do)."""
-    return {name: tuple(p.shape) for name, p in block.named_parameters()}
-
-
-def check_block(
-    tensors: dict[tuple[str, str], torch.Tensor],
-    *,
-    shapes: Mapping[str, tuple[int, ...]],
-    index: int,
-    version: int,
-    optimizer_step: float,
-    refuse: Callable[[str], Exception],
-) -> BlockWeights:
-    """The checks every block state passes before it is used, wherever it came from (a peer, a
-    checkpoint): exactly the block's parameters, float32 and of their shapes, AdamW moments for
-    all of them or none, a whole optimizer step count, every value finite, second moments not
-    negative. Raises `refuse(what is wrong)`."""
-    for role, name in tensors:
-        if role not in ROLES or name not in shapes:
-            raise refuse(f"unknown tensor {role} {name[:80]!r}")
-        t = tensors[(role, name)]
-        if t.dtype != torch.float32:
-            raise refuse(f"{role} {name} is {t.dtype}, not {DTYPE}")
-        if tuple(t.shape) != shapes[name]:
-            raise refuse(f"{role} {name} has shape {list(t.shape)}, not {list(shapes[name])}")
-    for name in shapes:
-        if ("param", name) not in tensors:
-            raise refuse(f"parameter {name} is missing")
-    moments = len(tensors) > len(shapes)
-    if moments and len(tensors) != len(ROLES) * len(shapes):
-        raise refuse("optimizer moments for only some parameters")
-    step = optimizer_step
-    if moments and not (math.isfinite(step) and step >= 1 and step.is_integer()):
-        raise refuse(f"optimizer step {step}")
-    for (role, name), values_t in tensors.items():
-        if not bool(torch.isfinite(values_t).all()):
-            raise refuse(f"{role} {name} is not finite")
-        if role == "exp_avg_sq" and bool((values_t < 0).any()):
-            raise refuse(f"{role} {name} has negative values")
-    return BlockWeights(index, version, optimizer_step if moments else 0.0, tensors)

@@ -64,12 +64,12 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from ravnest_node.averaging import AveragingConfig, OuterOptimizer, ReplicaAverager, RoundResult
+from ravnest_node.blocks import BlockWeights, export_blocks, restore_blocks
 from ravnest_node.compression import ACTIVATION_ONLY, SampleReferences, get_codec
 from ravnest_node.compression.transform import KLTBases
 from ravnest_node.errors import FrameError
 from ravnest_node.models import BlockModel
 from ravnest_node.pipeline.codec_choice import CodecChoice
-from ravnest_node.pipeline.handoff import BlockWeights, export_blocks, restore_blocks
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.boundary import BoundaryLink
 from ravnest_node.transport.frames import (
@@ -911,7 +911,7 @@ class StageRuntime:
     def _block_call(self, i: int, weights: Weights, x: torch.Tensor) -> torch.Tensor:
         """Block `i` of the stage on `x` with its tensors from the snapshot `weights`."""
         prefix = f"{i}."
-        own = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         out: torch.Tensor = torch.func.functional_call(self._blocks[i], own, (x,))
         return out
 

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from ravnest_node.errors import FrameError, PeerRefused, PeerUnavailable
+from ravnest_node.transport.errors import Refusal, unanswered
 from ravnest_node.transport.frames import Frame, FrameLimits, parse_frame
 from ravnest_node.transport.gate import peer_address
 
@@ -46,15 +47,6 @@ END_OF_STREAM = b""
 # Initial metadata of a boundary stream: who is sending, under which plan epoch.
 NODE_ID_KEY = "ravnest-node-id"
 EPOCH_KEY = "ravnest-plan-epoch"
-
-
-class Refusal(Exception):
-    """A stream is refused as a whole (not one frame): carries the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -179,7 +171,7 @@ def _call_faults(call: Any, peer: str) -> Iterator[None]:
     try:
         yield
     except grpc.aio.AioRpcError as exc:
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        if unanswered(exc.code()):
             raise PeerUnavailable(f"stream to {peer} broke: {exc.details()}") from None
         raise PeerRefused(
             f"{peer} refused the boundary stream: {exc.code().name}: {exc.details()}"

@@ -44,9 +44,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from ravnest_node.discovery.records import valid_swarm_name
 from ravnest_node.errors import ConfigError
-from ravnest_node.state import write_atomic
+from ravnest_node.state import valid_swarm_name, write_atomic
 
 TLS_NAME = "swarm.ravnest"
 """The DNS name in every member certificate, and the name every channel checks its server for."""

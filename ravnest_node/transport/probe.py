@@ -34,14 +34,8 @@ from typing import Any
 import grpc
 
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable
-from ravnest_node.transport.boundary import (
-    EPOCH_KEY,
-    NODE_ID_KEY,
-    SERVICE,
-    LinkCounters,
-    Refusal,
-    caller,
-)
+from ravnest_node.transport.boundary import EPOCH_KEY, NODE_ID_KEY, SERVICE, LinkCounters, caller
+from ravnest_node.transport.errors import Refusal, peer_error
 
 METHOD = "Probe"
 PATH = f"/{SERVICE}/{METHOD}"
@@ -199,16 +193,9 @@ def probe_sender(
                 return
             await call(bytes(nbytes), metadata=metadata, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            what = f"probe of {peer}: {exc.code().name}: {exc.details()}"
             if exc.code() == grpc.StatusCode.ABORTED:
-                raise ProbeBusy(what) from None
-            if exc.code() in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-            ):
-                raise PeerUnavailable(what) from None
-            raise PeerRefused(what) from None
+                raise ProbeBusy(f"probe of {peer}: ABORTED: {exc.details()}") from None
+            raise peer_error(exc, f"probe of {peer}") from None
         counters.add(peer, nbytes)
 
     return send

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
-from ravnest_node.checkpoint import CheckpointDir, CheckpointError
+from ravnest_node.blocks import BlockWeights
+from ravnest_node.checkpoint.store import CheckpointDir, CheckpointError
 from ravnest_node.errors import ConfigError
-from ravnest_node.models.base import BlockModel, get_model
+from ravnest_node.models import BlockModel, get_model
 from ravnest_node.models.lora import FrozenLinear, LoRALinear
 from ravnest_node.models.pretrained import PretrainedModel
 from ravnest_node.models.safetensors import index_directory, load_tensors
-from ravnest_node.pipeline.handoff import BlockWeights
 from ravnest_node.state import write_atomic
 
 __all__ = ["export_pretrained"]

@@ -3,7 +3,7 @@
 A checkpoint is two files in `<state-dir>/checkpoints/`, named by the step they hold:
 
 * `step-00000120-<sha256 prefix>.safetensors`: every tensor of the stage's blocks, float32,
-  named `<block>/<role>/<parameter>` (role: param, exp_avg, exp_avg_sq; pipeline/handoff.py);
+  named `<block>/<role>/<parameter>` (role: param, exp_avg, exp_avg_sq; blocks.py);
 * `step-00000120.json`: the manifest. The step (optimizer steps applied, which is also the data
   position: step S trains on the batches of step S next), the blocks and the run they belong to,
   each block's AdamW step count, and the size and sha256 of the tensor file.
@@ -17,7 +17,7 @@ killed at any point leaves the previous checkpoints as they were, plus at most a
 an orphaned tensor file, which the next save removes.
 
 **Verified.** Loading checks the manifest, then the tensor file's size and sha256, then every
-tensor against the blocks the manifest names (`handoff.check_block`: names, shapes, float32,
+tensor against the blocks the manifest names (`blocks.check_block`: names, shapes, float32,
 finite values). Anything wrong raises CheckpointError naming the file and the fault, and
 `latest` falls back to the next older checkpoint. Nothing is unpickled: safetensors holds raw
 tensors and a JSON header only.
@@ -52,10 +52,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ravnest_node.blocks import BlockWeights, block_shapes, check_block
 from ravnest_node.errors import RavnestError
 from ravnest_node.models import BlockModel, get_model
 from ravnest_node.models.base import shapes_only
-from ravnest_node.pipeline.handoff import BlockWeights, block_shapes, check_block
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.state import write_atomic
 

@@ -25,17 +25,17 @@ from typing import Any, TextIO
 
 import grpc
 
-from ravnest_node.cli.plan import rate_text
-from ravnest_node.cli.settings import to_env
-from ravnest_node.cli.signals import install_stop_handlers
-from ravnest_node.daemon.node import LogLevel
 from ravnest_node.errors import ConfigError, RunFailed
+from ravnest_node.launch.signals import install_stop_handlers
+from ravnest_node.logs import LogLevel
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.settings import to_env
 from ravnest_node.state import write_atomic
 from ravnest_node.transport.options import TransportConfig, grpc_channel
+from ravnest_node.units import rate_text
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -1,0 +1,58 @@
+"""The models a swarm can train by name: the built-in presets, models registered in this
+process, and pretrained ``hf:DIR,...`` directories.
+
+Above every model module (base, bytelm, pretrained), so that none of them imports another to
+be found: `get_model` is the one place a name becomes a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ravnest_node.errors import ConfigError
+from ravnest_node.models.base import BlockModel
+from ravnest_node.models.bytelm import PRESETS, ByteLM, ByteLMConfig
+from ravnest_node.models.pretrained import PretrainedModel
+
+__all__ = ["MODEL_PRESETS", "get_model", "model_names", "register_model"]
+
+MODEL_PRESETS: dict[str, Callable[[], BlockModel]] = {}
+"""Registry: model name -> zero-argument factory. Filled by `register_model`; the built-in presets
+are registered when `ravnest_node.models` is imported."""
+
+
+def register_model(name: str, factory: Callable[[], BlockModel]) -> None:
+    """Add a preset to `MODEL_PRESETS`; raises `ValueError` if `name` is already taken."""
+    if name in MODEL_PRESETS:
+        raise ValueError(f"model name {name!r} is already registered")
+    MODEL_PRESETS[name] = factory
+
+
+def model_names() -> list[str]:
+    """Registered model names, sorted."""
+    return sorted(MODEL_PRESETS)
+
+
+def get_model(name: str) -> BlockModel:
+    """A fresh instance of the preset `name`, or of the pretrained model an ``hf:DIR,...`` name
+    describes; raises `ConfigError` if there is no such preset or the directory is unusable."""
+    if name.startswith("hf:"):  # a pretrained model directory (models/pretrained.py)
+        return PretrainedModel(name)
+    try:
+        factory = MODEL_PRESETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model {name!r}; choose one of: {', '.join(model_names())}"
+        ) from None
+    return factory()
+
+
+def _preset(cfg: ByteLMConfig, name: str) -> Callable[[], BlockModel]:
+    def factory() -> BlockModel:
+        return ByteLM(cfg, name=name)
+
+    return factory
+
+
+for _name, _cfg in PRESETS.items():
+    register_model(_name, _preset(_cfg, _name))
