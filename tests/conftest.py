@@ -19,8 +19,9 @@ import grpc
 import pytest
 
 from ravnest_node.models import get_model
+from ravnest_node.pipeline.metrics import StepReport
 from ravnest_node.pipeline.run import TrainConfig
-from ravnest_node.pipeline.stage import StageRuntime, StageSpec, StepReport
+from ravnest_node.pipeline.stage import StageRuntime, StageSpec
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.options import TransportConfig, grpc_sync_channel

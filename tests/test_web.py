@@ -4,6 +4,7 @@ trains, the page's data, and the page itself in headless Chromium when it is ins
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -18,6 +19,7 @@ import pytest
 
 from ravnest_node.daemon.web import Family, WebServer, render_metrics
 from ravnest_node.errors import PeerUnavailable
+from ravnest_node.pipeline.metrics import StageMetrics
 
 from .conftest import Procs, node_status, poll_until, ravnest, read_line
 
@@ -175,6 +177,10 @@ def test_the_page_data_and_the_page(swarm: Any) -> None:
     assert len(data["members"]) == 3 and data["model"] == "tiny"
     assert sorted(m["stage"] for m in data["members"]) == [0, 1, 2]
     assert len(data["loss"]) >= 5 and all(math.isfinite(v) for _, v in data["loss"])
+    # Every stage's latest metrics, each field of the record by its name (pipeline/metrics.py).
+    names = {f.name for f in dataclasses.fields(StageMetrics)}
+    assert sorted(s["stage"] for s in data["stages"]) == [0, 1, 2]
+    assert all(names <= set(s) and s["compute_s"] > 0 and s["step"] >= 1 for s in data["stages"])
     last = data["loss"][-1][0]  # (at most 500 points are sent: the last step moves on)
     poll_until(lambda: json.loads(_get(f"http://{worker}/swarm.json"))["loss"][-1][0] > last, 60)
     html = _get(f"http://{worker}/").decode()
@@ -239,6 +245,7 @@ def test_the_page_in_a_browser_shows_three_nodes_and_a_loss_curve_that_grows(
     for n in nodes:
         assert n["node_id"] in first
     assert "<polyline" in first and int(_attribute(first, "data-points")) >= 2
+    assert 'data-stages="3"' in first and 'data-metric="idle_upstream_s"' in first
     shown = int(_attribute(first, "data-last-step"))
     poll_until(lambda: _last_step(nodes[0]["metrics"]) > shown, 60)  # the swarm moved on
     later = _dom(url, tmp_path / "profile-2")

@@ -35,6 +35,8 @@ from ravnest_node.coordination.static_plan import Member, has_node, same_stages,
 from ravnest_node.coordination.store import CoordinatorStore, Faults
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
+from ravnest_node.pipeline.metrics import from_report
+from ravnest_node.pipeline.metrics import summary as metrics_summary
 from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
@@ -83,37 +85,9 @@ def thin(items: list[T], most: int) -> list[T]:
 
 
 def stage_schedule(report: pb.StageReport) -> dict[str, Any]:
-    """The traffic and schedule figures of a stage's final report, for the run summary."""
-    wall = report.wall_s
-    return {
-        "params_sq_sum": report.params_sq_sum,
-        "compute_s": report.compute_s,
-        "activation_bytes_sent": report.activation_bytes_sent,
-        "gradient_bytes_sent": report.gradient_bytes_sent,
-        "wall_s": wall,
-        "busy_fraction": report.compute_s / wall if wall > 0 else math.nan,
-        "idle_upstream_s": report.idle_upstream_s,
-        "idle_downstream_s": report.idle_downstream_s,
-        "staleness_histogram": list(report.staleness),
-        "max_staleness_seen": max((k for k, n in enumerate(report.staleness) if n), default=0),
-        "max_in_flight": report.max_in_flight,
-        "max_weight_versions": report.max_weight_versions,
-        "averaging_rounds": report.averaging_rounds,
-        "averaging_rounds_incomplete": report.averaging_rounds_incomplete,
-        "averaging_bytes_sent": report.averaging_bytes_sent,
-        "averaging_wait_s": report.averaging_wait_s,
-        # The codec each role last travelled with on this stage's links, frames per codec (and
-        # how many of them `auto` packed with deflate), and the bandwidth `auto` measured
-        # (bits/s; 0 when the link was not measured).
-        "activation_codec": report.activation_codec,
-        "gradient_codec": report.gradient_codec,
-        "activation_codec_frames": dict(report.activation_codec_frames),
-        "gradient_codec_frames": dict(report.gradient_codec_frames),
-        "activation_deflated_frames": report.activation_deflated_frames,
-        "gradient_deflated_frames": report.gradient_deflated_frames,
-        "downstream_bandwidth_bps": report.downstream_bandwidth_bps,
-        "upstream_bandwidth_bps": report.upstream_bandwidth_bps,
-    }
+    """The traffic and schedule figures of a stage's final report, for the run summary: every
+    metric of the stage (pipeline/metrics.py) and its parameters' sum of squares."""
+    return {"params_sq_sum": report.params_sq_sum, **metrics_summary(from_report(report))}
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -187,6 +161,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._losses: dict[int, float] = {}  # step -> mean loss over the pipelines
         self._bytes_sent: dict[str, int] = {}
         self._final: dict[tuple[int, int], pb.StageReport] = {}  # (pipeline, stage) -> report
+        self._latest: dict[tuple[int, int], pb.StageReport] = {}
+        """(pipeline, stage) -> the latest report of that stage (SwarmView.stages)."""
         self._events: list[pb.Progress] = []
         self._resumed_at = 0
         """The step the run (re)started at: 0, or where the members' checkpoints were."""
@@ -1210,6 +1186,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # coordinator restarted from its store after answering): nothing changes.
             return pb.ReportReply()
         events_before = len(self._events)
+        self._latest[key] = request
         # Counters only grow; max() keeps a late-arriving older report from undoing a newer one.
         previous = self._bytes_sent.get(request.node_id, 0)
         self._bytes_sent[request.node_id] = max(previous, request.bytes_sent)
@@ -1471,6 +1448,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             view.losses.append(event.loss)
         if self._plan is not None:
             view.plan.CopyFrom(self._plan)
+            epoch = self._plan.epoch
+            view.stages.extend(r for _, r in sorted(self._latest.items()) if r.plan_epoch == epoch)
         return view
 
     async def WatchProgress(

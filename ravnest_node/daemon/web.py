@@ -26,7 +26,9 @@ from importlib import resources
 from typing import Any
 
 from ravnest_node.errors import PeerError
-from ravnest_node.pipeline.stage import StageMetrics, StageSpec
+from ravnest_node.pipeline.metrics import StageMetrics, from_report, samples_of
+from ravnest_node.pipeline.metrics import summary as metrics_summary
+from ravnest_node.pipeline.stage import StageSpec
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.version import __version__
 
@@ -120,12 +122,9 @@ def stage_families(
     spec: StageSpec, m: StageMetrics, *, step: int, samples: int, loss: float
 ) -> list[Family]:
     """The series of a node's stage (`samples` trained by its pipeline since the stage
-    started, `loss` of the last step on the last stage). Pure."""
+    started, `loss` of the last step on the last stage): those the metrics record declares
+    (pipeline/metrics.py), and a few derived from it. Pure."""
     stage = {"stage": str(spec.index)}
-    sent = Family("ravnest_bytes_sent_total", "Bytes this stage sent, per role.", "counter")
-    sent.add(m.activation_bytes_sent, role="activation", **stage)
-    sent.add(m.gradient_bytes_sent, role="gradient", **stage)
-    sent.add(m.averaging_bytes_sent, role="averaging", **stage)
     ratio = Family("ravnest_codec_ratio", "Bytes as float32 per byte sent, per role (1: fp32).")
     for role, raw, wire in (
         ("activation", m.activation_fp32_bytes, m.activation_bytes_sent),
@@ -133,16 +132,6 @@ def stage_families(
     ):
         if wire:
             ratio.add(raw / wire, role=role, **stage)
-    staleness = Family(
-        "ravnest_staleness_microbatches_total",
-        "Microbatches that saw this many updates between forward and backward.",
-        "counter",
-    )
-    for k, count in enumerate(m.staleness):
-        staleness.add(count, staleness=str(k), **stage)
-    idle = Family("ravnest_idle_seconds_total", "Seconds waiting for a neighbour.", "counter")
-    idle.add(m.idle_upstream_s, neighbour="upstream", **stage)
-    idle.add(m.idle_downstream_s, neighbour="downstream", **stage)
     rate = samples / m.wall_s if m.wall_s > 0 else 0.0
     busy = m.busy_fraction if m.wall_s > 0 else 0.0
     families = [
@@ -151,14 +140,13 @@ def stage_families(
             rate, **stage
         ),
         Family("ravnest_stage_busy_fraction", "Share of time spent computing.").add(busy, **stage),
-        idle,
-        sent,
         ratio,
-        staleness,
-        Family("ravnest_averaging_rounds_total", "Averaging rounds applied.", "counter").add(
-            m.averaging_rounds, **stage
-        ),
     ]
+    declared: dict[str, Family] = {}
+    for spec_, labels, value in samples_of(m):
+        family = declared.setdefault(spec_.name, Family(spec_.name, spec_.help, spec_.kind))
+        family.add(value, **labels, **stage)
+    families += declared.values()
     if spec.is_last and math.isfinite(loss):
         families.append(
             Family("ravnest_loss", "Training loss of the last step.").add(loss, **stage)
@@ -194,7 +182,15 @@ def swarm_page_data(swarm: str, view: pb.SwarmView) -> dict[str, Any]:
         "done": view.done,
         "members": members,
         "loss": [[s, v] for s, v in zip(view.loss_steps, view.losses, strict=True)],
+        "stages": [_stage_row(r) for r in view.stages],
     }
+
+
+def _stage_row(report: pb.StageReport) -> dict[str, Any]:
+    """A row of the page's stage table: where the stage is, and every metric of its latest
+    report by its name in the metrics record."""
+    where = {"pipeline": report.pipeline, "stage": report.stage, "node_id": report.node_id}
+    return {**where, "step": report.step, **metrics_summary(from_report(report))}
 
 
 @functools.cache

@@ -64,8 +64,9 @@ from ravnest_node.models import get_model
 from ravnest_node.models.pretrained import check_allowed
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.handoff import CHUNK_BYTES, BlockAssembler, to_chunks
+from ravnest_node.pipeline.metrics import StepReport, to_report
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
-from ravnest_node.pipeline.stage import Averaging, StageRuntime, StageSpec, StepReport
+from ravnest_node.pipeline.stage import Averaging, StageRuntime, StageSpec
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.protocol import (
@@ -1862,28 +1863,8 @@ class Worker:
                     done=r.done,
                     params_sq_sum=r.params_sq_sum,
                     num_params=r.num_params,
-                    compute_s=r.metrics.compute_s,
-                    activation_bytes_sent=r.metrics.activation_bytes_sent,
-                    gradient_bytes_sent=r.metrics.gradient_bytes_sent,
-                    wall_s=r.metrics.wall_s,
-                    idle_upstream_s=r.metrics.idle_upstream_s,
-                    idle_downstream_s=r.metrics.idle_downstream_s,
-                    staleness=r.metrics.staleness,
-                    max_in_flight=r.metrics.max_in_flight,
-                    max_weight_versions=r.metrics.max_weight_versions,
-                    averaging_rounds=r.metrics.averaging_rounds,
-                    averaging_rounds_incomplete=r.metrics.averaging_rounds_incomplete,
-                    averaging_bytes_sent=r.metrics.averaging_bytes_sent,
-                    averaging_wait_s=r.metrics.averaging_wait_s,
-                    activation_codec=r.metrics.activation_codec,
-                    gradient_codec=r.metrics.gradient_codec,
-                    activation_codec_frames=r.metrics.activation_codec_frames,
-                    gradient_codec_frames=r.metrics.gradient_codec_frames,
-                    activation_deflated_frames=r.metrics.activation_deflated_frames,
-                    gradient_deflated_frames=r.metrics.gradient_deflated_frames,
-                    downstream_bandwidth_bps=r.metrics.downstream_bandwidth_bps,
-                    upstream_bandwidth_bps=r.metrics.upstream_bandwidth_bps,
                     checkpoint_step=self.checkpoint_step,
+                    **to_report(r.metrics),
                 )
                 await self._call_coordinator(partial(self._send_report, report))
                 if r.done:

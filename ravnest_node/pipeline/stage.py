@@ -57,7 +57,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import ParamSpec, TypeVar
 
@@ -70,6 +70,7 @@ from ravnest_node.compression.transform import KLTBases
 from ravnest_node.errors import FrameError
 from ravnest_node.models import BlockModel
 from ravnest_node.pipeline.codec_choice import CodecChoice
+from ravnest_node.pipeline.metrics import StageMetrics, StepReport
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.boundary import BoundaryLink
 from ravnest_node.transport.frames import (
@@ -121,74 +122,6 @@ class Received:
     version: int
     tensors: dict[str, torch.Tensor]
     samples: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class StageMetrics:
-    """What a stage measured about its own schedule, for reports and benchmarks."""
-
-    wall_s: float = 0.0
-    """Seconds since the stage's run started."""
-    compute_s: float = 0.0
-    """Seconds spent in torch work (forward, backward, optimizer, codecs)."""
-    idle_upstream_s: float = 0.0
-    """Seconds the compute loop had nothing to do but wait for the previous stage."""
-    idle_downstream_s: float = 0.0
-    """Seconds it waited for the next stage: for gradients, or for room in the outbox."""
-    staleness: tuple[int, ...] = ()
-    """Histogram: staleness[k] microbatches saw k updates between forward and backward."""
-    max_in_flight: int = 0
-    """Most microbatches this stage held between forward and backward at once."""
-    max_weight_versions: int = 0
-    """Most weight snapshots this stage kept at once."""
-    activation_bytes_sent: int = 0
-    gradient_bytes_sent: int = 0
-    activation_fp32_bytes: int = 0
-    """Bytes the activations sent would take as float32: against activation_bytes_sent, the
-    codec's ratio."""
-    gradient_fp32_bytes: int = 0
-    """Bytes the gradients sent would take as float32."""
-    averaging_rounds: int = 0
-    """Averaging rounds applied."""
-    averaging_rounds_incomplete: int = 0
-    """Rounds in which some replica was missing, rejected or banned."""
-    averaging_bytes_sent: int = 0
-    """Bytes this stage pushed to its replicas."""
-    averaging_wait_s: float = 0.0
-    """Seconds the compute loop spent on averaging: taking deltas, applying results, and
-    waiting for a round still in flight when the next was due or the run ended."""
-    activation_codec: str = ""
-    """Codec of the last activation frame sent downstream ("" on the last stage)."""
-    gradient_codec: str = ""
-    """Codec of the last gradient frame sent upstream ("" on the first stage)."""
-    activation_codec_frames: dict[str, int] = field(default_factory=dict)
-    """Activation frames sent, per codec."""
-    gradient_codec_frames: dict[str, int] = field(default_factory=dict)
-    """Gradient frames sent, per codec."""
-    activation_deflated_frames: int = 0
-    """Activation frames whose payload `auto` asked to pack with deflate."""
-    gradient_deflated_frames: int = 0
-    """Gradient frames whose payload `auto` asked to pack with deflate."""
-    downstream_bandwidth_bps: float = 0.0
-    """Bandwidth `auto` measured towards the next stage, bits/s (0: not measured)."""
-    upstream_bandwidth_bps: float = 0.0
-    """Bandwidth `auto` measured towards the previous stage, bits/s (0: not measured)."""
-
-    @property
-    def busy_fraction(self) -> float:
-        return self.compute_s / self.wall_s if self.wall_s > 0 else math.nan
-
-
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    """What a stage tells the coordinator after each optimizer step."""
-
-    step: int
-    loss: float
-    done: bool
-    metrics: StageMetrics
-    params_sq_sum: float = math.nan
-    num_params: int = 0
 
 
 Weights = dict[str, torch.Tensor]
@@ -507,7 +440,7 @@ class StageRuntime:
             compute_s=self.compute_s,
             idle_upstream_s=self._idle_upstream_s,
             idle_downstream_s=self._idle_downstream_s,
-            staleness=tuple(self._staleness),
+            staleness_histogram=tuple(self._staleness),
             max_in_flight=self._max_in_flight,
             max_weight_versions=self._max_versions,
             activation_bytes_sent=self.activation_bytes_sent,

@@ -381,7 +381,7 @@ class Plan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., restore: _Optional[bool] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps", "checkpoint_step", "activation_deflated_frames", "gradient_deflated_frames")
+    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness_histogram", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps", "checkpoint_step", "activation_deflated_frames", "gradient_deflated_frames", "activation_fp32_bytes", "gradient_fp32_bytes")
     class ActivationCodecFramesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -411,7 +411,7 @@ class StageReport(_message.Message):
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     IDLE_UPSTREAM_S_FIELD_NUMBER: _ClassVar[int]
     IDLE_DOWNSTREAM_S_FIELD_NUMBER: _ClassVar[int]
-    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
@@ -428,6 +428,8 @@ class StageReport(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_DEFLATED_FRAMES_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_DEFLATED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FP32_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FP32_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     stage: int
     plan_epoch: int
@@ -443,7 +445,7 @@ class StageReport(_message.Message):
     wall_s: float
     idle_upstream_s: float
     idle_downstream_s: float
-    staleness: _containers.RepeatedScalarFieldContainer[int]
+    staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
     max_in_flight: int
     max_weight_versions: int
     pipeline: int
@@ -460,7 +462,9 @@ class StageReport(_message.Message):
     checkpoint_step: int
     activation_deflated_frames: int
     gradient_deflated_frames: int
-    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ..., activation_bytes_sent: _Optional[int] = ..., gradient_bytes_sent: _Optional[int] = ..., wall_s: _Optional[float] = ..., idle_upstream_s: _Optional[float] = ..., idle_downstream_s: _Optional[float] = ..., staleness: _Optional[_Iterable[int]] = ..., max_in_flight: _Optional[int] = ..., max_weight_versions: _Optional[int] = ..., pipeline: _Optional[int] = ..., averaging_rounds: _Optional[int] = ..., averaging_rounds_incomplete: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ..., averaging_wait_s: _Optional[float] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., activation_codec_frames: _Optional[_Mapping[str, int]] = ..., gradient_codec_frames: _Optional[_Mapping[str, int]] = ..., downstream_bandwidth_bps: _Optional[float] = ..., upstream_bandwidth_bps: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., activation_deflated_frames: _Optional[int] = ..., gradient_deflated_frames: _Optional[int] = ...) -> None: ...
+    activation_fp32_bytes: int
+    gradient_fp32_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ..., activation_bytes_sent: _Optional[int] = ..., gradient_bytes_sent: _Optional[int] = ..., wall_s: _Optional[float] = ..., idle_upstream_s: _Optional[float] = ..., idle_downstream_s: _Optional[float] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., max_in_flight: _Optional[int] = ..., max_weight_versions: _Optional[int] = ..., pipeline: _Optional[int] = ..., averaging_rounds: _Optional[int] = ..., averaging_rounds_incomplete: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ..., averaging_wait_s: _Optional[float] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., activation_codec_frames: _Optional[_Mapping[str, int]] = ..., gradient_codec_frames: _Optional[_Mapping[str, int]] = ..., downstream_bandwidth_bps: _Optional[float] = ..., upstream_bandwidth_bps: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., activation_deflated_frames: _Optional[int] = ..., gradient_deflated_frames: _Optional[int] = ..., activation_fp32_bytes: _Optional[int] = ..., gradient_fp32_bytes: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ()
@@ -620,7 +624,7 @@ class SwarmMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ..., silent_s: _Optional[float] = ..., lease_expired: _Optional[bool] = ..., left: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., measuring_since: _Optional[float] = ...) -> None: ...
 
 class SwarmView(_message.Message):
-    __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done", "relays", "loss_steps", "losses")
+    __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done", "relays", "loss_steps", "losses", "stages")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -632,6 +636,7 @@ class SwarmView(_message.Message):
     RELAYS_FIELD_NUMBER: _ClassVar[int]
     LOSS_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     swarm_size: int
     members: _containers.RepeatedCompositeFieldContainer[SwarmMember]
@@ -643,7 +648,8 @@ class SwarmView(_message.Message):
     relays: _containers.RepeatedCompositeFieldContainer[RelayOffer]
     loss_steps: _containers.RepeatedScalarFieldContainer[int]
     losses: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, swarm_id: _Optional[str] = ..., swarm_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[SwarmMember, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., done: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayOffer, _Mapping]]] = ..., loss_steps: _Optional[_Iterable[int]] = ..., losses: _Optional[_Iterable[float]] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StageReport]
+    def __init__(self, swarm_id: _Optional[str] = ..., swarm_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[SwarmMember, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., done: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayOffer, _Mapping]]] = ..., loss_steps: _Optional[_Iterable[int]] = ..., losses: _Optional[_Iterable[float]] = ..., stages: _Optional[_Iterable[_Union[StageReport, _Mapping]]] = ...) -> None: ...
 
 class RelayOffer(_message.Message):
     __slots__ = ("node_id", "address")
