@@ -35,7 +35,8 @@ from ravnest_node.transport.credentials import (
 )
 from ravnest_node.transport.gate import TlsGate, peer_address
 from ravnest_node.transport.options import TransportConfig
-from ravnest_node.transport.tunnel import RelayServer, TunnelClient
+from ravnest_node.transport.relay import RelayServer
+from ravnest_node.transport.tunnel import TunnelClient
 
 from .conftest import NODE_ENV, Procs, demo_summary, node_status, progress_events, ravnest
 

@@ -24,13 +24,9 @@ from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.options import split_host_port
-from ravnest_node.transport.tunnel import (
-    MAX_HEADER_BYTES,
-    RelayServer,
-    TunnelClient,
-    encode_header,
-    read_header,
-)
+from ravnest_node.transport.relay import RelayServer
+from ravnest_node.transport.tunnel import TunnelClient
+from ravnest_node.transport.tunnel_wire import MAX_HEADER_BYTES, encode_header, read_header
 
 from .conftest import (
     NODE_ENV,

@@ -8,9 +8,10 @@ docs/averaging.md.
 """
 
 from ravnest_node.averaging.config import DELTA_CODECS, AveragingConfig, delta_codec
-from ravnest_node.averaging.exchange import ReplicaAverager, RoundResult
+from ravnest_node.averaging.exchange import ReplicaAverager
 from ravnest_node.averaging.outer import OuterOptimizer
 from ravnest_node.averaging.robust import BanList, Screening, screen_norms
+from ravnest_node.averaging.rounds import RoundResult
 from ravnest_node.averaging.topology import Topology, choose_topology, round_payload_bytes
 from ravnest_node.averaging.wire import AveragingService, Member
 

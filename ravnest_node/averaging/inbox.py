@@ -4,10 +4,15 @@ Frames are admitted by round: the round in progress and the next one (a faster m
 it first) are kept; older rounds are dropped without complaint (a late member's delta is of no
 use any more); rounds further ahead are refused, so memory stays bounded by two rounds. Every
 frame carries one tensor, whose name says which part of the round it is (`part_of`).
+
+`Inboxes` holds them for the averager: the inboxes of the admitted rounds, the round this member
+is in, and the condition that wakes a round whenever one of them changes.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -97,3 +102,71 @@ class RoundInbox:
         """Whether the ring of this round cannot complete: a fault, or a member that sent its
         whole delta (it fell back already)."""
         return self.ring_fault is not None or bool(self.deltas) or bool(self.rejected)
+
+
+class Inboxes:
+    """What this member holds of the rounds it admits (`admit_round`), and the round it is in.
+    Used from one event loop."""
+
+    def __init__(self, first_round: int) -> None:
+        """Inboxes of a member whose first round is `first_round` (it admits that one first)."""
+        self._inboxes: dict[int, RoundInbox] = {}
+        self.current = first_round - 1
+        """This member's latest round (first_round - 1 before its first)."""
+        self.open = False
+        """Whether round `current` is in progress."""
+        self._changed = asyncio.Condition()
+
+    def admission(self, seq: int) -> Admission:
+        """What to do with a frame of round `seq` now."""
+        return admit_round(seq, self.current, self.open)
+
+    def get(self, seq: int) -> RoundInbox:
+        """The inbox of round `seq` (made empty on first use)."""
+        inbox = self._inboxes.get(seq)
+        if inbox is None:
+            inbox = self._inboxes[seq] = RoundInbox()
+        return inbox
+
+    def still_wanted(self, seq: int, part: str, chunk: int, sender: str) -> bool:
+        """Whether a part of round `seq` is admitted and has not arrived yet."""
+        if self.admission(seq) is not Admission.ACCEPT:
+            return False
+        return not self.get(seq).has(part, chunk, sender)
+
+    async def record_fault(self, seq: int, part: str, sender: str, reason: str) -> None:
+        """Note that `sender`'s part of round `seq` could not be used: a rejected whole delta,
+        or the fault that breaks the round's ring."""
+        inbox = self.get(seq)
+        if part == WHOLE:
+            inbox.rejected[sender] = reason
+        elif inbox.ring_fault is None:
+            inbox.ring_fault = f"{part} part from {sender}: {reason}"
+        await self.notify()
+
+    def begin(self, round: int) -> None:
+        """Round `round` is in progress from now on (the inboxes of earlier ones go)."""
+        self.current, self.open = round, True
+        for old in [k for k in self._inboxes if k < round]:
+            del self._inboxes[old]
+
+    def end(self, round: int) -> None:
+        """Round `round` is over: its inbox goes, later frames of it are dropped."""
+        self.open = False
+        self._inboxes.pop(round, None)
+
+    async def notify(self) -> None:
+        """Wake the rounds waiting in `wait_until` (something they wait for may have changed)."""
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_until(self, predicate: Callable[[], bool], deadline: float) -> bool:
+        """Wait (on the condition, no polling) until `predicate()` or the loop time `deadline`;
+        returns `predicate()`."""
+        async with self._changed:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._changed.wait_for(predicate)
+            except TimeoutError:
+                pass
+            return predicate()

@@ -23,7 +23,7 @@ it by up to their share (docs/averaging.md).
 `BanList`: a member whose delta is rejected (refused on arrival or by the norm guard) in
 `ban_after` rounds with no good delta between them is banned for the run: its pushes are refused
 and rounds stop waiting for it. A rejection counts only if the delta came from the member's own
-host (exchange.py): a node id is a claim, and a stranger must not get a member banned by
+host (receive.py): a node id is a claim, and a stranger must not get a member banned by
 pushing garbage in its name. With a median norm of 0 the guard does not apply.
 """
 

@@ -26,13 +26,15 @@ from ravnest_node.discovery import Discovery
 from ravnest_node.errors import ConfigError, PeerError, PeerRefused, PeerUnavailable
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.transport.errors import peer_error
+from ravnest_node.transport.errors import unanswered
 from ravnest_node.transport.options import TransportConfig, grpc_channel, split_host_port
 
 log = logging.getLogger(__name__)
 
 AskStatus = Callable[[str, float], Awaitable[pb.NodeStatus]]
 """ask(address, timeout_s): that node's Node.Status; PeerUnavailable / PeerRefused otherwise."""
+Verify = Callable[[str, str], Awaitable[tuple[str | None, pb.NodeStatus]]]
+"""verify(address, node_id): why that node is not the coordinator (None if it is), its status."""
 
 # One status call may take this long (a peer behind a dead address must not use up the budget).
 ATTEMPT_TIMEOUT_S = 5.0
@@ -73,7 +75,9 @@ def grpc_status_asker(transport: TransportConfig) -> AskStatus:
             status: pb.NodeStatus = await stub.Status(pb.StatusRequest(), timeout=timeout_s)
             return status
         except grpc.aio.AioRpcError as exc:
-            raise peer_error(exc, f"status of {address}") from None
+            # The status alone: callers name the address in their own words ("peer X: ...").
+            fault = PeerUnavailable if unanswered(exc.code()) else PeerRefused
+            raise fault(f"{exc.code().name}: {exc.details()}") from None
         finally:
             await channel.close(grace=None)
 
@@ -140,27 +144,9 @@ async def locate_coordinator(
     while True:
         generation = discovery.generation if discovery is not None else 0
         if discovery is not None:
-            coordinators = [r for r in discovery.records() if r.txt.role == "coordinator"]
-            ids = {r.txt.node_id for r in coordinators}
-            if len(ids) > 1 and not ids <= warned:
-                warned |= ids
-                log.warning(
-                    "%d coordinators advertise swarm %r over mDNS (%s); trying them in order",
-                    len(coordinators), swarm, ", ".join(r.txt.node_id for r in coordinators),
-                )  # fmt: skip
-            # Of several that check out (a deposed coordinator that came back still says it
-            # is one until it learns of its successor), the one of the highest term.
-            checked: list[Found] = []
-            for record in coordinators:
-                for address in record.addresses:
-                    why, status = await verify(address, record.txt.node_id)
-                    if why is None:
-                        checked.append(Found(address, pb.FOUND_VIA_MDNS, record.txt.node_id,
-                                             status.term, status.node_id))  # fmt: skip
-                        break
-                    tried[f"mDNS coordinator {record.txt.node_id} at {address}"] = why
-            if checked:
-                return max(checked, key=lambda f: f.term)
+            found = await _ask_mdns(discovery, swarm, verify, tried, warned)
+            if found is not None:
+                return found
         for peer in peers:
             found = await _ask_peer(peer, swarm, ask, verify, deadline, tried)
             if found is not None:
@@ -173,13 +159,51 @@ async def locate_coordinator(
             await discovery.wait_newer(generation, wait_s)  # a new record ends the wait early
         else:
             await asyncio.sleep(wait_s)  # a back-off between rounds of asking the peers
+    raise _not_found(swarm, timeout_s, discovery, tried)
+
+
+async def _ask_mdns(
+    discovery: Discovery,
+    swarm: str,
+    verify: Verify,
+    tried: dict[str, str],
+    warned: set[str],
+) -> Found | None:
+    """The coordinator records seen over mDNS: of those that check out, the one of the highest
+    term (None if none does). Warns once about each new set of several coordinators."""
+    coordinators = [r for r in discovery.records() if r.txt.role == "coordinator"]
+    ids = {r.txt.node_id for r in coordinators}
+    if len(ids) > 1 and not ids <= warned:
+        warned |= ids
+        log.warning(
+            "%d coordinators advertise swarm %r over mDNS (%s); trying them in order",
+            len(coordinators), swarm, ", ".join(r.txt.node_id for r in coordinators),
+        )  # fmt: skip
+    # Of several that check out (a deposed coordinator that came back still says it
+    # is one until it learns of its successor), the one of the highest term.
+    checked: list[Found] = []
+    for record in coordinators:
+        for address in record.addresses:
+            why, status = await verify(address, record.txt.node_id)
+            if why is None:
+                checked.append(Found(address, pb.FOUND_VIA_MDNS, record.txt.node_id,
+                                     status.term, status.node_id))  # fmt: skip
+                break
+            tried[f"mDNS coordinator {record.txt.node_id} at {address}"] = why
+    return max(checked, key=lambda f: f.term) if checked else None
+
+
+def _not_found(
+    swarm: str, timeout_s: float, discovery: Discovery | None, tried: dict[str, str]
+) -> PeerUnavailable:
+    """The error of a search that found no coordinator, naming every hint tried."""
     sources = []
     if discovery is not None:
         sources.append(discovery.describe())
     sources += [f"{hint}: {why}" for hint, why in tried.items()]
     if not sources:
         sources.append("nothing (no mDNS and no --peer)")
-    raise PeerUnavailable(
+    return PeerUnavailable(
         f"found no coordinator of swarm {swarm!r} within {timeout_s:g} s; tried "
         + "; ".join(sources)
     )
@@ -189,7 +213,7 @@ async def _ask_peer(
     peer: str,
     swarm: str,
     ask: AskStatus,
-    verify: Callable[[str, str], Awaitable[tuple[str | None, pb.NodeStatus]]],
+    verify: Verify,
     deadline: float,
     tried: dict[str, str],
 ) -> Found | None:

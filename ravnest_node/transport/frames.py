@@ -303,49 +303,20 @@ def _parse_tensor(meta: Any, index: int, limits: FrameLimits) -> TensorHeader:
     name = _field(meta, "name", str, what)
     if not 0 < len(name) <= MAX_NAME_LEN:
         raise FrameError(f"{what}: name must be 1 to {MAX_NAME_LEN} characters")
-    shape = _field(meta, "shape", list, what)
-    if len(shape) > limits.max_ndim:
-        raise FrameError(f"{what} {name!r}: {len(shape)} dimensions, at most {limits.max_ndim}")
-    for d in shape:
-        if not isinstance(d, int) or isinstance(d, bool) or not 0 < d <= limits.max_message_bytes:
-            raise FrameError(f"{what} {name!r}: bad dimension {d!r:.40} in shape")
-    dtype_str = _field(meta, "dtype", str, what)
-    dtype = WIRE_DTYPES.get(dtype_str)
-    if dtype is None:
-        raise FrameError(
-            f"{what} {name!r}: unknown dtype {dtype_str!r:.40}; known: {', '.join(WIRE_DTYPES)}"
-        )
-    codec_name = _field(meta, "codec", str, what)
-    codec = CODECS.get(codec_name)
-    if codec is None:
-        raise FrameError(f"{what} {name!r}: unknown codec {codec_name!r:.40}")
+    where = f"{what} {name!r}"
+    shape = _parse_shape(meta, what, where, limits)
+    dtype = _parse_dtype(meta, what, where)
+    codec = _parse_codec(meta, what, where)
     nbytes = _field(meta, "nbytes", int, what)
     # prod() of validated dims cannot overflow Python ints; compare before any allocation.
     if prod(shape) * dtype.itemsize > limits.max_message_bytes:
-        raise FrameError(f"{what} {name!r}: shape {shape} is larger than the message limit")
-    params = _params(meta.get("params", {}), f"{what} {name!r}")
-    packed = meta.get("lz4", False)
-    if not isinstance(packed, bool):
-        raise FrameError(f"{what} {name!r}: field 'lz4' must be bool")
-    deflated = meta.get("deflate", False)
-    if not isinstance(deflated, bool):
-        raise FrameError(f"{what} {name!r}: field 'deflate' must be bool")
-    if packed and deflated:
-        raise FrameError(f"{what} {name!r}: a payload is packed with lz4 or deflate, not both")
+        raise FrameError(f"{where}: shape {shape} is larger than the message limit")
+    params = _params(meta.get("params", {}), where)
+    packed, deflated = _parse_packing(meta, where)
     expected = codec.payload_nbytes(shape, dtype, params)
     if expected > limits.max_message_bytes:
-        raise FrameError(f"{what} {name!r}: payload of {expected} bytes exceeds the message limit")
-    if deflated:  # a sender keeps deflate only when it shrinks the payload
-        if not 0 < nbytes < expected:
-            raise FrameError(f"{what} {name!r}: deflate payload of {nbytes} bytes for {expected}")
-    elif packed:
-        if not 0 < nbytes <= _lz4_bound(expected):
-            raise FrameError(f"{what} {name!r}: lz4 payload of {nbytes} bytes for {expected}")
-    elif nbytes != expected:
-        raise FrameError(
-            f"{what} {name!r}: nbytes {nbytes} does not match {expected} for shape {shape} "
-            f"{dtype_str} with codec {codec_name}"
-        )
+        raise FrameError(f"{where}: payload of {expected} bytes exceeds the message limit")
+    _check_nbytes(meta, where, nbytes, expected, packed, deflated)
     return TensorHeader(
         name=name,
         shape=tuple(shape),
@@ -359,6 +330,68 @@ def _parse_tensor(meta: Any, index: int, limits: FrameLimits) -> TensorHeader:
     )
 
 
+def _parse_shape(meta: dict[Any, Any], what: str, where: str, limits: FrameLimits) -> list[int]:
+    """The tensor's shape: at most `max_ndim` dimensions, each 1 .. the message limit."""
+    shape: list[Any] = _field(meta, "shape", list, what)
+    if len(shape) > limits.max_ndim:
+        raise FrameError(f"{where}: {len(shape)} dimensions, at most {limits.max_ndim}")
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 < d <= limits.max_message_bytes:
+            raise FrameError(f"{where}: bad dimension {d!r:.40} in shape")
+    return shape
+
+
+def _parse_dtype(meta: dict[Any, Any], what: str, where: str) -> torch.dtype:
+    """The tensor's dtype, one of WIRE_DTYPES."""
+    dtype_str = _field(meta, "dtype", str, what)
+    dtype = WIRE_DTYPES.get(dtype_str)
+    if dtype is None:
+        raise FrameError(
+            f"{where}: unknown dtype {dtype_str!r:.40}; known: {', '.join(WIRE_DTYPES)}"
+        )
+    return dtype
+
+
+def _parse_codec(meta: dict[Any, Any], what: str, where: str) -> Codec:
+    """The tensor's codec, one of CODECS."""
+    codec_name = _field(meta, "codec", str, what)
+    codec = CODECS.get(codec_name)
+    if codec is None:
+        raise FrameError(f"{where}: unknown codec {codec_name!r:.40}")
+    return codec
+
+
+def _parse_packing(meta: dict[Any, Any], where: str) -> tuple[bool, bool]:
+    """(lz4, deflate): how the payload is packed on the wire (at most one of them)."""
+    packed = meta.get("lz4", False)
+    if not isinstance(packed, bool):
+        raise FrameError(f"{where}: field 'lz4' must be bool")
+    deflated = meta.get("deflate", False)
+    if not isinstance(deflated, bool):
+        raise FrameError(f"{where}: field 'deflate' must be bool")
+    if packed and deflated:
+        raise FrameError(f"{where}: a payload is packed with lz4 or deflate, not both")
+    return packed, deflated
+
+
+def _check_nbytes(
+    meta: dict[Any, Any], where: str, nbytes: int, expected: int, packed: bool, deflated: bool
+) -> None:
+    """FrameError unless `nbytes` on the wire fits a codec payload of `expected` bytes packed
+    as said (`meta`'s dtype and codec are valid names by now)."""
+    if deflated:  # a sender keeps deflate only when it shrinks the payload
+        if not 0 < nbytes < expected:
+            raise FrameError(f"{where}: deflate payload of {nbytes} bytes for {expected}")
+    elif packed:
+        if not 0 < nbytes <= _lz4_bound(expected):
+            raise FrameError(f"{where}: lz4 payload of {nbytes} bytes for {expected}")
+    elif nbytes != expected:
+        raise FrameError(
+            f"{where}: nbytes {nbytes} does not match {expected} for shape {meta['shape']} "
+            f"{meta['dtype']} with codec {meta['codec']}"
+        )
+
+
 def _params(value: Any, what: str) -> dict[str, int]:
     if not isinstance(value, dict) or len(value) > MAX_PARAMS:
         raise FrameError(f"{what}: 'params' must be a map of at most {MAX_PARAMS} entries")
@@ -370,6 +403,32 @@ def _params(value: Any, what: str) -> dict[str, int]:
 
 def parse_frame(message: bytes, limits: FrameLimits) -> Frame:
     """Parse and structurally validate one received message; raises FrameError saying why not."""
+    header, header_end = _read_header(message, limits)
+    kind, seq, version, samples = _parse_fields(header, limits)
+    metas = _field(header, "tensors", list, "header")
+    if not 0 < len(metas) <= limits.max_tensors:
+        raise FrameError(f"header: {len(metas)} tensors, expected 1 to {limits.max_tensors}")
+    headers = tuple(_parse_tensor(m, i, limits) for i, m in enumerate(metas))
+    # Decoding works in float32 and returns every tensor: bound what the whole frame may cost.
+    decoded = sum(prod(h.shape) * max(4, h.dtype.itemsize) + h.raw_nbytes for h in headers)
+    if decoded > limits.max_message_bytes:
+        raise FrameError(
+            f"decoding would take {decoded} bytes, more than the limit of "
+            f"{limits.max_message_bytes}"
+        )
+    return Frame(
+        kind=kind,
+        seq=seq,
+        version=version,
+        headers=headers,
+        payloads=_split_payloads(memoryview(message)[header_end:], headers),
+        samples=samples,
+    )
+
+
+def _read_header(message: bytes, limits: FrameLimits) -> tuple[dict[Any, Any], int]:
+    """The message's header map and where it ends; the message's size, prefix and header
+    length are checked before anything is unpacked."""
     if len(message) > limits.max_message_bytes:
         raise FrameError(
             f"message of {len(message)} bytes exceeds the limit of {limits.max_message_bytes}"
@@ -401,6 +460,13 @@ def parse_frame(message: bytes, limits: FrameLimits) -> Frame:
         raise FrameError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise FrameError("header must be a map")
+    return header, header_end
+
+
+def _parse_fields(
+    header: dict[Any, Any], limits: FrameLimits
+) -> tuple[FrameKind, int, int, tuple[int, ...]]:
+    """The header's kind, seq, version and sample ids."""
     kind_value = _field(header, "kind", int, "header")
     try:
         kind = FrameKind(kind_value)
@@ -416,18 +482,11 @@ def parse_frame(message: bytes, limits: FrameLimits) -> Frame:
     for sample in samples:
         if type(sample) is not int or sample < 0:
             raise FrameError(f"header: sample id {sample!r:.40} is not a non-negative int")
-    metas = _field(header, "tensors", list, "header")
-    if not 0 < len(metas) <= limits.max_tensors:
-        raise FrameError(f"header: {len(metas)} tensors, expected 1 to {limits.max_tensors}")
-    headers = tuple(_parse_tensor(m, i, limits) for i, m in enumerate(metas))
-    # Decoding works in float32 and returns every tensor: bound what the whole frame may cost.
-    decoded = sum(prod(h.shape) * max(4, h.dtype.itemsize) + h.raw_nbytes for h in headers)
-    if decoded > limits.max_message_bytes:
-        raise FrameError(
-            f"decoding would take {decoded} bytes, more than the limit of "
-            f"{limits.max_message_bytes}"
-        )
-    body = memoryview(message)[header_end:]
+    return kind, seq, version, tuple(samples)
+
+
+def _split_payloads(body: memoryview, headers: tuple[TensorHeader, ...]) -> tuple[memoryview, ...]:
+    """Each tensor's payload, a view into `body`; FrameError unless their sizes add up to it."""
     if sum(h.nbytes for h in headers) != len(body):
         raise FrameError(
             f"payload is {len(body)} bytes, the header lists {sum(h.nbytes for h in headers)}"
@@ -437,14 +496,7 @@ def parse_frame(message: bytes, limits: FrameLimits) -> Frame:
     for h in headers:
         payloads.append(body[offset : offset + h.nbytes])
         offset += h.nbytes
-    return Frame(
-        kind=kind,
-        seq=seq,
-        version=version,
-        headers=headers,
-        payloads=tuple(payloads),
-        samples=tuple(samples),
-    )
+    return tuple(payloads)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from urllib.parse import unquote
 
 from ravnest_node.transport.options import is_loopback_host
 from ravnest_node.transport.refusals import RefusalLog
-from ravnest_node.transport.tunnel import host_port, nodelay, splice
+from ravnest_node.transport.tunnel_wire import host_port, nodelay, splice
 
 log = logging.getLogger(__name__)
 
