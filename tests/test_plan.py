@@ -41,7 +41,8 @@ from ravnest_node.coordination.estimate import (
 )
 from ravnest_node.coordination.placement import Link
 from ravnest_node.errors import ConfigError
-from ravnest_node.models import get_model, pretrained
+from ravnest_node.models import get_model
+from ravnest_node.models.pretrained import model as pretrained_model
 
 from .test_pretrained import make_bert, make_llama
 
@@ -380,7 +381,7 @@ def test_a_local_bert_is_measured_without_reading_its_weights(
     def refuse(*_: Any) -> None:
         raise AssertionError("plan read weights")
 
-    monkeypatch.setattr(pretrained, "load_tensors", refuse)
+    monkeypatch.setattr(pretrained_model, "load_tensors", refuse)
     shape = pretrained_shape(f"{name},lora=2")  # the shape before LoRA
     assert shape.params == params
     assert len(shape.blocks) == get_model(name).num_blocks()

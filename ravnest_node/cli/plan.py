@@ -193,7 +193,7 @@ def resolve_model(args: argparse.Namespace) -> ModelShape:
 
 
 def pretrained_shape(name: str) -> ModelShape:
-    """The shape of a local Hugging Face model (`models/pretrained.py`), before any LoRA (the
+    """The shape of a local Hugging Face model (`models/pretrained/`), before any LoRA (the
     plan's --mode says how it trains): a Llama-family decoder by the presets' formulas from its
     config.json; a BERT-style encoder measured like a registered model, on its timing blocks
     (one layer, initial values: no weight is read)."""
