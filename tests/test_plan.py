@@ -29,17 +29,15 @@ from ravnest_node.cli.plan import (
 )
 from ravnest_node.compression.codecs import INT4_BLOCK, INT8_BLOCK
 from ravnest_node.coordination.estimate import (
-    LLAMA_PRESETS,
     DoesNotFit,
-    LlamaConfig,
     NodeGroup,
     SharedHost,
     Training,
     codec_bits,
     estimate,
-    model_shape,
 )
 from ravnest_node.coordination.placement import Link
+from ravnest_node.coordination.shapes import LLAMA_PRESETS, LlamaConfig, model_shape
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.models.pretrained import model as pretrained_model

@@ -23,17 +23,14 @@ from typing import Any, TextIO
 from ravnest_node.coordination.estimate import (
     ADAMW_BYTES_MOVED,
     CODECS,
-    LLAMA_PRESETS,
     DoesNotFit,
     Estimate,
-    LlamaConfig,
-    ModelShape,
     NodeGroup,
     Training,
     estimate,
-    model_shape,
 )
 from ravnest_node.coordination.placement import Link
+from ravnest_node.coordination.shapes import LLAMA_PRESETS, LlamaConfig, ModelShape, model_shape
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, model_names
 from ravnest_node.models.pretrained import PretrainedModel, parse_spec, without_lora

@@ -136,6 +136,7 @@ class TrainConfig:
         self._check_staleness()
         self._check_replicas()
         self._check_stages()
+        self._check_warmup()
         self._check_faults()
 
     def _check_batches(self) -> None:
@@ -221,10 +222,6 @@ class TrainConfig:
                 f"max_staleness={self.max_staleness}: must be 0 to {MAX_STALENESS} (each unit "
                 "keeps one more step of microbatches and one more weight copy in flight)"
             )
-        if self.staleness_warmup_steps < 0:
-            raise ConfigError(
-                f"staleness_warmup_steps={self.staleness_warmup_steps}: must not be negative"
-            )
 
     def _check_replicas(self) -> None:
         """Pipelines side by side, and how their replicas average."""
@@ -245,6 +242,12 @@ class TrainConfig:
         if not 0 <= self.stages <= MAX_STAGES:
             raise ConfigError(
                 f"stages={self.stages}: must be 0 (the planner chooses) to {MAX_STAGES}"
+            )
+
+    def _check_warmup(self) -> None:
+        if self.staleness_warmup_steps < 0:
+            raise ConfigError(
+                f"staleness_warmup_steps={self.staleness_warmup_steps}: must not be negative"
             )
 
     def _check_faults(self) -> None:
