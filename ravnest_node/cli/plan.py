@@ -23,17 +23,14 @@ from typing import Any, TextIO
 from ravnest_node.coordination.estimate import (
     ADAMW_BYTES_MOVED,
     CODECS,
-    LLAMA_PRESETS,
     DoesNotFit,
     Estimate,
-    LlamaConfig,
-    ModelShape,
     NodeGroup,
     Training,
     estimate,
-    model_shape,
 )
 from ravnest_node.coordination.placement import Link
+from ravnest_node.coordination.shapes import LLAMA_PRESETS, LlamaConfig, ModelShape, model_shape
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, model_names
 from ravnest_node.models.pretrained import PretrainedModel, parse_spec, without_lora
@@ -193,7 +190,7 @@ def resolve_model(args: argparse.Namespace) -> ModelShape:
 
 
 def pretrained_shape(name: str) -> ModelShape:
-    """The shape of a local Hugging Face model (`models/pretrained.py`), before any LoRA (the
+    """The shape of a local Hugging Face model (`models/pretrained/`), before any LoRA (the
     plan's --mode says how it trains): a Llama-family decoder by the presets' formulas from its
     config.json; a BERT-style encoder measured like a registered model, on its timing blocks
     (one layer, initial values: no weight is read)."""

@@ -36,7 +36,7 @@ def model_names() -> list[str]:
 def get_model(name: str) -> BlockModel:
     """A fresh instance of the preset `name`, or of the pretrained model an ``hf:DIR,...`` name
     describes; raises `ConfigError` if there is no such preset or the directory is unusable."""
-    if name.startswith("hf:"):  # a pretrained model directory (models/pretrained.py)
+    if name.startswith("hf:"):  # a pretrained model directory (models/pretrained/)
         return PretrainedModel(name)
     try:
         factory = MODEL_PRESETS[name]

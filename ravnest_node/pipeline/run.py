@@ -126,6 +126,21 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         get_model(self.model)  # raises ConfigError naming the known presets
+        self._check_batches()
+        self._check_optimizer()
+        self._check_seed()
+        self._check_checkpoints()
+        self._check_codecs()
+        self._check_dataset()
+        self._check_sample_codecs()
+        self._check_staleness()
+        self._check_replicas()
+        self._check_stages()
+        self._check_warmup()
+        self._check_faults()
+
+    def _check_batches(self) -> None:
+        """Steps, and how a step's batch splits into microbatches."""
         if self.steps < 1:
             raise ConfigError(f"steps={self.steps}: must be at least 1")
         if not 1 <= self.batch_size <= MAX_BATCH_SIZE or self.microbatches < 1:
@@ -137,12 +152,21 @@ class TrainConfig:
                 f"batch_size={self.batch_size} must be divisible by microbatches="
                 f"{self.microbatches}"
             )
+
+    def _check_optimizer(self) -> None:
         if not self.lr > 0 or self.weight_decay < 0:
             raise ConfigError("lr must be > 0 and weight_decay >= 0")
+
+    def _check_seed(self) -> None:
         if self.seed < 0:
             raise ConfigError(f"seed={self.seed}: must not be negative")
+
+    def _check_checkpoints(self) -> None:
         if not 0 <= self.checkpoint_every <= 1_000_000:
             raise ConfigError(f"checkpoint_every={self.checkpoint_every}: must be 0 to 1000000")
+
+    def _check_codecs(self) -> None:
+        """Codec names, and each in a direction it can code."""
         for role, name in (
             ("codec", self.codec),
             ("activation_codec", self.activation_codec),
@@ -157,41 +181,6 @@ class TrainConfig:
         if self.gradient in ACTIVATION_ONLY:
             raise ConfigError(
                 f"{self.gradient} is for activations only: use it as --activation-codec"
-            )
-        self._check_dataset()
-        if not 0 <= self.max_staleness <= MAX_STALENESS:
-            raise ConfigError(
-                f"max_staleness={self.max_staleness}: must be 0 to {MAX_STALENESS} (each unit "
-                "keeps one more step of microbatches and one more weight copy in flight)"
-            )
-        if not 1 <= self.pipelines <= MAX_PIPELINES:
-            raise ConfigError(f"pipelines={self.pipelines}: must be 1 to {MAX_PIPELINES}")
-        if self.average_every < 1 or not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
-            raise ConfigError(
-                "average_every must be >= 1, outer_lr > 0 and outer_momentum in [0, 1)"
-            )
-        if self.average_codec not in DELTA_CODECS:
-            raise ConfigError(
-                f"average_codec={self.average_codec!r}: choose one of {', '.join(DELTA_CODECS)}"
-            )
-        if not 0 < self.average_timeout_s <= 3600:
-            raise ConfigError(f"average_timeout_s={self.average_timeout_s}: must be in (0, 3600]")
-        if not 0 <= self.stages <= MAX_STAGES:
-            raise ConfigError(
-                f"stages={self.stages}: must be 0 (the planner chooses) to {MAX_STAGES}"
-            )
-        if self.staleness_warmup_steps < 0:
-            raise ConfigError(
-                f"staleness_warmup_steps={self.staleness_warmup_steps}: must not be negative"
-            )
-        if not 0 <= self.fault_slow_ms <= 60_000:
-            raise ConfigError(f"fault_slow_ms={self.fault_slow_ms}: must be 0 to 60000")
-        if (self.fault_slow_link is None) != (self.fault_link_kbps == 0) or not (
-            0 <= self.fault_link_kbps <= 10_000_000
-        ):
-            raise ConfigError(
-                f"fault_slow_link={self.fault_slow_link} needs fault_link_kbps in 1..10000000 "
-                f"and the other way round (got {self.fault_link_kbps})"
             )
 
     def _check_dataset(self) -> None:
@@ -208,6 +197,11 @@ class TrainConfig:
                 f"with dataset_samples, microbatches may hold at most {MAX_MICROBATCH_WITH_IDS} "
                 f"samples (their ids travel in frame headers), not {self.microbatch_size}"
             )
+
+    def _check_sample_codecs(self) -> None:
+        """Codecs that code a sample against its previous visit (aq-delta): they need a fixed
+        dataset, and memory for a reference per sample."""
+        n = self.dataset_samples
         if self.activation in ACTIVATION_ONLY:
             if not n:
                 raise ConfigError(
@@ -221,6 +215,52 @@ class TrainConfig:
                     f"boundary end (at most {MAX_REFERENCE_BYTES >> 30} GiB): use fewer "
                     "dataset_samples"
                 )
+
+    def _check_staleness(self) -> None:
+        if not 0 <= self.max_staleness <= MAX_STALENESS:
+            raise ConfigError(
+                f"max_staleness={self.max_staleness}: must be 0 to {MAX_STALENESS} (each unit "
+                "keeps one more step of microbatches and one more weight copy in flight)"
+            )
+
+    def _check_replicas(self) -> None:
+        """Pipelines side by side, and how their replicas average."""
+        if not 1 <= self.pipelines <= MAX_PIPELINES:
+            raise ConfigError(f"pipelines={self.pipelines}: must be 1 to {MAX_PIPELINES}")
+        if self.average_every < 1 or not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(
+                "average_every must be >= 1, outer_lr > 0 and outer_momentum in [0, 1)"
+            )
+        if self.average_codec not in DELTA_CODECS:
+            raise ConfigError(
+                f"average_codec={self.average_codec!r}: choose one of {', '.join(DELTA_CODECS)}"
+            )
+        if not 0 < self.average_timeout_s <= 3600:
+            raise ConfigError(f"average_timeout_s={self.average_timeout_s}: must be in (0, 3600]")
+
+    def _check_stages(self) -> None:
+        if not 0 <= self.stages <= MAX_STAGES:
+            raise ConfigError(
+                f"stages={self.stages}: must be 0 (the planner chooses) to {MAX_STAGES}"
+            )
+
+    def _check_warmup(self) -> None:
+        if self.staleness_warmup_steps < 0:
+            raise ConfigError(
+                f"staleness_warmup_steps={self.staleness_warmup_steps}: must not be negative"
+            )
+
+    def _check_faults(self) -> None:
+        """The test-only fault injections."""
+        if not 0 <= self.fault_slow_ms <= 60_000:
+            raise ConfigError(f"fault_slow_ms={self.fault_slow_ms}: must be 0 to 60000")
+        if (self.fault_slow_link is None) != (self.fault_link_kbps == 0) or not (
+            0 <= self.fault_link_kbps <= 10_000_000
+        ):
+            raise ConfigError(
+                f"fault_slow_link={self.fault_slow_link} needs fault_link_kbps in 1..10000000 "
+                f"and the other way round (got {self.fault_link_kbps})"
+            )
 
     @property
     def activation(self) -> str:

@@ -1,0 +1,306 @@
+"""`PretrainedModel`: a pretrained BERT- or Llama-style model as blocks (the embeddings, one per
+layer, the task's head), with its weights, costs, tensor specs, loss and data.
+
+Each node builds and loads only the blocks of its own stage (`PretrainedModel.build_stage`),
+reading only those tensors from the safetensors files. A head the checkpoint lacks (a sentence
+encoder has no masked-LM head) is initialised from the seed, per block, so that every node
+builds the same one; a masked-LM or tied LM head starts from a copy of the word embeddings
+(blocks share no parameters, so the copy trains on its own).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ravnest_node.errors import ConfigError
+from ravnest_node.models.base import BlockModel, TensorSpec
+from ravnest_node.models.lora import FrozenLinear, freeze, seeded_generator
+from ravnest_node.models.pretrained.bert import (
+    BertClassifierHead,
+    BertEmbeddings,
+    BertLayer,
+    BertMaskedLMHead,
+)
+from ravnest_node.models.pretrained.llama import (
+    LlamaClassifierHead,
+    LlamaEmbeddings,
+    LlamaLayer,
+    LlamaLMHead,
+)
+from ravnest_node.models.pretrained.spec import parse_spec
+from ravnest_node.models.pretrained.tokenizer import first_id, last_id, load_tokenizer
+from ravnest_node.models.safetensors import index_directory, load_tensors
+
+__all__ = ["PretrainedModel"]
+
+IGNORE = -100
+"""Target value of positions that do not count in a token-level loss."""
+
+_INIT_STD = 0.02  # BERT and Llama initialise new linear layers with this standard deviation
+
+
+class PretrainedModel(BlockModel):
+    """A pretrained BERT- or Llama-style model as blocks: embeddings, one per layer, head."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.spec = parse_spec(name)
+        c = self.spec.config
+        self.layers = int(c["num_hidden_layers"])
+        self.hidden = int(c["hidden_size"])
+        self.vocab = self.vocab_size = int(c["vocab_size"])
+
+    # -- blocks --
+    def num_blocks(self) -> int:
+        return self.layers + 2
+
+    def build_blocks(self, seed: int) -> list[nn.Module]:
+        return self.build_stage(seed, 0, self.num_blocks())
+
+    def timing_blocks(self) -> list[nn.Module]:
+        """The embeddings, one layer listed for every layer, and the head, with their initial
+        (random) values: timing reads no weights and holds one layer, however many there are."""
+        n = self.num_blocks()
+        first, layer = self._build(0, 0, 2, load=False)
+        return [first, *[layer] * self.layers, *self._build(0, n - 1, n, load=False)]
+
+    def build_stage(self, seed: int, start: int, stop: int) -> list[nn.Module]:
+        """Blocks ``[start, stop)`` with their pretrained weights, reading only their tensors
+        (no reading at all when built on the meta device, to count parameters)."""
+        n = self.num_blocks()
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"stage range [{start}, {stop}) is not inside 0..{n} of {self.name!r}")
+        return self._build(seed, start, stop, load=torch.empty(()).device.type != "meta")
+
+    def _build(self, seed: int, start: int, stop: int, *, load: bool) -> list[nn.Module]:
+        entries = index_directory(self.spec.directory) if load else {}
+        blocks = []
+        for i in range(start, stop):
+            block, names, new = self._block(i)
+            if load:
+                self._load(i, block, names, new, entries, seed)
+            if self.spec.lora is not None:
+                made, _ = freeze(block, self.spec.lora, seed=seed, index=i,
+                                 keep=self._trainable_new(i))  # fmt: skip
+                if 0 < i <= self.layers and not made:
+                    linears = sorted({n.rpartition(".")[2] for n, m in block.named_modules()
+                                      if isinstance(m, (nn.Linear, FrozenLinear))})  # fmt: skip
+                    raise ConfigError(
+                        f"model {self.name!r}: no linear layer of block {i} is named in "
+                        f"targets={'+'.join(self.spec.lora.targets)}; its linear layers: "
+                        f"{', '.join(linears)}"
+                    )
+            blocks.append(block)
+        return blocks
+
+    def _block(self, i: int) -> tuple[nn.Module, dict[str, str], dict[str, str]]:
+        """Block `i`, its tensors' checkpoint names (ours -> theirs) and the tensors the
+        checkpoint may lack, with how to initialise them ("normal", "zeros", "ones", or
+        "copy:<checkpoint name>")."""
+        c, spec = self.spec.config, self.spec
+        bert = spec.family == "bert"
+        prefix = self._prefix()
+        if i == 0:
+            block: nn.Module = BertEmbeddings(c) if bert else LlamaEmbeddings(c)
+            base = f"{prefix}embeddings." if bert else f"{prefix}embed_tokens."
+            if bert:
+                names = {k: base + k for k, _ in _tensors(block)}
+            else:
+                names = {k: base + k.removeprefix("embed_tokens.") for k, _ in _tensors(block)}
+            return block, names, {}
+        if i <= self.layers:
+            layer = i - 1
+            block = BertLayer(c) if bert else LlamaLayer(c)
+            table = BertLayer.NAMES if bert else LlamaLayer.NAMES
+            base = f"{prefix}encoder.layer.{layer}." if bert else f"{prefix}layers.{layer}."
+            names = {}
+            for k, _ in _tensors(block):
+                module, _, leaf = k.rpartition(".")
+                names[k] = f"{base}{table[module]}.{leaf}"
+            return block, names, {}
+        if spec.task == "classification":
+            block = (BertClassifierHead(c, spec.num_labels) if bert
+                     else LlamaClassifierHead(c, spec.num_labels))  # fmt: skip
+            if bert:
+                names = {"pooler.weight": f"{prefix}pooler.dense.weight",
+                         "pooler.bias": f"{prefix}pooler.dense.bias",
+                         "classifier.weight": "classifier.weight",
+                         "classifier.bias": "classifier.bias"}  # fmt: skip
+                new = {"pooler.weight": "normal", "pooler.bias": "zeros",
+                       "classifier.weight": "normal", "classifier.bias": "zeros"}  # fmt: skip
+            else:
+                names = {"norm.weight": f"{prefix}norm.weight", "score.weight": "score.weight"}
+                new = {"score.weight": "normal"}
+            return block, names, new
+        if bert:
+            block = BertMaskedLMHead(c)
+            p = "cls.predictions."
+            names = {"transform.weight": f"{p}transform.dense.weight",
+                     "transform.bias": f"{p}transform.dense.bias",
+                     "transform_ln.weight": f"{p}transform.LayerNorm.weight",
+                     "transform_ln.bias": f"{p}transform.LayerNorm.bias",
+                     "decoder.weight": f"{p}decoder.weight", "bias": f"{p}bias"}  # fmt: skip
+            new = {"transform.weight": "normal", "transform.bias": "zeros",
+                   "transform_ln.weight": "ones", "transform_ln.bias": "zeros",
+                   "decoder.weight": f"copy:{prefix}embeddings.word_embeddings.weight",
+                   "bias": "zeros"}  # fmt: skip
+            return block, names, new
+        block = LlamaLMHead(c)
+        names = {"norm.weight": f"{prefix}norm.weight", "lm_head.weight": "lm_head.weight"}
+        return block, names, {"lm_head.weight": f"copy:{prefix}embed_tokens.weight"}
+
+    def _trainable_new(self, i: int) -> tuple[str, ...]:
+        """Under LoRA, the head's parts that train in full: those a pretrained model lacks
+        (a masked-LM head's transform and bias, a classifier), not a vocabulary projection."""
+        if i <= self.layers:
+            return ()
+        if self.spec.task == "classification":
+            return ("pooler", "classifier", "score")
+        return ("transform", "transform_ln", "bias") if self.spec.family == "bert" else ()
+
+    @functools.cached_property
+    def _prefix_cache(self) -> str:
+        entries = index_directory(self.spec.directory)
+        if self.spec.family == "bert":
+            return "bert." if "bert.embeddings.word_embeddings.weight" in entries else ""
+        return "model." if "model.embed_tokens.weight" in entries else ""
+
+    def _prefix(self) -> str:
+        if torch.empty(()).device.type == "meta":
+            return ""
+        return self._prefix_cache
+
+    def _load(self, i: int, block: nn.Module, names: Mapping[str, str], new: Mapping[str, str],
+              entries: Mapping[str, Any], seed: int) -> None:  # fmt: skip
+        """Fill block `i`'s tensors from the checkpoint, or initialise those it lacks."""
+        wanted = {k: v for k, v in names.items() if v in entries}
+        missing = [k for k in names if k not in wanted]
+        for k in missing:
+            how = new.get(k)
+            if how is None or (how.startswith("copy:") and how[5:] not in entries):
+                raise ConfigError(
+                    f"{self.spec.directory}: the checkpoint has no tensor {names[k]!r} "
+                    f"(block {i}, {k})"
+                )
+        copies = {how[5:] for k in missing if (how := new[k]).startswith("copy:")}
+        loaded = load_tensors(entries, [*wanted.values(), *(copies & set(entries))])
+        tensors = dict(_tensors(block))
+        with torch.no_grad():
+            for k, t in tensors.items():
+                if k in wanted:
+                    source = loaded[wanted[k]]
+                else:
+                    how = new[k]
+                    if how.startswith("copy:"):
+                        source = loaded[how[5:]]
+                    elif how == "normal":
+                        source = torch.randn(t.shape, generator=seeded_generator(seed, i, k))
+                        source = source * _INIT_STD
+                    else:
+                        source = torch.zeros(t.shape) if how == "zeros" else torch.ones(t.shape)
+                if tuple(source.shape) != tuple(t.shape):
+                    raise ConfigError(
+                        f"{self.spec.directory}: tensor for block {i} {k} has shape "
+                        f"{tuple(source.shape)}, the config says {tuple(t.shape)}"
+                    )
+                t.copy_(source.to(t.dtype))
+
+    # -- shapes --
+    def block_costs(self) -> list[float]:
+        """Forward FLOPs per sample of each block (multiply-add = 2); attention scores counted
+        in full; norms and activations left out."""
+        c, t, d = self.spec.config, self.spec.seq_len, self.hidden
+        ffn = int(c["intermediate_size"])
+        if self.spec.family == "bert":
+            matmul = 4 * d * d + 2 * d * ffn
+        else:
+            heads = int(c["num_attention_heads"])
+            kv = int(c.get("num_key_value_heads") or heads)
+            head_dim = int(c.get("head_dim") or d // heads)
+            matmul = 2 * d * heads * head_dim + 2 * d * kv * head_dim + 3 * d * ffn
+        layer = float(2 * t * matmul + 4 * t * t * d)
+        if self.spec.task == "classification":
+            head = float(2 * d * d + 2 * d * self.spec.num_labels)
+        else:
+            head = float(2 * t * d * (d + self.vocab) if self.spec.family == "bert"
+                         else 2 * t * d * self.vocab)  # fmt: skip
+        return [float(t * d), *([layer] * self.layers), head]
+
+    def input_spec(self, batch: int) -> TensorSpec:
+        return TensorSpec("tokens", (batch, self.spec.seq_len), torch.int64)
+
+    def output_spec(self, block: int, batch: int) -> TensorSpec:
+        last = self.num_blocks() - 1
+        if not 0 <= block <= last:
+            raise ValueError(f"block {block} is out of range; {self.name!r} has blocks 0..{last}")
+        if block < last:
+            return TensorSpec("hidden", (batch, self.spec.seq_len, self.hidden), torch.float32)
+        if self.spec.task == "classification":
+            return TensorSpec("logits", (batch, self.spec.num_labels), torch.float32)
+        return TensorSpec("logits", (batch, self.spec.seq_len, self.vocab), torch.float32)
+
+    def target_spec(self, batch: int) -> TensorSpec:
+        if self.spec.task == "classification":
+            return TensorSpec("labels", (batch,), torch.int64)
+        return TensorSpec("targets", (batch, self.spec.seq_len), torch.int64)
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over the positions that count (targets other than -100), or over
+        the samples of a classification batch."""
+        return F.cross_entropy(
+            output.reshape(-1, output.shape[-1]).float(), targets.reshape(-1).long(),
+            ignore_index=IGNORE,
+        )  # fmt: skip
+
+    # -- data --
+    def dataset(self, *, seed: int, shard: int = 0, num_shards: int = 1, num_samples: int = 0
+                ) -> Any:  # fmt: skip
+        """The task's data (ravnest_node/data/text/), tokenised as the model expects."""
+        from ravnest_node.data import text
+
+        spec = self.spec
+        tokenizer = self.tokenizer()
+        common: dict[str, Any] = dict(seed=seed, shard=shard, num_shards=num_shards)
+        if spec.task == "classification":
+            if not spec.data:
+                raise ConfigError(f"model {self.name!r}: classification needs data=FILE.jsonl")
+            pad_id = spec.config.get("pad_token_id")  # what the embeddings treat as padding
+            if pad_id is None:
+                raise ConfigError(f"model {self.name!r}: classification pads its samples, and "
+                                  "the model's config.json has no pad_token_id")  # fmt: skip
+            rows = text.read_jsonl(Path(spec.data))
+            examples = [(tokenizer.encode(t), label) for t, label in rows]
+            return text.ClassificationData(
+                examples, seq_len=spec.seq_len, pad_id=int(pad_id),
+                cls_id=first_id(tokenizer), sep_id=last_id(tokenizer),
+                num_labels=spec.num_labels, **common,
+            )  # fmt: skip
+        corpus = text.read_texts([Path(spec.data)]) if spec.data else text.stdlib_docstrings()
+        ids = text.tokenize_corpus(tokenizer, corpus)
+        if spec.task == "masked-lm":
+            return text.MaskedLMData(ids, seq_len=spec.seq_len, tokenizer=tokenizer,
+                                     num_samples=num_samples, **common)  # fmt: skip
+        return text.CausalLMData(ids, seq_len=spec.seq_len, num_samples=num_samples, **common)
+
+    def tokenizer(self) -> Any:
+        """The tokenizer the spec names: WordPiece from vocab.txt, BPE from tokenizer.json, or
+        bytes (tokenizer.py)."""
+        return load_tokenizer(self.spec, self.name, self.vocab)
+
+    def __repr__(self) -> str:
+        return f"PretrainedModel({self.name!r})"
+
+
+def _tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A block's parameters and persistent buffers, by name."""
+    out: list[tuple[str, torch.Tensor]] = list(block.named_parameters())
+    persistent = set(block.state_dict())
+    out += [(k, b) for k, b in block.named_buffers() if k in persistent]
+    return out
