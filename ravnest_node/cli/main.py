@@ -15,16 +15,17 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ravnest_node import settings
 from ravnest_node.bench.codecs import run_codec_bench
+from ravnest_node.bench.config import BenchConfig
 from ravnest_node.bench.planner import run_planner_bench
 from ravnest_node.bench.replan import run_replan_bench
 from ravnest_node.bench.replicas import run_replicas_bench
-from ravnest_node.bench.runner import BenchConfig, run_bench
+from ravnest_node.bench.runner import run_bench
 from ravnest_node.bench.suite import Suite
 from ravnest_node.cli import plan as plan_command
 from ravnest_node.cli.export import add_export_parser, run_export
@@ -72,7 +73,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     models = ", ".join(model_names())
+    _add_start_parser(commands, models)
+    _add_coordinator_parser(commands)
+    _add_status_parser(commands)
+    _add_init_swarm_parser(commands)
+    add_export_parser(commands)
+    _add_demo_parser(commands, models)
+    _add_bench_parser(commands)
+    _add_plan_parser(commands)
+    return parser
 
+
+def _add_start_parser(commands: Any, models: str) -> None:
+    """Register `start` on `commands` (argparse sub-parsers); `models`: the registered names."""
     start = commands.add_parser(
         "start",
         help="run one node daemon",
@@ -85,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(start, NodeConfig)
 
+
+def _add_coordinator_parser(commands: Any) -> None:
+    """Register `coordinator` on `commands` (argparse sub-parsers)."""
     coordinator = commands.add_parser(
         "coordinator",
         help="run a lab coordinator that holds no stage and keeps its state in SQLite",
@@ -97,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(coordinator, NodeConfig)
 
+
+def _add_status_parser(commands: Any) -> None:
+    """Register `status` on `commands` (argparse sub-parsers)."""
     status = commands.add_parser(
         "status",
         help="show what a running node, or a whole swarm, says about itself",
@@ -143,6 +162,9 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout-s", type=float, default=10.0, help="seconds to wait for an answer (default: 10)"
     )
 
+
+def _add_init_swarm_parser(commands: Any) -> None:
+    """Register `init-swarm` on `commands` (argparse sub-parsers)."""
     init = commands.add_parser(
         "init-swarm",
         help="create a protected swarm's certificate authority and member credentials",
@@ -165,7 +187,9 @@ def _parser() -> argparse.ArgumentParser:
         "--renew", action="store_true", help="new member credentials, the same authority"
     )
 
-    add_export_parser(commands)
+
+def _add_demo_parser(commands: Any, models: str) -> None:
+    """Register `demo` on `commands` (argparse sub-parsers); `models`: the registered names."""
     demo = commands.add_parser(
         "demo",
         help="train the default model on a local swarm of node processes",
@@ -175,6 +199,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(demo, DemoConfig)
 
+
+def _add_bench_parser(commands: Any) -> None:
+    """Register `bench` on `commands` (argparse sub-parsers)."""
     bench = commands.add_parser(
         "bench",
         help="measure ravnest-node against the alternatives on emulated home links",
@@ -196,6 +223,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(bench, BenchConfig)
 
+
+def _add_plan_parser(commands: Any) -> None:
+    """Register `plan` on `commands` (argparse sub-parsers)."""
     plan = commands.add_parser(
         "plan",
         help="predict a swarm: stages, memory per node, bytes per link, samples/s",
@@ -205,7 +235,6 @@ def _parser() -> argparse.ArgumentParser:
         "codec, and the predicted samples/s with its bottleneck. Exit status 1 if nothing fits.",
     )
     plan_command.add_arguments(plan)
-    return parser
 
 
 def run_init_swarm(name: str, out: Path, *, days: int, renew: bool) -> int:
@@ -285,76 +314,101 @@ def entry_point() -> NoReturn:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        if args.command in ("start", "coordinator"):
-            node_cfg = settings.load(
-                NodeConfig,
-                args=args,
-                env=os.environ,
-                toml_path=args.config,
-                overrides={"coordinator_only": True} if args.command == "coordinator" else None,
-            )
-            return _start(node_cfg)
-        if args.command == "status":
-            token = args.token or os.environ.get(settings.env_name(("transport", "token")))
-            transport = TransportConfig(swarm_dir=args.swarm_dir, token=token)
-            creds = transport.credentials
-            swarm = args.swarm or (creds.swarm if creds and args.address is None else None)
-            if (args.address is None) == (swarm is None):
-                return _fail("status: give a node's HOST:PORT or --swarm NAME (one of them)")
-            if swarm is not None:
-                show = functools.partial(
-                    run_swarm_status,
-                    swarm,
-                    peers=args.peer,
-                    interface=args.mdns_interface,
-                    as_json=args.json,
-                    timeout_s=args.timeout_s,
-                    transport=transport,
-                )
-            else:
-                show = functools.partial(
-                    run_status,
-                    args.address,
-                    as_json=args.json,
-                    timeout_s=args.timeout_s,
-                    transport=transport,
-                )
-            if not args.watch:
-                return show()
-            if not 0 < args.every < 86_400:
-                return _fail(f"status: --every {args.every}: give seconds, more than 0")
-            return watch(show, args.every, header=sys.stderr if args.json else sys.stdout)
-        if args.command == "export":
-            return run_export(args)
-        if args.command == "plan":
-            return plan_command.run_plan(args)
-        if args.command == "init-swarm":
-            return run_init_swarm(args.name, args.out, days=args.days, renew=args.renew)
-        if args.command == "bench":
-            bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
-            if args.suite == "planner":
-                return run_planner_bench(bench_cfg.jsonl, quick=bench_cfg.quick)
-            if args.suite in ("codecs", "replicas", "replan"):
-                prefix = f"ravnest-{args.suite}-"
-                work_dir = bench_cfg.work_dir or Path(tempfile.mkdtemp(prefix=prefix))
-                run_suite = {
-                    "codecs": run_codec_bench,
-                    "replicas": run_replicas_bench,
-                    "replan": run_replan_bench,
-                }[args.suite]
-                suite = Suite(
-                    train=bench_cfg.train,
-                    jsonl=bench_cfg.jsonl,
-                    work_dir=work_dir,
-                    quick=bench_cfg.quick,
-                    transport=bench_cfg.transport,
-                )
-                return run_suite(suite)
-            return run_bench(bench_cfg)
-        demo_cfg = settings.load(DemoConfig, args=args, env=os.environ, toml_path=args.config)
-        return run_demo(demo_cfg)
+        return _COMMANDS[args.command](args)
     except ConfigError as exc:
         return _fail(str(exc))
     except RunFailed as exc:
         print(f"{PROG}: {args.command} failed: {exc}", file=sys.stderr)
         return 1
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    """`start` and `coordinator` (one that holds no stage)."""
+    node_cfg = settings.load(
+        NodeConfig,
+        args=args,
+        env=os.environ,
+        toml_path=args.config,
+        overrides={"coordinator_only": True} if args.command == "coordinator" else None,
+    )
+    return _start(node_cfg)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    """`status`: one node, or a whole swarm; once, or again every --every seconds."""
+    token = args.token or os.environ.get(settings.env_name(("transport", "token")))
+    transport = TransportConfig(swarm_dir=args.swarm_dir, token=token)
+    creds = transport.credentials
+    swarm = args.swarm or (creds.swarm if creds and args.address is None else None)
+    if (args.address is None) == (swarm is None):
+        return _fail("status: give a node's HOST:PORT or --swarm NAME (one of them)")
+    if swarm is not None:
+        show = functools.partial(
+            run_swarm_status,
+            swarm,
+            peers=args.peer,
+            interface=args.mdns_interface,
+            as_json=args.json,
+            timeout_s=args.timeout_s,
+            transport=transport,
+        )
+    else:
+        show = functools.partial(
+            run_status,
+            args.address,
+            as_json=args.json,
+            timeout_s=args.timeout_s,
+            transport=transport,
+        )
+    if not args.watch:
+        return show()
+    if not 0 < args.every < 86_400:
+        return _fail(f"status: --every {args.every}: give seconds, more than 0")
+    return watch(show, args.every, header=sys.stderr if args.json else sys.stdout)
+
+
+def _run_init_swarm(args: argparse.Namespace) -> int:
+    return run_init_swarm(args.name, args.out, days=args.days, renew=args.renew)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    """`bench SUITE`: links (the default) runs the systems; the others run their own suite."""
+    bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
+    if args.suite == "planner":
+        return run_planner_bench(bench_cfg.jsonl, quick=bench_cfg.quick)
+    if args.suite in ("codecs", "replicas", "replan"):
+        prefix = f"ravnest-{args.suite}-"
+        work_dir = bench_cfg.work_dir or Path(tempfile.mkdtemp(prefix=prefix))
+        run_suite = {
+            "codecs": run_codec_bench,
+            "replicas": run_replicas_bench,
+            "replan": run_replan_bench,
+        }[args.suite]
+        suite = Suite(
+            train=bench_cfg.train,
+            jsonl=bench_cfg.jsonl,
+            work_dir=work_dir,
+            quick=bench_cfg.quick,
+            transport=bench_cfg.transport,
+        )
+        return run_suite(suite)
+    return run_bench(bench_cfg)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    demo_cfg = settings.load(DemoConfig, args=args, env=os.environ, toml_path=args.config)
+    return run_demo(demo_cfg)
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "start": _run_node,
+    "coordinator": _run_node,
+    "status": _run_status,
+    "init-swarm": _run_init_swarm,
+    "export": run_export,
+    "demo": _run_demo,
+    "bench": _run_bench,
+    "plan": plan_command.run_plan,
+}
+"""What runs each subcommand (argparse accepts no other), given its parsed arguments; returns the
+exit status."""

@@ -216,6 +216,14 @@ def pretrained_shape(name: str) -> ModelShape:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `plan` command's flags."""
+    _add_swarm_arguments(parser)
+    _add_training_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is planned: the model (a preset, a llama shape or a local model), the nodes and the
+    link between them."""
     parser.add_argument(
         "--model",
         default="llama-8b",
@@ -244,6 +252,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RATE[,RTT]",
         help="the link between nodes: 1gbit, 100mbit, 50mbit,20ms (default 1gbit)",
     )
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the swarm trains (defaults: `Training`'s) and what a step reaches (--mfu)."""
     defaults = Training()
     parser.add_argument(
         "--mode",
@@ -291,7 +303,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.margin,
         help=f"share of each node's memory kept free (default {defaults.margin})",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _training_mode(args: argparse.Namespace) -> tuple[Any, int, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ravnest_node import settings
-from ravnest_node.bench.runner import BenchConfig
+from ravnest_node.bench.config import BenchConfig
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.launch.demo import DemoConfig
 

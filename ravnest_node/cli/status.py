@@ -169,43 +169,10 @@ def swarm_dict(
     """The swarm as one JSON-able object: the coordinator, the plan and every member (reached
     with `security`: "mtls" with the swarm's credentials, or "open"). Pure."""
     stages = {s.node_id: s for s in view.plan.stages}
-    members = []
-    for member, status in zip(view.members, statuses, strict=True):
-        stage = stages.get(member.node_id)
-        entry: dict[str, Any] = {
-            "node_id": member.node_id,
-            "address": member.address,
-            "reachable": isinstance(status, pb.NodeStatus),
-            "error": status if isinstance(status, str) else "",
-            "pipeline": stage.pipeline if stage else None,
-            "stage": stage.index if stage else None,
-            "blocks": [stage.first_block, stage.stop_block] if stage else None,
-            "compute_s": member.compute_s,
-            "speed": member.speed,
-            "silent_s": member.silent_s,
-            "lease_expired": member.lease_expired,
-            "left": member.left,
-            "checkpoint_step": member.checkpoint_step,
-            # Its link to the coordinator, as it measured it before the plan (0: not measured).
-            "uplink_bps": member.uplink_bps,
-            "rtt_s": member.rtt_s,
-            # Its links to the members that joined before it, measured both ways before it
-            # sent its capabilities (bits per second there and back, round trip).
-            "links": [peer_link(p) for p in member.peer_links],
-            # The relay it is reached through ("": it accepts connections itself, or did not
-            # answer).
-            "relay": "",
-        }
-        if isinstance(status, pb.NodeStatus):
-            entry.update(
-                role=status_dict(status)["role"],
-                version=status.version,
-                bytes_sent=status.bytes_sent,
-                run_done=status.run_done,
-                relay=status.relay,
-                security=status.security,
-            )
-        members.append(entry)
+    members = [
+        member_dict(member, stages.get(member.node_id), status)
+        for member, status in zip(view.members, statuses, strict=True)
+    ]
     return {
         "swarm": swarm,
         "swarm_id": view.swarm_id,
@@ -227,6 +194,47 @@ def swarm_dict(
         # Relays a node behind NAT may choose (--no-inbound without --relay).
         "relays": [{"node_id": r.node_id, "address": r.address} for r in view.relays],
     }
+
+
+def member_dict(
+    member: pb.SwarmMember, stage: pb.StageAssignment | None, status: pb.NodeStatus | str
+) -> dict[str, Any]:
+    """One member of `swarm_dict`: what the coordinator says of it, its `stage` of the plan
+    (None: it holds none), and what it said itself (`status`) or why it did not answer. Pure."""
+    entry: dict[str, Any] = {
+        "node_id": member.node_id,
+        "address": member.address,
+        "reachable": isinstance(status, pb.NodeStatus),
+        "error": status if isinstance(status, str) else "",
+        "pipeline": stage.pipeline if stage else None,
+        "stage": stage.index if stage else None,
+        "blocks": [stage.first_block, stage.stop_block] if stage else None,
+        "compute_s": member.compute_s,
+        "speed": member.speed,
+        "silent_s": member.silent_s,
+        "lease_expired": member.lease_expired,
+        "left": member.left,
+        "checkpoint_step": member.checkpoint_step,
+        # Its link to the coordinator, as it measured it before the plan (0: not measured).
+        "uplink_bps": member.uplink_bps,
+        "rtt_s": member.rtt_s,
+        # Its links to the members that joined before it, measured both ways before it
+        # sent its capabilities (bits per second there and back, round trip).
+        "links": [peer_link(p) for p in member.peer_links],
+        # The relay it is reached through ("": it accepts connections itself, or did not
+        # answer).
+        "relay": "",
+    }
+    if isinstance(status, pb.NodeStatus):
+        entry.update(
+            role=status_dict(status)["role"],
+            version=status.version,
+            bytes_sent=status.bytes_sent,
+            run_done=status.run_done,
+            relay=status.relay,
+            security=status.security,
+        )
+    return entry
 
 
 def peer_link(link: pb.PeerLink) -> dict[str, Any]:

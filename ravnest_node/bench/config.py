@@ -1,0 +1,78 @@
+"""What a `ravnest-node bench` run is: its settings (BenchConfig), the systems it compares, and
+the shape of the swarm every system runs on."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ravnest_node.bench.links import SCENARIOS
+from ravnest_node.errors import ConfigError
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.transport.options import TransportConfig
+
+SYSTEMS = ("compute-bound", "naive", "ours", "torch-pipelining", "hivemind", "ours-tls")
+DEFAULT_SYSTEMS = SYSTEMS[:5]
+"""`ours-tls` (ours in a protected swarm: mutual TLS and the TLS gate) runs when asked for."""
+QUICK_STEPS = 10
+NODES = 3
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class BenchConfig:
+    """A benchmark run: scenarios x systems."""
+
+    scenario: Literal["lan", "home", "internet", "all"] = "home"
+    """Link to emulate: lan (1000 Mbit/s, 1 ms), home (50, 20), internet (10, 50), or all."""
+    quick: bool = False
+    """Shrink the run to 10 steps per system (about a minute per scenario); `bench codecs`
+    also trains fewer codecs."""
+    jsonl: Path = Path("bench.jsonl")
+    """Where to write one JSON object per run; the table (.md) and plot (.png) go beside it."""
+    systems: str = ",".join(DEFAULT_SYSTEMS)
+    """Comma-separated systems to run: compute-bound, naive, ours, torch-pipelining, hivemind.
+
+    Also `ours-tls`, ours in a protected swarm (mutual TLS through the TLS gate), not run unless
+    named."""
+    emulation: Literal["auto", "netns", "relay"] = "auto"
+    """netns: namespaces, tbf, delay relays (root); relay: loopback relays; auto: netns if root."""
+    work_dir: Path | None = None
+    """Where node state and logs go (default: a new temporary directory)."""
+    compute_threads: int = field(default=1, metadata={"flag": "--threads"})
+    """Torch threads per node process."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=40))
+    """The training run every system performs (steps: 10 with --quick)."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """Limits and timeouts of the gRPC transport."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.system_list) - set(SYSTEMS)
+        if unknown or not self.system_list:
+            raise ConfigError(
+                f"systems={self.systems!r}: choose from {', '.join(SYSTEMS)} (comma-separated)"
+            )
+        if get_model(self.train.model).num_blocks() < NODES:
+            raise ConfigError(f"model {self.train.model} has fewer than {NODES} blocks")
+        if self.compute_threads < 1:
+            raise ConfigError("compute_threads must be at least 1")
+
+    @property
+    def system_list(self) -> list[str]:
+        return [s.strip() for s in self.systems.split(",") if s.strip()]
+
+    @property
+    def scenario_names(self) -> list[str]:
+        return list(SCENARIOS) if self.scenario == "all" else [self.scenario]
+
+    @property
+    def run_train(self) -> TrainConfig:
+        return dataclasses.replace(self.train, steps=QUICK_STEPS) if self.quick else self.train
+
+
+def cores() -> int:
+    """This machine's cores: what the compute-bound ceiling runs with."""
+    return os.cpu_count() or 1

@@ -1,0 +1,54 @@
+"""The fields of a bench record that need the whole scenario: the loss at equal samples, and the
+efficiency against the lower bound of a step (the slowest stage's compute or the busiest uplink's
+transfer, whichever is longer)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ravnest_node.bench.config import NODES, cores
+from ravnest_node.bench.report import Record
+from ravnest_node.coordination.planner import partition
+from ravnest_node.pipeline.run import TrainConfig
+
+
+def finish_scenario(records: list[Record], model: Any, train: TrainConfig) -> None:
+    """Fields that need the whole scenario: loss at equal samples and efficiency."""
+    runs = [r for r in records if "skipped" not in r]
+    if not runs:
+        return
+    equal = min(len(r["loss_history"]) for r in runs)
+    for r in runs:
+        r["loss_at_equal_samples"] = r["loss_history"][equal - 1]
+    compute = next((r for r in runs if r["system"] == "compute-bound"), None)
+    costs = model.block_costs()
+    cuts = partition(costs, NODES)
+    share = max(sum(costs[a:b]) for a, b in cuts) / sum(costs)
+    if compute is not None:
+        stage_s = compute["step_s"] * share
+    else:  # measured on our nodes (the same stages; inflated when they share cores)
+        measured = [max(r["stage_compute_s"]) for r in runs if r.get("stage_compute_s")]
+        stage_s = min(measured) / train.steps if measured else math.nan
+    for r in runs:
+        if r["system"] == "compute-bound" or r.get("link") is None:
+            continue
+        if r["link"]["emulation"] != "netns":
+            # Relays pace each connection, not each host: there is no per-host uplink to bound.
+            r["efficiency"] = None
+            continue
+        # What each host's interface sent (headers included), the same measure for every system.
+        egress = max(r["node_link_bytes"]) / train.steps
+        transfer_s = egress * 8 / (r["link"]["rate_mbit"] * 1e6)
+        bound = max(stage_s, transfer_s)
+        r["lower_bound_step_s"] = bound
+        r["slowest_stage_compute_s"] = stage_s
+        r["busiest_uplink_transfer_s"] = transfer_s
+        r["efficiency"] = bound / r["step_s"]
+        # The same bound for this machine, where the stages share its cores: their measured
+        # compute cannot take less than its sum over the cores.
+        measured = [c / train.steps for c in r.get("stage_compute_s") or []]
+        if measured:
+            shared = max(sum(measured) / min(cores(), len(measured)), max(measured))
+            r["lower_bound_step_s_this_machine"] = max(shared, transfer_s)
+            r["efficiency_this_machine"] = max(shared, transfer_s) / r["step_s"]
