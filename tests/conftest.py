@@ -19,8 +19,11 @@ import grpc
 import pytest
 
 from ravnest_node.models import get_model
+from ravnest_node.pipeline.compute import StageCompute
+from ravnest_node.pipeline.inbox import Inbox
 from ravnest_node.pipeline.metrics import StepReport
 from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.pipeline.schedule import Schedule, expected_tensors
 from ravnest_node.pipeline.stage import StageRuntime, StageSpec
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
@@ -36,18 +39,36 @@ async def _no_report(_: StepReport) -> None:
     raise AssertionError("no step should complete in these tests")
 
 
+TINY_MIDDLE = StageSpec(index=1, num_stages=3, first_block=2, stop_block=3)
+"""Stage 1 of 3 of tiny: its block 2."""
+
+
 def tiny_middle_stage(pool: Executor, run: TrainConfig) -> StageRuntime:
     """Stage 1 of 3 of tiny (its block 2), as a swarm would build it, for tests that drive a
     stage runtime without sockets; it must not complete a step."""
     model = get_model("tiny")
     return StageRuntime(
-        spec=StageSpec(index=1, num_stages=3, first_block=2, stop_block=3),
+        spec=TINY_MIDDLE,
         model=model,
         blocks=model.build_stage(0, 2, 3),
         run=run,
         compute=pool,
         report=_no_report,
     )
+
+
+def tiny_middle_compute(pool: Executor, run: TrainConfig) -> StageCompute:
+    """The torch side of `tiny_middle_stage`, for tests that call its compute directly."""
+    model = get_model("tiny")
+    return StageCompute(
+        spec=TINY_MIDDLE, model=model, blocks=model.build_stage(0, 2, 3), run=run, executor=pool
+    )
+
+
+def tiny_middle_inbox(run: TrainConfig) -> Inbox:
+    """The admission side of `tiny_middle_stage` (at step 0), for tests of what it takes."""
+    forward, backward = expected_tensors(get_model("tiny"), TINY_MIDDLE, run.microbatch_size)
+    return Inbox(Schedule(TINY_MIDDLE, run, start_step=0, forward=forward, backward=backward))
 
 
 def ravnest(*args: str) -> list[str]:

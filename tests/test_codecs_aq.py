@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -24,7 +23,7 @@ from ravnest_node.transport.frames import (
     parse_frame,
 )
 
-from .conftest import tiny_middle_stage
+from .conftest import tiny_middle_inbox
 
 LIMITS = FrameLimits(max_message_bytes=1 << 24)
 AQS = [get_codec("aq-delta"), get_codec("aq-delta2")]
@@ -267,38 +266,37 @@ async def test_a_stage_refuses_what_its_references_cannot_take_and_changes_nothi
     run = TrainConfig(
         model="tiny", steps=4, batch_size=16, activation_codec="aq-delta", dataset_samples=32
     )
-    with ThreadPoolExecutor(1) as pool:
-        stage = tiny_middle_stage(pool, run)
-        codec = encoder("aq-delta", "activation")
-        state = codec.new_state()
-        targets = torch.zeros(4, 32, dtype=torch.uint8)
+    inbox = tiny_middle_inbox(run)
+    codec = encoder("aq-delta", "activation")
+    state = codec.new_state()
+    targets = torch.zeros(4, 32, dtype=torch.uint8)
 
-        def forward(seq: int, ids: list[int], x: torch.Tensor) -> Any:
-            tensors = [Outgoing("hidden", x, codec, state), Outgoing("targets", targets, NONE)]
-            message = encode_frame(FrameKind.FORWARD, seq, 0, tensors, samples=ids)
-            return parse_frame(message, LIMITS)
+    def forward(seq: int, ids: list[int], x: torch.Tensor) -> Any:
+        tensors = [Outgoing("hidden", x, codec, state), Outgoing("targets", targets, NONE)]
+        message = encode_frame(FrameKind.FORWARD, seq, 0, tensors, samples=ids)
+        return parse_frame(message, LIMITS)
 
-        x = torch.randn(4, 32, 64)
-        await stage.accept_from_upstream(forward(0, [0, 1, 2, 3], x))
-        refs = stage._references["hidden"]
-        assert sorted(refs.refs) == [0, 1, 2, 3]
-        # A frame without sample ids, or with too few, is refused before decoding.
-        with pytest.raises(FrameError, match="sample ids"):
-            await stage.accept_from_upstream(
-                parse_frame(
-                    encode_frame(
-                        FrameKind.FORWARD, 1, 0, [("hidden", x, NONE), ("targets", targets, NONE)]
-                    ),
-                    LIMITS,
-                )
+    x = torch.randn(4, 32, 64)
+    await inbox.admit(forward(0, [0, 1, 2, 3], x))
+    refs = inbox.references["hidden"]
+    assert sorted(refs.refs) == [0, 1, 2, 3]
+    # A frame without sample ids, or with too few, is refused before decoding.
+    with pytest.raises(FrameError, match="sample ids"):
+        await inbox.admit(
+            parse_frame(
+                encode_frame(
+                    FrameKind.FORWARD, 1, 0, [("hidden", x, NONE), ("targets", targets, NONE)]
+                ),
+                LIMITS,
             )
-        # A delta for samples this end never saw: refused, references and schedule unchanged.
-        other = get_codec("aq-delta").new_state()
-        codec_state, state = state, other
-        forward(1, [4, 5, 6, 7], x)  # the other sender's warm-up, never delivered
-        with pytest.raises(FrameError, match="no reference"):
-            await stage.accept_from_upstream(forward(1, [4, 5, 6, 7], x + 1))
-        assert sorted(refs.refs) == [0, 1, 2, 3] and stage.frames_accepted == 1
-        state = codec_state
-        await stage.accept_from_upstream(forward(1, [4, 5, 6, 7], x))  # seq 1 still fits
-        assert sorted(refs.refs) == list(range(8))
+        )
+    # A delta for samples this end never saw: refused, references and schedule unchanged.
+    other = get_codec("aq-delta").new_state()
+    codec_state, state = state, other
+    forward(1, [4, 5, 6, 7], x)  # the other sender's warm-up, never delivered
+    with pytest.raises(FrameError, match="no reference"):
+        await inbox.admit(forward(1, [4, 5, 6, 7], x + 1))
+    assert sorted(refs.refs) == [0, 1, 2, 3] and inbox.accepted == 1
+    state = codec_state
+    await inbox.admit(forward(1, [4, 5, 6, 7], x))  # seq 1 still fits
+    assert sorted(refs.refs) == list(range(8))

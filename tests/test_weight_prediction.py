@@ -8,44 +8,45 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from ravnest_node.pipeline.compute import StageCompute
 from ravnest_node.pipeline.run import TrainConfig
-from ravnest_node.pipeline.stage import StageRuntime
 from ravnest_node.transport.frames import FrameLimits, parse_frame
 
-from .conftest import tiny_middle_stage
+from .conftest import tiny_middle_compute
 
 M = 4  # microbatches per step
 Grads = dict[str, torch.Tensor]
 
 
-def _stage(pool: ThreadPoolExecutor, predict: bool) -> StageRuntime:
-    """The middle stage of tiny, asynchronous from the first step."""
+def _stage(pool: ThreadPoolExecutor, predict: bool) -> StageCompute:
+    """The compute of tiny's middle stage, asynchronous from the first step."""
     run = TrainConfig(
         model="tiny", steps=8, batch_size=16, microbatches=M, max_staleness=2,
         staleness_warmup_steps=0, weight_prediction=predict, codec="none",
     )  # fmt: skip
-    return tiny_middle_stage(pool, run)
+    return tiny_middle_compute(pool, run)
 
 
-def _step(stage: StageRuntime, grads: Grads) -> None:
-    """One optimizer step with these gradients, as the stage applies it."""
-    for name, p in stage._params.items():
+def _step(stage: StageCompute, grads: Grads) -> None:
+    """One optimizer step with these gradients, as the stage applies it (the stage's version
+    then counts one more)."""
+    for name, p in stage.weights.params.items():
         p.grad = grads[name].clone()
-    stage._optimizer_step()
-    stage.version += 1
+    stage.optimizer_step()
 
 
-def _stepped(pool: ThreadPoolExecutor, predict: bool) -> tuple[StageRuntime, Grads]:
-    """A stage (seed 0) one step into training, AdamW's moments set, and that step's gradients."""
+def _stepped(pool: ThreadPoolExecutor, predict: bool) -> tuple[StageCompute, Grads]:
+    """A stage (seed 0) one step into training (version 1), AdamW's moments set, and that
+    step's gradients."""
     torch.manual_seed(0)
     stage = _stage(pool, predict)
-    grads = {name: torch.randn_like(p) for name, p in stage._params.items()}
+    grads = {name: torch.randn_like(p) for name, p in stage.weights.params.items()}
     _step(stage, grads)
     return stage, grads
 
 
-def _params(stage: StageRuntime) -> Grads:
-    return {name: p.detach().clone() for name, p in stage._params.items()}
+def _params(stage: StageCompute) -> Grads:
+    return {name: p.detach().clone() for name, p in stage.weights.params.items()}
 
 
 @pytest.mark.parametrize("ahead", [1, 2])
@@ -56,8 +57,8 @@ def test_under_a_constant_gradient_the_prediction_is_the_step_it_predicts(ahead:
         before = _params(stage)
         # The first microbatch of step 1 + ahead runs forward at version 1.
         seq = (1 + ahead) * M
-        version, predicted = stage._weights(seq)
-        _, unpredicted = plain._weights(seq)
+        version, predicted = stage.weights.for_forward(seq, version=1)
+        _, unpredicted = plain.weights.for_forward(seq, version=1)
         assert version == 1
         for _ in range(ahead):
             _step(stage, grads)
@@ -73,33 +74,35 @@ def test_under_a_constant_gradient_the_prediction_is_the_step_it_predicts(ahead:
 def test_a_step_that_is_not_ahead_uses_the_weights_unchanged() -> None:
     with ThreadPoolExecutor(1) as pool:
         stage, _ = _stepped(pool, predict=True)
-        version, weights = stage._weights(1 * M)  # step 1 at version 1: synchronous
+        version, weights = stage.weights.for_forward(1 * M, version=1)  # synchronous
         assert version == 1
-        for name, p in stage._params.items():
+        for name, p in stage.weights.params.items():
             assert torch.equal(weights[name], p.detach())
 
 
 def test_every_microbatch_of_a_step_uses_one_snapshot_until_the_step_is_fed() -> None:
     with ThreadPoolExecutor(1) as pool:
         stage, grads = _stepped(pool, predict=True)
-        first = stage._weights(2 * M)  # step 2 at version 1: predicted one step ahead
+        first = stage.weights.for_forward(2 * M, version=1)  # predicted one step ahead
         _step(stage, grads)  # version 2 before the step's other microbatches run
         for i in range(1, M):
-            assert stage._weights(2 * M + i) is first  # the same version and tensors
-        assert stage._live_versions == 0  # released once its last microbatch ran forward
-        fresh = stage._weights(3 * M)
+            assert stage.weights.for_forward(2 * M + i, version=2) is first  # the same
+        assert stage.live_versions == 0  # released once its last microbatch ran forward
+        fresh = stage.weights.for_forward(3 * M, version=2)
         assert fresh is not first and fresh[0] == 2
 
 
 def test_without_prediction_a_version_has_one_snapshot_dropped_at_the_update() -> None:
     with ThreadPoolExecutor(1) as pool:
         stage, grads = _stepped(pool, predict=False)
-        shared = stage._weights(1 * M)
-        assert stage._weights(2 * M) is shared  # steps 1 and 2 at version 1: the same weights
+        shared = stage.weights.for_forward(1 * M, version=1)
+        # Steps 1 and 2 at version 1: the same weights.
+        assert stage.weights.for_forward(2 * M, version=1) is shared
         _step(stage, grads)
-        fresh = stage._weights(1 * M + 1)  # a later microbatch of step 1, after the update
+        # A later microbatch of step 1, after the update.
+        fresh = stage.weights.for_forward(1 * M + 1, version=2)
         assert fresh is not shared and fresh[0] == 2
-        for name, p in stage._params.items():
+        for name, p in stage.weights.params.items():
             assert torch.equal(fresh[1][name], p.detach())
 
 
@@ -110,12 +113,12 @@ def test_a_forward_runs_on_the_predicted_weights_and_its_frame_carries_their_ver
         for predict in (True, False):
             stage, _ = _stepped(pool, predict)
             seq = 2 * M  # step 2 at version 1
-            message = stage._forward(seq, {"hidden": x.clone(), "targets": targets}, ())
+            message = stage.forward(seq, 1, {"hidden": x.clone(), "targets": targets}, ())
             frame = parse_frame(message, FrameLimits(max_message_bytes=1 << 24))
-            assert frame.version == 1 and stage._in_flight[seq].version == 1
+            assert frame.version == 1 and stage.in_flight[seq].version == 1
             outs[predict] = frame.decode_with({})[0]["hidden"]
-            weights = stage._in_flight[seq].weights
-            expected = torch.func.functional_call(stage._blocks, weights, (x,))
+            weights = stage.in_flight[seq].weights
+            expected = torch.func.functional_call(stage.blocks, weights, (x,))
             assert torch.equal(outs[predict], expected.detach())
     assert not torch.allclose(outs[True], outs[False])
 

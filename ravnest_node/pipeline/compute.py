@@ -1,0 +1,222 @@
+"""A stage's torch work: forward, forward + loss + backward on the last stage, backward (with
+activation recomputation), the frames they produce, the optimizer steps, and the compute
+thread they all run on.
+
+All of it runs on one compute thread (`call`), one piece at a time, so the stage's weights,
+its snapshots and the microbatches in flight are never touched by two threads at once; the
+event loop only reads the counts.
+
+**Activation recomputation** (`recompute`): a forward then runs without a graph and keeps only
+the input of each block; its backward runs each block's forward again, last block first, and
+back-propagates through it. That trades a second forward for the activations' memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import partial
+from typing import ParamSpec, TypeVar
+
+import torch
+
+from ravnest_node.averaging import AveragingConfig
+from ravnest_node.blocks import BlockWeights, export_blocks
+from ravnest_node.models import BlockModel
+from ravnest_node.pipeline.encoder import FrameEncoder
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.pipeline.schedule import HIDDEN, TARGETS, StageSpec
+from ravnest_node.pipeline.weights import StageWeights, Weights
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A microbatch between its forward and its backward on this stage."""
+
+    version: int
+    weights: Weights
+    """The snapshot its forward used, which its backward uses too (weight stashing)."""
+    inputs: torch.Tensor
+    outputs: torch.Tensor | list[torch.Tensor]
+    """The forward's output with its graph; under recomputation, the input of each block
+    after the first, without a graph (the backward runs each block's forward again)."""
+
+
+class StageCompute:
+    """One stage's blocks and everything torch does with them. The methods that take a
+    `version` are given the stage's weight version (optimizer steps applied) at the time of
+    the call; run them through `call`, on the compute thread."""
+
+    def __init__(
+        self,
+        *,
+        spec: StageSpec,
+        model: BlockModel,
+        blocks: list[torch.nn.Module],
+        run: TrainConfig,
+        executor: Executor,
+        restore: Mapping[int, BlockWeights] | None = None,
+        block_delay_s: float = 0.0,
+        averaging: AveragingConfig | None = None,
+    ) -> None:
+        """`executor`: the compute thread; `restore`: block states to start from;
+        `block_delay_s`: test only, this node is slower by so much per block and microbatch;
+        `averaging`: the replica group's settings, if the stage averages."""
+        self._spec = spec
+        self._run = run
+        self._model = model
+        self._executor = executor
+        self.block_delay_s = block_delay_s
+        self.compute_s = 0.0
+        """Seconds spent in `call`s (written by the compute thread only)."""
+        self.encoder = FrameEncoder(spec, run, compute_s=lambda: self.compute_s)
+        self.blocks = torch.nn.Sequential(*blocks)
+        self.weights = StageWeights(
+            self.blocks, run, first_block=spec.first_block, restore=restore, averaging=averaging
+        )
+        self.in_flight: dict[int, InFlight] = {}
+        """seq -> what its backward needs."""
+        self.step_loss = 0.0
+        """Last stage: the sum of the current step's microbatch losses."""
+        self._digest: tuple[int, str] | None = None
+        self._digest_lock = asyncio.Lock()
+
+    async def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """fn(*args, **kwargs) on the compute thread, its time added to `compute_s`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, partial(self._timed, fn, *args, **kwargs))
+
+    def _timed(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.compute_s += time.perf_counter() - started
+
+    @property
+    def live_versions(self) -> int:
+        """Weight snapshots alive: those of steps still running forward and of microbatches
+        in flight."""
+        return self.weights.live_versions(f.weights for f in self.in_flight.values())
+
+    # ----- forward and backward ----------------------------------------------------------------
+    def _inputs(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x = tensors[HIDDEN]
+        if not self._spec.is_first:
+            x.requires_grad_(True)  # its gradient goes back upstream
+        return x, tensors[TARGETS]
+
+    def forward(
+        self,
+        seq: int,
+        version: int,
+        received: dict[str, torch.Tensor],
+        samples: tuple[int, ...],
+    ) -> bytes:
+        """Run microbatch `seq` forward and keep what its backward needs; its frame for the
+        next stage."""
+        x, targets = self._inputs(received)
+        used, weights = self.weights.for_forward(seq, version)
+        if self._run.recompute:
+            kept: list[torch.Tensor] = []
+            with torch.no_grad():
+                out = x
+                for i in range(len(self.blocks)):
+                    if i:
+                        kept.append(out)
+                    out = self._block_call(i, weights, out)
+            self.in_flight[seq] = InFlight(used, weights, x, kept)
+        else:
+            out = torch.func.functional_call(self.blocks, weights, (x,))
+            self.in_flight[seq] = InFlight(used, weights, x, out)
+        return self.encoder.forward(seq, used, out.detach(), targets, samples)
+
+    def forward_loss_backward(
+        self, seq: int, version: int, received: dict[str, torch.Tensor]
+    ) -> bytes | None:
+        """Last stage: microbatch `seq` forward, its loss (added to `step_loss`) and backward;
+        its gradient frame for the previous stage (None on a single-stage pipeline)."""
+        x, targets = self._inputs(received)
+        used, weights = self.weights.for_forward(seq, version)
+        out = torch.func.functional_call(self.blocks, weights, (x,))
+        loss = self._model.loss(out, targets) / self._run.microbatches
+        torch.autograd.backward(loss)
+        self.weights.release(weights)
+        self._slow_down()
+        self.step_loss += loss.item()
+        return self._grad_frame(seq, used, x)
+
+    def backward(self, seq: int, grad: torch.Tensor) -> tuple[int, bytes | None]:
+        """Microbatch `seq` backward from the gradient of its output; the version its forward
+        used, and its gradient frame for the previous stage (None on the first stage)."""
+        flight = self.in_flight.pop(seq)
+        if isinstance(flight.outputs, list):  # recomputation, one block at a time, last first
+            inputs = [flight.inputs, *flight.outputs]
+            for i in reversed(range(len(self.blocks))):
+                x = inputs[i] if i == 0 else inputs[i].detach().requires_grad_(True)
+                out = self._block_call(i, flight.weights, x)
+                if out.requires_grad:  # (not so in frozen blocks fed tokens)
+                    torch.autograd.backward(out, grad)
+                if i:
+                    assert x.grad is not None  # (x requires grad, so out does)
+                    grad = x.grad
+                # (block 0's input is the stage's own: its gradient goes upstream)
+        elif flight.outputs.requires_grad:  # (not so in a stage of frozen blocks fed tokens)
+            torch.autograd.backward(flight.outputs, grad)
+        self.weights.release(flight.weights)
+        self._slow_down()
+        # The gradient frame carries the version our forward used.
+        return flight.version, self._grad_frame(seq, flight.version, flight.inputs)
+
+    def _block_call(self, i: int, weights: Weights, x: torch.Tensor) -> torch.Tensor:
+        """Block `i` of the stage on `x` with its tensors from the snapshot `weights`."""
+        prefix = f"{i}."
+        own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+        out: torch.Tensor = torch.func.functional_call(self.blocks[i], own, (x,))
+        return out
+
+    def _grad_frame(self, seq: int, version: int, x: torch.Tensor) -> bytes | None:
+        if self._spec.is_first:
+            return None
+        assert x.grad is not None
+        return self.encoder.backward(seq, version, x.grad)
+
+    def _slow_down(self) -> None:
+        """Test only: the stage named by fault_slow_stage works fault_slow_ms longer per
+        microbatch, as a slower machine would."""
+        if self._run.fault_slow_stage == self._spec.index:
+            time.sleep(self._run.fault_slow_ms / 1000)
+        if self.block_delay_s:  # test only: this node is slower by so much per block
+            time.sleep(self.block_delay_s * (self._spec.stop_block - self._spec.first_block))
+
+    # ----- between microbatches ----------------------------------------------------------------
+    def optimizer_step(self) -> float:
+        """Apply the step's gradients; the step's loss (last stage; 0.0 elsewhere)."""
+        skip = self._run.fault_skip_step_stage == self._spec.index
+        if skip:
+            log.warning("fault injection: stage %d skips its optimizer step", self._spec.index)
+        self.weights.step(skip=skip)
+        loss, self.step_loss = self.step_loss, 0.0
+        return loss
+
+    def export(self, version: int) -> dict[int, BlockWeights]:
+        """Copies of the stage's blocks and their optimizer moments, at `version`."""
+        return export_blocks(self.blocks, self._spec.first_block, self.weights.optimizer, version)
+
+    async def params_digest(self, version: int) -> str:
+        """sha256 of the stage's parameters, computed on the compute thread (between torch
+        ops) at most once per weight `version`, however often it is asked for."""
+        if self._digest is None or self._digest[0] != version:
+            async with self._digest_lock:
+                if self._digest is None or self._digest[0] != version:
+                    self._digest = (version, await self.call(self.weights.sha256))
+        return self._digest[1]

@@ -1,0 +1,162 @@
+"""A stage's weights: its parameters, the optimizers that change them, and the snapshots its
+forwards run with. Everything here runs on the compute thread.
+
+**Weight stashing** (PipeDream, Narayanan et al., arXiv 1806.03377): a microbatch's backward uses
+the very weights its forward used. Forward runs with `torch.func.functional_call` on a snapshot
+of the parameters (at most S + 1 alive); gradients are moved from the snapshot into the
+optimizer's parameters after each backward, and AdamW updates those in place.
+
+**Weight prediction** (`weight_prediction`, on by default; SpecTrain, Chen et al., arXiv
+1809.02839): a step t whose first forward runs at version v < t has its gradient applied
+t - v updates later, to weights that have moved meanwhile. Its snapshot, taken at its first
+microbatch and used by all of them, is therefore not the weights of version v but AdamW's
+prediction of version t: w - (t - v) lr (m_hat / (sqrt(v_hat) + eps) + wd w), the update
+AdamW's current moments would apply, repeated. Under a constant gradient that is the weights
+step t will have (up to weight decay compounding, a term of order (t - v)^2 lr^2 wd); after
+the synchronous warm-up on bench-small it takes 40-45% off the loss that staleness costs
+(docs/benchmarks.md). Synchronous steps (t = v) use the weights unchanged. Without prediction a
+snapshot is the current version's, taken at its first forward and shared by the steps that
+run forward with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from ravnest_node.averaging import AveragingConfig, OuterOptimizer
+from ravnest_node.blocks import BlockWeights, restore_blocks
+from ravnest_node.pipeline.run import TrainConfig
+
+Weights = dict[str, torch.Tensor]
+_THIS_VERSION = -1
+"""Key of the snapshot of the current version in `StageWeights._step_weights` (no
+prediction)."""
+
+
+class StageWeights:
+    """The parameters of a stage's blocks with their AdamW optimizer, the outer (DiLoCo)
+    optimizer of a replicated stage, and the weight snapshots of forwards (the stash).
+    Call everything from the compute thread."""
+
+    def __init__(
+        self,
+        blocks: torch.nn.Sequential,
+        run: TrainConfig,
+        *,
+        first_block: int,
+        restore: Mapping[int, BlockWeights] | None = None,
+        averaging: AveragingConfig | None = None,
+    ) -> None:
+        """`restore`: states to load into the blocks and their optimizer (by block index);
+        `averaging`: the replica group's settings, if the stage averages."""
+        self.params = dict(blocks.named_parameters())
+        # A stage of frozen blocks only (LoRA's embeddings) has no parameters: its optimizer
+        # then holds one empty placeholder, and its steps change nothing.
+        trained = list(self.params.values()) or [torch.nn.Parameter(torch.empty(0))]
+        self.optimizer = torch.optim.AdamW(trained, lr=run.lr, weight_decay=run.weight_decay)
+        if restore:
+            restore_blocks(blocks, first_block, self.optimizer, restore)
+        self.outer = OuterOptimizer(list(self.params.values()), averaging) if averaging else None
+        self._microbatches = run.microbatches
+        self._prediction = run.weight_prediction
+        # step -> (version it was taken at, weight snapshot) for steps whose microbatches are
+        # still running forward (weight stashing), or _THIS_VERSION -> the current version's
+        # without weight prediction; microbatches in flight hold theirs.
+        self._step_weights: dict[int, tuple[int, Weights]] = {}
+
+    def for_forward(self, seq: int, version: int) -> tuple[int, Weights]:
+        """The version and snapshot microbatch `seq` runs forward with, the weights being at
+        `version` (leaves that collect the gradients of the microbatches that used them).
+        With weight prediction: its step's, taken when the step's first microbatch came and
+        released for new forwards after its last; without: the current version's, taken at
+        its first forward."""
+        m = self._microbatches
+        step = seq // m
+        if self._prediction:
+            key, ahead = step, step - version
+        else:  # one snapshot per version, shared by every step that runs forward with it
+            key, ahead = _THIS_VERSION, 0
+        held = self._step_weights.get(key)
+        if held is None:
+            held = (version, self.snapshot(ahead))
+            self._step_weights[key] = held
+        if key != _THIS_VERSION and seq % m == m - 1:
+            del self._step_weights[key]
+        return held
+
+    def snapshot(self, ahead: int) -> Weights:
+        """Copies of the parameters, moved `ahead` AdamW updates along its current moments."""
+        group = self.optimizer.param_groups[0]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        snapshot = {}
+        with torch.no_grad():
+            for name, p in self.params.items():
+                w = p.detach().clone()
+                state = self.optimizer.state.get(p)
+                if ahead and state:
+                    k = float(state["step"])
+                    m_hat = state["exp_avg"] / (1 - beta1**k)
+                    v_hat = state["exp_avg_sq"] / (1 - beta2**k)
+                    w -= ahead * lr * (m_hat / (v_hat.sqrt() + eps) + wd * w)
+                snapshot[name] = w.requires_grad_(True)
+        return snapshot
+
+    def live_versions(self, held: Iterable[Weights]) -> int:
+        """Weight snapshots alive: those of steps still running forward and those `held` by
+        microbatches in flight."""
+        alive = {id(weights) for weights in held}
+        alive.update(id(weights) for _, weights in self._step_weights.values())
+        return len(alive)
+
+    def release(self, snapshot: Weights) -> None:
+        """Move the snapshot's gradients into the optimizer's parameters (the step's gradient
+        sums microbatches in the order their backwards ran). A snapshot is freed when no
+        microbatch in flight holds it and its step has no forwards left to run."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                g = snapshot[name].grad
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+                snapshot[name].grad = None
+
+    def step(self, *, skip: bool = False) -> None:
+        """Apply the gradients collected since the last step (`skip`: drop them instead, the
+        fault injection of a stage that skips its update)."""
+        if not skip:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_weights.pop(_THIS_VERSION, None)  # stale now; microbatches in flight keep it
+
+    def begin_round(self) -> torch.Tensor:
+        """This replica's delta for an averaging round (`OuterOptimizer.begin_round`)."""
+        assert self.outer is not None
+        return self.outer.begin_round(list(self.params.values()))
+
+    def apply_round(self, mean: torch.Tensor) -> None:
+        """Apply a round's mean delta (`OuterOptimizer.apply`)."""
+        assert self.outer is not None
+        self.outer.apply(list(self.params.values()), mean)
+        self._step_weights.clear()  # the next forward sees the averaged weights
+
+    def stats(self) -> tuple[float, int]:
+        """The sum of the parameters' squares (in float64), and their count."""
+        with torch.no_grad():
+            total = sum(float(p.double().square().sum()) for p in self.params.values())
+            count = sum(p.numel() for p in self.params.values())
+        return total, count
+
+    def sha256(self) -> str:
+        """sha256 of the parameters' bytes."""
+        digest = hashlib.sha256()
+        with torch.no_grad():
+            for p in self.params.values():
+                digest.update(p.detach().contiguous().numpy().tobytes())
+        return digest.hexdigest()
