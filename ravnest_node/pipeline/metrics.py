@@ -61,10 +61,11 @@ _SENT = "Bytes this stage sent, per role."
 _IDLE = "Seconds waiting for a neighbour."
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StageMetrics:
     """What a stage measured about its own schedule and traffic since its run started, for
-    reports, the summary, /metrics and the page. A record: one field per metric, no behaviour."""
+    reports, the summary, /metrics and the page. A record: one field per metric, no behaviour.
+    The stage counts into one of its own (counters.py) and hands out copies."""
 
     wall_s: float = 0.0
     """Seconds since the stage's run started."""

@@ -76,7 +76,7 @@ class ReplicaRounds:
             self._averaging.averager.average(round_number, delta, step=version)
         )
         self._round.add_done_callback(lambda _: self._wake.set())
-        self._counters.averaging_wait_s += time.monotonic() - started
+        self._counters.counts.averaging_wait_s += time.monotonic() - started
 
     async def finish(self) -> None:
         """Wait for the round in flight (if it is not done yet) and apply its mean."""
@@ -85,7 +85,7 @@ class ReplicaRounds:
         result = await self._round
         self._round = None
         await self._compute.call(self._compute.weights.apply_round, result.mean)
-        counters = self._counters
+        counters = self._counters.counts
         counters.averaging_rounds += 1
         counters.averaging_bytes_sent += result.bytes_sent
         left_out = sorted({*result.missing, *result.rejected, *result.banned})

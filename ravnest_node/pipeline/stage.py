@@ -109,7 +109,7 @@ class StageRuntime:
         )
         self._inbox = Inbox(self._schedule)
         # Metrics; the compute thread keeps its own (compute_s, the encoder's byte counts).
-        self._counters = StageCounters(staleness_histogram=[0] * (run.max_staleness + 1))
+        self._counters = StageCounters(run.max_staleness)
         self._rounds = (
             ReplicaRounds(averaging, self._compute, self._counters, self._inbox.wake, spec.index)
             if averaging is not None
@@ -332,7 +332,7 @@ class StageRuntime:
         self, seq: int, received: dict[str, torch.Tensor], samples: tuple[int, ...]
     ) -> None:
         assert self._schedule.may_forward(seq), (seq, self.version)
-        compute, counters = self._compute, self._counters
+        compute, counters = self._compute, self._counters.counts
         if self.spec.is_last:
             message = await compute.call(compute.forward_loss_backward, seq, self.version, received)
             counters.max_weight_versions = max(counters.max_weight_versions, compute.live_versions)
@@ -361,11 +361,11 @@ class StageRuntime:
 
     def _record_staleness(self, staleness: int) -> None:
         self._schedule.check_staleness(staleness)
-        self._counters.staleness_histogram[staleness] += 1
+        self._counters.staleness[staleness] += 1
 
     async def _send_upstream(self, message: bytes) -> None:
         assert self.upstream is not None
-        self._counters.gradient_bytes_sent += len(message)
+        self._counters.counts.gradient_bytes_sent += len(message)
         await self._send(self.upstream, message)
 
     async def _send(self, link: BoundaryLink, message: bytes) -> None:
