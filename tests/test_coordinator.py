@@ -22,7 +22,7 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.protocol import PROTOCOL
+from ravnest_node.protocol import PROTOCOL, UNREACHABLE_KEY
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.probe import PROBE_BUDGET_BYTES
 
@@ -373,3 +373,33 @@ async def test_only_a_member_measuring_its_links_may_probe_the_coordinator(tmp_p
     with pytest.raises(Refusal) as info:
         svc.check_link_probe("a", 1)
     assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_a_node_the_coordinator_cannot_reach_is_refused_with_the_unreachable_mark(
+    tmp_path: Path,
+) -> None:
+    """A node's first Join is checked by reaching it at its address (not the coordinator's own
+    node, nor a Join with what it measured, nor a member asking again from where it was
+    reached); one that does not answer is refused, marked so that it may try a relay."""
+    answers = {"a": True, "b": False}
+    asked: list[str] = []
+
+    async def reach(node_id: str, address: str, timeout_s: float) -> bool:
+        asked.append(node_id)
+        return answers.get(node_id, False)
+
+    svc = CoordinatorService(
+        train=TrainConfig(model="bench-small", steps=2, batch_size=16), swarm_size=3,
+        swarm_id="test/bench-small", summary_path=None, clock=Clock(), node_id="c", reach=reach,
+    )  # fmt: skip
+    ctx: Any = FakeContext()
+    await join(svc, "a")
+    await svc.Join(pb.JoinRequest(node_id="a", address="a:1", protocol=PROTOCOL), ctx)
+    assert asked == ["a"]  # asking again from where it was reached: not checked again
+    with pytest.raises(Aborted, match="cannot reach node b at b:1") as info:
+        await svc.Join(pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL), ctx)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.metadata == ((UNREACHABLE_KEY, "1"),)
+    assert [m.node_id for m in (await svc.Swarm(pb.SwarmRequest(), ctx)).members] == ["a"]
+    await svc.Join(pb.JoinRequest(node_id="c", address="c:1", protocol=PROTOCOL), ctx)
+    assert asked == ["a", "b"]  # the coordinator's own node is not asked
