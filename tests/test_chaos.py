@@ -26,7 +26,7 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL
 
 from .conftest import Procs, demo_summary, poll_until, progress_events, swarm_view
-from .test_coordinator import Aborted, Clock, FakeContext, _caps, _join
+from .fakes import Aborted, Clock, FakeContext, capabilities, join
 
 STEPS = 160
 RUN = ("--model", "tiny", "--pipelines", "2", "--steps", str(STEPS), "--seed", "0",
@@ -172,7 +172,7 @@ async def planned_swarm(
     """A tiny-model swarm of one node per letter of `nodes`, all joined: its first plan."""
     svc = tiny_swarm(clock, len(nodes), **train)
     for node in nodes:
-        await _join(svc, node, caps=_caps(blocks=4))
+        await join(svc, node, caps=capabilities(blocks=4))
     assert svc.plan is not None
     return svc, svc.plan
 
@@ -223,7 +223,7 @@ async def test_a_lost_member_breaks_its_pipeline_and_the_healthy_one_carries_on(
     svc = tiny_swarm(clock, 4, steps=50, pipelines=2)
     ctx: Any = FakeContext()
     for node in "abcd":
-        await _join(svc, node, caps=_caps(blocks=4))
+        await join(svc, node, caps=capabilities(blocks=4))
     plan = svc.plan
     assert plan is not None and plan.epoch == 1
     stage = {(s.pipeline, s.index): s.node_id for s in plan.stages}
@@ -240,7 +240,7 @@ async def test_a_lost_member_breaks_its_pipeline_and_the_healthy_one_carries_on(
         for node in "abcd":
             if node != victim:
                 await svc.Heartbeat(pb.HeartbeatRequest(node_id=node), ctx)
-    pending = svc._next
+    pending = svc.book.pending
     assert pending is not None and pending.pending and pending.epoch == 2
     assert victim not in {s.node_id for s in pending.stages}
     assert {s.pipeline for s in pending.previous} == {0}  # blocks come from the healthy one
@@ -257,10 +257,10 @@ async def test_a_lost_member_breaks_its_pipeline_and_the_healthy_one_carries_on(
     drain = pb.DrainRequest(node_id=stage[(0, 0)], plan_epoch=1, pipeline=0, stop_step=5)
     assert (await svc.Drain(drain, ctx)).stop_step == 5
     assert svc.plan is not None and svc.plan.epoch == 2 and svc.plan.start_step == 5
-    assert [c["node_id"] for c in svc._crashes] == [victim]
-    assert svc._dropped == 2 * 4  # steps 4 and 5 of pipeline 1, 4 microbatches each
+    assert [c.node_id for c in svc.faults.crashes] == [victim]
+    assert svc.faults.dropped == 2 * 4  # steps 4 and 5 of pipeline 1, 4 microbatches each
     # Steps 4 and 5 are complete (progress goes on): their loss is the mean of who trained.
-    assert [e.loss for e in svc._events] == [4.5, 4.5, 4.5, 3.0, 3.0]
+    assert [e.loss for e in svc.progress.events] == [4.5, 4.5, 4.5, 3.0, 3.0]
 
 
 async def test_without_a_replica_a_lost_member_is_reported_and_nothing_replanned(
@@ -269,14 +269,14 @@ async def test_without_a_replica_a_lost_member_is_reported_and_nothing_replanned
     clock = Clock()
     svc = tiny_swarm(clock, 2, steps=50)
     for node in "ab":
-        await _join(svc, node, caps=_caps(blocks=4))
+        await join(svc, node, caps=capabilities(blocks=4))
     clock.now += 7.0  # one lease: not yet lost
     await svc.Heartbeat(pb.HeartbeatRequest(node_id="a"), FakeContext())  # type: ignore[arg-type]
-    assert svc._crashes == []
+    assert svc.faults.crashes == []
     clock.now += 6.0
     await svc.Heartbeat(pb.HeartbeatRequest(node_id="a"), FakeContext())  # type: ignore[arg-type]
-    assert svc._next is None and svc.plan is not None and svc.plan.epoch == 1
-    assert [c["node_id"] for c in svc._crashes] == ["b"]
+    assert svc.book.pending is None and svc.plan is not None and svc.plan.epoch == 1
+    assert [c.node_id for c in svc.faults.crashes] == ["b"]
 
 
 async def test_without_a_replica_the_run_is_restored_from_checkpoints_and_copies(
@@ -315,7 +315,7 @@ async def test_without_a_replica_the_run_is_restored_from_checkpoints_and_copies
     assert len(new.stages) == 2
     holders = {(h.first_block, h.stop_block): h.node_id for h in new.previous}
     assert holders[(stage[1].first_block, stage[1].stop_block)] == stage[2].node_id
-    assert svc._redone == 2 * 4 and sorted(svc._losses) == list(range(1, 11))
+    assert svc.faults.redone == 2 * 4 and sorted(svc.progress.losses) == list(range(1, 11))
     # The broken plan's late report past step 10 is refused; the new plan trains step 11 again.
     late = pb.StageReport(node_id=stage[2].node_id, stage=2, pipeline=0, plan_epoch=1, step=13)
     with pytest.raises(Aborted):
@@ -324,7 +324,7 @@ async def test_without_a_replica_the_run_is_restored_from_checkpoints_and_copies
     again = pb.StageReport(node_id=last.node_id, stage=last.index, pipeline=0, plan_epoch=2,
                            step=11, loss=3.0)  # fmt: skip
     await svc.Report(again, ctx)
-    assert svc._losses[11] == 3.0
+    assert svc.progress.losses[11] == 3.0
     summary = svc.summary(new)
     assert summary["redone_microbatches"] == 8
     assert summary["restores"][0]["restored_step"] == 10
@@ -352,7 +352,7 @@ async def test_a_restore_is_planned_from_held_offers_not_from_older_ones() -> No
         for node in others:
             asked[node] = await beat(svc, node, old[node])
     assert svc.plan is not None and svc.plan.epoch == 1 and set(asked.values()) == {1}
-    assert [c["node_id"] for c in svc._crashes] == [victim]
+    assert [c.node_id for c in svc.faults.crashes] == [victim]
     for node in others:
         await beat(svc, node, now[node], held=1)
     new = svc.plan
@@ -379,22 +379,22 @@ async def test_a_coordinator_elected_in_a_failover_takes_the_run_over(tmp_path: 
 
     async def back(node: str, epoch: int) -> None:
         request = pb.JoinRequest(node_id=node, address=f"{node}:1", protocol=PROTOCOL,
-                                 capabilities=_caps(blocks=4), plan_epoch=epoch)  # fmt: skip
+                                 capabilities=capabilities(blocks=4), plan_epoch=epoch)  # fmt: skip
         await svc.Join(request, ctx)
 
     await back("b", 999)  # far past the plan taken over: not believed
     assert await beat(svc, "b", offers["b"]) == 0
     await back("c", 3)
-    assert svc.plan.epoch == 1 and not svc._crashes  # c has not sent its offers yet
+    assert svc.plan.epoch == 1 and not svc.faults.crashes  # c has not sent its offers yet
     clock.now += 2
     assert await beat(svc, "c", offers["c"]) == 1  # the restore waits for held offers
-    assert [c["node_id"] for c in svc._crashes] == ["a"] and svc.plan.epoch == 1
+    assert [c.node_id for c in svc.faults.crashes] == ["a"] and svc.plan.epoch == 1
     for node in "bc":
         await beat(svc, node, offers[node], held=1)
     new = svc.plan
     assert new.epoch == 4 and new.restore and new.start_step == 20
     assert {s.node_id for s in new.stages} == {"b", "c"}
-    assert [c["node_id"] for c in svc._crashes] == ["a"]
+    assert [c.node_id for c in svc.faults.crashes] == ["a"]
     summary = svc.summary(new)
     assert summary["takeover"] == {"term": 2, "plan_epoch": 1, "lost_coordinator": ["a"]}
     assert summary["resumed_at"] == 20 and summary["restores"][0]["after_step"] is None
@@ -406,7 +406,7 @@ async def test_a_coordinator_elected_in_a_failover_takes_the_run_over(tmp_path: 
     last = new.stages[-1]
     await svc.Report(pb.StageReport(node_id=last.node_id, stage=last.index, pipeline=0,
                                     plan_epoch=4, step=21, loss=3.0), ctx)  # fmt: skip
-    assert svc._losses == {21: 3.0}
+    assert svc.progress.losses == {21: 3.0}
 
 
 async def test_a_takeover_does_not_wait_for_a_member_that_stays_silent(tmp_path: Path) -> None:
@@ -419,27 +419,27 @@ async def test_a_takeover_does_not_wait_for_a_member_that_stays_silent(tmp_path:
     svc = tiny_swarm(clock, 3, steps=50)
     svc.take_over(plan, {"a"}, term=2)
     request = pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL,
-                             capabilities=_caps(blocks=4), plan_epoch=1)  # fmt: skip
+                             capabilities=capabilities(blocks=4), plan_epoch=1)  # fmt: skip
     await svc.Join(request, ctx)
     for _ in range(4):
         clock.now += 3.5
         await svc.Heartbeat(pb.HeartbeatRequest(node_id="b"), ctx)
-    assert sorted(c["node_id"] for c in svc._crashes) == ["a", "c"]
-    assert svc.plan is not None and svc.plan.epoch == 1 and svc._next is None
+    assert sorted(c.node_id for c in svc.faults.crashes) == ["a", "c"]
+    assert svc.plan is not None and svc.plan.epoch == 1 and svc.book.pending is None
 
 
 async def test_a_heartbeat_with_malformed_offers_counts_without_them(tmp_path: Path) -> None:
     clock = Clock()
     svc = tiny_swarm(clock, 2, steps=50)
-    await _join(svc, "a", caps=_caps(blocks=4))
+    await join(svc, "a", caps=capabilities(blocks=4))
     clock.now += 5
     good = pb.CheckpointOffer(step=5, stop_block=4)
     await svc.Heartbeat(pb.HeartbeatRequest(node_id="a", checkpoints=[good]), FakeContext())  # type: ignore[arg-type]
     bad = pb.HeartbeatRequest(node_id="a", checkpoints=[pb.CheckpointOffer(step=5, stop_block=9)])
     clock.now += 5
     await svc.Heartbeat(bad, FakeContext())  # type: ignore[arg-type]
-    assert svc._offers == {}  # what it offered before is not counted on either
-    assert svc._leases.silent_s("a", clock.now) == 0  # but it is alive
+    assert svc.faults.offers == {}  # what it offered before is not counted on either
+    assert svc.roster.leases.silent_s("a", clock.now) == 0  # but it is alive
 
 
 async def test_a_node_that_restarts_while_in_the_plan_is_lost_at_once_and_rejoins(
@@ -472,7 +472,7 @@ async def test_a_node_that_restarts_while_in_the_plan_is_lost_at_once_and_rejoin
     assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
     # The same address (a fixed port): its restart.
     reply = await svc.Join(pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL), ctx)
-    assert [c["node_id"] for c in svc._crashes] == ["b"]
+    assert [c.node_id for c in svc.faults.crashes] == ["b"]
     assert reply.started_epoch == 1  # it trains nothing of the plan its crash broke
     for node in "ac":  # the restore waits for the members left to hold their checkpoints
         assert svc.plan.epoch == 1
@@ -482,14 +482,14 @@ async def test_a_node_that_restarts_while_in_the_plan_is_lost_at_once_and_rejoin
     assert "b" not in {s.node_id for s in new.stages}
     # Measured again, it gets a stage in the next plan.
     await svc.Join(pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL,
-                                  capabilities=_caps(blocks=4)), ctx)  # fmt: skip
-    pending = svc._next
+                                  capabilities=capabilities(blocks=4)), ctx)  # fmt: skip
+    pending = svc.book.pending
     assert pending is not None and pending.epoch == 3 and has_node(pending.stages, "b")
     # A second restore never takes the rolled-back timeline's checkpoints: b's step-6 one,
     # written under epoch 1, after the step (4) that epoch 2 restored.
     stale = pb.CheckpointOffer(step=6, first_block=0, stop_block=4, run_key=key, plan_epoch=1)
     fresh = pb.CheckpointOffer(step=6, first_block=0, stop_block=4, run_key=key, plan_epoch=2)
-    assert svc._timeline([stale, fresh]) == [fresh]
+    assert svc.faults.timeline([stale, fresh]) == [fresh]
 
 
 async def test_a_node_lost_after_the_last_step_ends_the_run(tmp_path: Path) -> None:
@@ -497,7 +497,7 @@ async def test_a_node_lost_after_the_last_step_ends_the_run(tmp_path: Path) -> N
     svc = tiny_swarm(clock, 2, steps=3)
     ctx: Any = FakeContext()
     for node in "ab":
-        await _join(svc, node, caps=_caps(blocks=4))
+        await join(svc, node, caps=capabilities(blocks=4))
     plan = svc.plan
     assert plan is not None
     last = plan.stages[-1]
@@ -509,9 +509,9 @@ async def test_a_node_lost_after_the_last_step_ends_the_run(tmp_path: Path) -> N
     for _ in range(4):
         clock.now += 3.5
         await svc.Heartbeat(pb.HeartbeatRequest(node_id=last.node_id), ctx)
-    assert svc.plan is not None and svc.plan.epoch == 1 and not svc._restores
-    assert svc._events[-1].done  # nothing to restore: every step is trained
-    assert json.loads(svc._events[-1].summary_json)["crashes"][0]["node_id"] == victim
+    assert svc.plan is not None and svc.plan.epoch == 1 and not svc.faults.restores
+    assert svc.progress.events[-1].done  # nothing to restore: every step is trained
+    assert json.loads(svc.progress.events[-1].summary_json)["crashes"][0]["node_id"] == victim
 
 
 async def test_a_suspect_that_does_not_answer_a_probe_is_lost_at_once(tmp_path: Path) -> None:
@@ -532,7 +532,7 @@ async def test_a_suspect_that_does_not_answer_a_probe_is_lost_at_once(tmp_path: 
     svc = tiny_swarm(clock, 4, probe, steps=50, pipelines=2)
     ctx: Any = FakeContext()
     for node in "abcd":
-        await _join(svc, node, caps=_caps(blocks=4))
+        await join(svc, node, caps=capabilities(blocks=4))
     plan = svc.plan
     assert plan is not None
     for node, rtt in [("a", 0.002), ("b", 0.3), ("c", 0.3), ("d", 0.002)]:
@@ -547,16 +547,16 @@ async def test_a_suspect_that_does_not_answer_a_probe_is_lost_at_once(tmp_path: 
         pb.SuspectRequest(node_id="c", plan_epoch=1, suspects=["b", "d", "a", "c", "nobody"],
                           reason="stream removed"), ctx,
     )  # fmt: skip
-    assert list(reply.lost) == ["d"] and [c["node_id"] for c in svc._crashes] == ["d"]
+    assert list(reply.lost) == ["d"] and [c.node_id for c in svc.faults.crashes] == ["d"]
     assert sorted(probed) == [("b:1", 3.0), ("d:1", 2.0)]  # 10 x 0.3 s; 10 x 2 ms -> 2 s floor
-    assert svc._next is not None and "d" not in {s.node_id for s in svc._next.stages}
+    assert svc.book.pending is not None and "d" not in {s.node_id for s in svc.book.pending.stages}
     # Named again: it is lost already, and not probed twice.
     await svc.Suspect(pb.SuspectRequest(node_id="b", plan_epoch=1, suspects=["d"]), ctx)
     assert len(probed) == 2
     # It was alive after all (its heartbeats come back a lease later): it may be planned again.
     clock.now += 7.0
     await svc.Heartbeat(pb.HeartbeatRequest(node_id="d"), ctx)
-    assert "d" not in svc._lost
+    assert "d" not in svc.roster.lost
 
 
 def test_round_trips_average_what_heartbeats_measured() -> None:
@@ -576,23 +576,23 @@ async def test_two_suspects_lost_at_once_make_one_new_plan(tmp_path: Path) -> No
     """Both neighbours of a stage are gone: one plan without both, not two of one epoch."""
     clock = Clock()
     ctx: Any = FakeContext()
-    svc = tiny_swarm(clock, 6, None, steps=50, pipelines=2)
-    for node in "abcdef":
-        await _join(svc, node, caps=_caps(blocks=4))
-    plan = svc.plan
-    assert plan is not None
-    middle = next(s for s in plan.stages if (s.pipeline, s.index) == (1, 1))
-    neighbours = [s.node_id for s in plan.stages if s.pipeline == 1 and s.index != 1]
+    neighbours: list[str] = []  # of the middle stage, once planned
 
     async def probe(node_id: str, address: str, timeout_s: float) -> bool:
         return node_id not in neighbours
 
-    svc._probe = probe
+    svc = tiny_swarm(clock, 6, probe, steps=50, pipelines=2)
+    for node in "abcdef":
+        await join(svc, node, caps=capabilities(blocks=4))
+    plan = svc.plan
+    assert plan is not None
+    middle = next(s for s in plan.stages if (s.pipeline, s.index) == (1, 1))
+    neighbours += [s.node_id for s in plan.stages if s.pipeline == 1 and s.index != 1]
     reply = await svc.Suspect(
         pb.SuspectRequest(node_id=middle.node_id, plan_epoch=1, suspects=neighbours), ctx
     )
     assert sorted(reply.lost) == sorted(neighbours)
-    assert sorted(c["node_id"] for c in svc._crashes) == sorted(neighbours)
-    announced = [(p.epoch, p.pending) for p in svc._announcements]
-    assert len(announced) == len(set(announced)) and svc._next is not None
-    assert not set(neighbours) & {s.node_id for s in svc._next.stages}
+    assert sorted(c.node_id for c in svc.faults.crashes) == sorted(neighbours)
+    announced = [(p.epoch, p.pending) for p in svc.book.announcements]
+    assert len(announced) == len(set(announced)) and svc.book.pending is not None
+    assert not set(neighbours) & {s.node_id for s in svc.book.pending.stages}

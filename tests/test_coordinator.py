@@ -9,7 +9,8 @@ from typing import Any
 import grpc
 import pytest
 
-from ravnest_node.coordination.coordinator import MEASURING_S, CoordinatorService
+from ravnest_node.coordination.coordinator import CoordinatorService
+from ravnest_node.coordination.roster import MEASURING_S
 from ravnest_node.coordination.static_plan import (
     Member,
     check_plan,
@@ -21,30 +22,11 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.protocol import PROTOCOL
+from ravnest_node.protocol import PROTOCOL, UNREACHABLE_KEY
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.probe import PROBE_BUDGET_BYTES
 
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-
-
-class FakeContext:
-    """The part of grpc.aio.ServicerContext the coordinator uses."""
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise Aborted(code, details)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from .fakes import Aborted, Clock, FakeContext, capabilities, join
 
 
 def _service(tmp_path: Path, clock: Clock, size: int = 3, steps: int = 2) -> CoordinatorService:
@@ -57,29 +39,13 @@ def _service(tmp_path: Path, clock: Clock, size: int = 3, steps: int = 2) -> Coo
     )
 
 
-def _caps(total_s: float = 0.08, blocks: int = 8, memory: int = 2**34) -> pb.Capabilities:
-    return pb.Capabilities(block_s=[total_s / blocks] * blocks, memory_bytes=memory, device="cpu")
-
-
-async def _join(
-    svc: CoordinatorService, node: str, address: str = "", caps: pb.Capabilities | None = None
-) -> pb.JoinReply:
-    """A node's two joins: to learn what to measure, then with what it measured."""
-    request = pb.JoinRequest(node_id=node, address=address or f"{node}:1", protocol=PROTOCOL)
-    first: pb.JoinReply = await svc.Join(request, FakeContext())  # type: ignore[arg-type]
-    request.capabilities.CopyFrom(caps or _caps())
-    again: pb.JoinReply = await svc.Join(request, FakeContext())  # type: ignore[arg-type]
-    assert again.member_index == first.member_index and again.model == first.model
-    return again
-
-
 async def test_plan_waits_for_the_swarm_and_balances_blocks(tmp_path: Path) -> None:
     svc = _service(tmp_path, Clock())
-    assert (await _join(svc, "a")).member_index == 0
-    assert (await _join(svc, "a")).member_index == 0  # joining again is harmless
-    await _join(svc, "b")
+    assert (await join(svc, "a")).member_index == 0
+    assert (await join(svc, "a")).member_index == 0  # joining again is harmless
+    await join(svc, "b")
     assert svc.plan is None
-    await _join(svc, "c")
+    await join(svc, "c")
     plan = svc.plan
     assert plan is not None and plan.epoch == 1
     assert [(s.first_block, s.stop_block, s.node_id) for s in plan.stages] == [
@@ -96,17 +62,17 @@ async def test_the_plan_waits_for_every_members_measurements(tmp_path: Path) -> 
     ctx: Any = FakeContext()
     reply = await svc.Join(pb.JoinRequest(node_id="a", address="a:1", protocol=PROTOCOL), ctx)
     assert (reply.model, reply.microbatch) == ("bench-small", 4)  # what to measure
-    await _join(svc, "b")
+    await join(svc, "b")
     assert svc.plan is None  # a has not said what it measured
-    await _join(svc, "a")
+    await join(svc, "a")
     assert svc.plan is not None
 
 
 async def test_a_faster_machine_gets_more_blocks(tmp_path: Path) -> None:
     svc = _service(tmp_path, Clock())
-    await _join(svc, "a", "10.0.0.1:1")
-    await _join(svc, "b", "10.0.0.2:1", caps=_caps(total_s=0.04))  # twice as fast
-    await _join(svc, "c", "10.0.0.3:1")
+    await join(svc, "a", "10.0.0.1:1")
+    await join(svc, "b", "10.0.0.2:1", caps=capabilities(total_s=0.04))  # twice as fast
+    await join(svc, "c", "10.0.0.3:1")
     plan = svc.plan
     assert plan is not None
     blocks = {s.node_id: s.stop_block - s.first_block for s in plan.stages}
@@ -114,7 +80,7 @@ async def test_a_faster_machine_gets_more_blocks(tmp_path: Path) -> None:
     # The same measurements from one machine are one machine's: its best total for all.
     same = _service(tmp_path, Clock())
     for node, total in (("a", 0.08), ("b", 0.04), ("c", 0.08)):
-        await _join(same, node, f"10.0.0.9:{ord(node)}", caps=_caps(total_s=total))
+        await join(same, node, f"10.0.0.9:{ord(node)}", caps=capabilities(total_s=total))
     assert same.plan is not None
     assert [(s.first_block, s.stop_block) for s in same.plan.stages] == [(0, 3), (3, 5), (5, 8)]
 
@@ -159,19 +125,19 @@ async def test_full_swarm_and_address_theft_are_refused(tmp_path: Path) -> None:
     # Before its first plan a swarm takes exactly --swarm-size members.
     await svc.Join(pb.JoinRequest(node_id="a", address="a:1", protocol=PROTOCOL), ctx)
     with pytest.raises(Aborted) as info:
-        await _join(svc, "b")
+        await join(svc, "b")
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    await _join(svc, "a")
+    await join(svc, "a")
     with pytest.raises(Aborted) as info:
-        await _join(svc, "a", address="elsewhere:2")
+        await join(svc, "a", address="elsewhere:2")
     assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
 
 
 async def test_reports_become_progress_and_a_summary(tmp_path: Path) -> None:
     clock = Clock()
     svc = _service(tmp_path, clock, size=2)
-    await _join(svc, "a")
-    await _join(svc, "b")
+    await join(svc, "a")
+    await join(svc, "b")
     ctx: Any = FakeContext()
 
     def report(node: str, stage: int, step: int, **kw: Any) -> pb.StageReport:
@@ -210,7 +176,7 @@ async def test_two_pipelines_make_replica_groups_and_mean_losses(tmp_path: Path)
         clock=Clock(),
     )
     for node in "abcd":
-        await _join(svc, node)
+        await join(svc, node)
     plan = svc.plan
     assert plan is not None and plan.run.pipelines == 2
     assert [(s.pipeline, s.index, s.first_block, s.stop_block, s.node_id) for s in plan.stages] == [
@@ -278,13 +244,13 @@ async def test_a_node_joining_after_the_plan_gets_a_stage_once_the_plan_drains(
 ) -> None:
     svc = _service(tmp_path, Clock(), size=2, steps=20)
     ctx: Any = FakeContext()
-    await _join(svc, "a")
-    await _join(svc, "b")
+    await join(svc, "a")
+    await join(svc, "b")
     first = svc.plan
     assert first is not None and first.epoch == 1 and first.start_step == 0
     plans = svc.WatchPlan(pb.WatchPlanRequest(node_id="a"), ctx)
     assert (await anext(plans)).epoch == 1
-    await _join(svc, "c")  # after the plan: it waits for the next one
+    await join(svc, "c")  # after the plan: it waits for the next one
     announced = await anext(plans)
     assert (announced.epoch, announced.pending) == (2, True)
     assert [s.node_id for s in announced.previous] == ["a", "b"]
@@ -313,7 +279,7 @@ async def test_a_node_joining_after_the_plan_gets_a_stage_once_the_plan_drains(
 
 def _slow_link_to(*peers: str) -> pb.Capabilities:
     """A node whose measured links to `peers` are 2 Mbit/s each way."""
-    caps = _caps()
+    caps = capabilities()
     caps.peer_links.extend(
         pb.PeerLink(node_id=p, to_bps=2e6, from_bps=2e6, rtt_s=0.01) for p in peers
     )
@@ -327,8 +293,8 @@ async def test_a_newcomer_on_a_slow_link_stays_spare_without_a_new_plan(tmp_path
     plan gives a every block and keeps c spare."""
     svc = _service(tmp_path, Clock(), size=2, steps=20)
     ctx: Any = FakeContext()
-    await _join(svc, "a")
-    await _join(svc, "b")
+    await join(svc, "a")
+    await join(svc, "b")
     first = svc.plan
     assert first is not None
     # Joined, still measuring: the swarm view (which newcomers read) shows it without a speed.
@@ -336,14 +302,14 @@ async def test_a_newcomer_on_a_slow_link_stays_spare_without_a_new_plan(tmp_path
     view = await svc.Swarm(pb.SwarmRequest(), ctx)
     assert [m.speed for m in view.members] == [1.0, 1.0, 0.0]
     assert view.members[2].measuring_since > 0
-    await _join(svc, "c", caps=_slow_link_to("a", "b"))
-    await _join(svc, "c", caps=_slow_link_to("a", "b"))  # again: still nothing to do
-    assert svc.plan == first and svc._next is None
-    assert [a.epoch for a in svc._announcements] == [1]
+    await join(svc, "c", caps=_slow_link_to("a", "b"))
+    await join(svc, "c", caps=_slow_link_to("a", "b"))  # again: still nothing to do
+    assert svc.plan == first and svc.book.pending is None
+    assert [a.epoch for a in svc.book.announcements] == [1]
     view = await svc.Swarm(pb.SwarmRequest(), ctx)
     assert [len(m.peer_links) for m in view.members] == [0, 0, 2]
     await svc.Leave(pb.LeaveRequest(node_id="b"), ctx)
-    assert svc._next is not None and [s.node_id for s in svc._next.stages] == ["a"]
+    assert svc.book.pending is not None and [s.node_id for s in svc.book.pending.stages] == ["a"]
 
 
 async def test_relays_are_offered_while_their_members_stay(tmp_path: Path) -> None:
@@ -360,16 +326,16 @@ async def test_relays_are_offered_while_their_members_stay(tmp_path: Path) -> No
         relay_address="10.0.0.1:7071",
     )
     ctx: Any = FakeContext()
-    await _join(svc, "a")
-    caps = _caps()
+    await join(svc, "a")
+    caps = capabilities()
     caps.relay_address = "no port"
     with pytest.raises(Aborted, match="HOST:PORT") as info:
-        await _join(svc, "b", caps=caps)
+        await join(svc, "b", caps=caps)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert [o.node_id for o in (await svc.Swarm(pb.SwarmRequest(), ctx)).relays] == ["a"]
     caps.relay_address = "10.0.0.2:7071"
-    await _join(svc, "b", caps=caps)
-    await _join(svc, "c")
+    await join(svc, "b", caps=caps)
+    await join(svc, "c")
     offers = (await svc.Swarm(pb.SwarmRequest(), ctx)).relays
     assert [(o.node_id, o.address) for o in offers] == [("a", "10.0.0.1:7071"),
                                                         ("b", "10.0.0.2:7071")]  # fmt: skip
@@ -397,7 +363,7 @@ async def test_only_a_member_measuring_its_links_may_probe_the_coordinator(tmp_p
     assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
     view = await svc.Swarm(pb.SwarmRequest(), ctx)
     assert view.members[0].measuring_since == clock.now
-    await _join(svc, "a")  # with capabilities: its measuring is over
+    await join(svc, "a")  # with capabilities: its measuring is over
     with pytest.raises(Refusal):
         svc.check_link_probe("a", 1)
     assert (await svc.Swarm(pb.SwarmRequest(), ctx)).members[0].measuring_since == 0
@@ -407,3 +373,33 @@ async def test_only_a_member_measuring_its_links_may_probe_the_coordinator(tmp_p
     with pytest.raises(Refusal) as info:
         svc.check_link_probe("a", 1)
     assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_a_node_the_coordinator_cannot_reach_is_refused_with_the_unreachable_mark(
+    tmp_path: Path,
+) -> None:
+    """A node's first Join is checked by reaching it at its address (not the coordinator's own
+    node, nor a Join with what it measured, nor a member asking again from where it was
+    reached); one that does not answer is refused, marked so that it may try a relay."""
+    answers = {"a": True, "b": False}
+    asked: list[str] = []
+
+    async def reach(node_id: str, address: str, timeout_s: float) -> bool:
+        asked.append(node_id)
+        return answers.get(node_id, False)
+
+    svc = CoordinatorService(
+        train=TrainConfig(model="bench-small", steps=2, batch_size=16), swarm_size=3,
+        swarm_id="test/bench-small", summary_path=None, clock=Clock(), node_id="c", reach=reach,
+    )  # fmt: skip
+    ctx: Any = FakeContext()
+    await join(svc, "a")
+    await svc.Join(pb.JoinRequest(node_id="a", address="a:1", protocol=PROTOCOL), ctx)
+    assert asked == ["a"]  # asking again from where it was reached: not checked again
+    with pytest.raises(Aborted, match="cannot reach node b at b:1") as info:
+        await svc.Join(pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL), ctx)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.metadata == ((UNREACHABLE_KEY, "1"),)
+    assert [m.node_id for m in (await svc.Swarm(pb.SwarmRequest(), ctx)).members] == ["a"]
+    await svc.Join(pb.JoinRequest(node_id="c", address="c:1", protocol=PROTOCOL), ctx)
+    assert asked == ["a", "b"]  # the coordinator's own node is not asked

@@ -22,7 +22,7 @@ from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL
 from tests.conftest import NODE_ENV, Procs, node_status, progress_events, ravnest
-from tests.test_coordinator import Aborted, Clock, FakeContext, _caps
+from tests.fakes import Aborted, Clock, FakeContext, capabilities
 
 RUN = TrainConfig(model="bench-small", steps=2, batch_size=16)
 
@@ -40,7 +40,7 @@ def _service(state_dir: Path, clock: Clock, train: TrainConfig = RUN) -> Coordin
 
 async def _join(svc: CoordinatorService, node: str) -> None:
     request = pb.JoinRequest(node_id=node, address=f"{node}:1", protocol=PROTOCOL)
-    request.capabilities.CopyFrom(_caps())
+    request.capabilities.CopyFrom(capabilities())
     await svc.Join(request, FakeContext())  # type: ignore[arg-type]
 
 
@@ -171,7 +171,7 @@ async def test_a_switch_interrupted_by_a_restart_finishes(tmp_path: Path) -> Non
     await _join(svc, "a")
     await _join(svc, "b")
     request = pb.JoinRequest(node_id="c", address="c:1", protocol=PROTOCOL)
-    request.capabilities.CopyFrom(_caps())
+    request.capabilities.CopyFrom(capabilities())
     await svc.Join(request, ctx)  # after the plan: a newer plan is announced, pending
     # Restarted before the switch: the pending plan was not stored; the first stage's drain
     # (retried) makes it again from the stored members.
@@ -193,19 +193,19 @@ async def test_a_restarted_coordinator_remembers_who_was_lost(tmp_path: Path) ->
     ctx: Any = FakeContext()
     await _join(svc, "a")
     await _join(svc, "b")
-    clock.now += 3 * svc._leases.lease_s  # b falls silent; a's heartbeat is the clock
+    clock.now += 3 * svc.roster.leases.lease_s  # b falls silent; a's heartbeat is the clock
     await svc.Heartbeat(pb.HeartbeatRequest(node_id="a"), ctx)
-    assert set(svc._lost) == {"b"} and [c["node_id"] for c in svc._crashes] == ["b"]
+    assert set(svc.roster.lost) == {"b"} and [c.node_id for c in svc.faults.crashes] == ["b"]
 
     again = _service(tmp_path, clock)
-    assert set(again._lost) == {"b"} and again._crashes == svc._crashes
-    assert again._broken == {0}  # its pipeline lost a member under this plan
+    assert set(again.roster.lost) == {"b"} and again.faults.crashes == svc.faults.crashes
+    assert again.book.broken == {0}  # its pipeline lost a member under this plan
     plan = again.plan
     assert plan is not None
-    assert [m.node_id for m in again._plan_members(plan)] == ["a"]
+    assert [m.node_id for m in again.roster.staying({"a", "b"}, clock.now)] == ["a"]
     await _join(again, "b")  # b, restarted, joins again
     third = _service(tmp_path, clock)
-    assert third._lost == {} and [c["node_id"] for c in third._crashes] == ["b"]
+    assert third.roster.lost == {} and [c.node_id for c in third.faults.crashes] == ["b"]
 
 
 def test_a_corrupt_record_of_faults_is_refused(tmp_path: Path) -> None:

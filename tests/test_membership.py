@@ -20,6 +20,7 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL, heartbeat_interval
 
 from .conftest import NODE_ENV, Procs, poll_until, progress_events, ravnest, swarm_view
+from .fakes import Aborted, Clock, FakeContext
 
 
 def test_a_lease_runs_from_the_last_heartbeat() -> None:
@@ -33,24 +34,6 @@ def test_a_lease_runs_from_the_last_heartbeat() -> None:
     assert renewed.leave("b").renew("b", 102.0).gone(["b"], 103.0) == []  # back again
     assert math.isinf(leases.silent_s("never", 0.0)) and leases.expired("never", 0.0)
     assert leases.forget(["a"]).heard.keys() == {"b"}
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        super().__init__(code.name)
-        self.code = code
-
-
-class FakeContext:
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise Aborted(code)
-
-
-class Clock:
-    now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _caps() -> pb.Capabilities:

@@ -21,10 +21,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from ravnest_node.coordination.faults import Crash, Restore, as_count, as_text
 from ravnest_node.coordination.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
@@ -72,67 +72,47 @@ class Saved:
 @dataclass(slots=True)
 class Faults:
     """The coordinator's record of faults: members lost (crashes: who, where, when), steps of
-    broken pipelines dropped, restores from checkpoints and the microbatches they redo."""
+    broken pipelines dropped, restores from checkpoints and the microbatches they redo.
+    Stored as one JSON object, crashes and restores as the objects of their `to_dict`."""
 
-    crashes: list[dict[str, Any]] = field(default_factory=list)
+    crashes: list[Crash] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     """Members counted lost and not back since."""
     dropped: int = 0
     dropped_steps: dict[int, list[int]] = field(default_factory=dict)
     """Pipeline -> steps it never trained (NaN in its losses)."""
-    restores: list[dict[str, Any]] = field(default_factory=list)
+    restores: list[Restore] = field(default_factory=list)
     redone: int = 0
 
     def to_json(self) -> str:
         return json.dumps({
-            "crashes": self.crashes, "lost": self.lost, "dropped": self.dropped,
+            "crashes": [c.to_dict() for c in self.crashes], "lost": self.lost,
+            "dropped": self.dropped,
             "dropped_steps": {str(p): steps for p, steps in self.dropped_steps.items()},
-            "restores": self.restores, "redone": self.redone,
+            "restores": [r.to_dict() for r in self.restores], "redone": self.redone,
         })  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> Faults:
-        """ValueError / TypeError if `text` is not what `to_json` writes."""
+        """ValueError / TypeError / KeyError if `text` is not what `to_json` writes."""
         data = json.loads(text)
-        faults = cls(
-            crashes=_dicts(
-                data["crashes"], ("pipeline", "stage", "plan_epoch", "after_step"), ("node_id",)
-            ),
-            lost=[_str(n) for n in data["lost"]],
-            dropped=_int(data["dropped"]),
+        return cls(
+            crashes=[Crash.from_dict(c) for c in _objects(data["crashes"])],
+            lost=[as_text(n) for n in data["lost"]],
+            dropped=as_count(data["dropped"]),
             dropped_steps={
-                int(p): [_int(s) for s in steps] for p, steps in dict(data["dropped_steps"]).items()
+                int(p): [as_count(s) for s in steps]
+                for p, steps in dict(data["dropped_steps"]).items()
             },
-            restores=_dicts(data["restores"], ("plan_epoch", "restored_step")),
-            redone=_int(data["redone"]),
+            restores=[Restore.from_dict(r) for r in _objects(data["restores"])],
+            redone=as_count(data["redone"]),
         )
-        return faults
 
 
-def _dicts(
-    value: object, counts: tuple[str, ...], strings: tuple[str, ...] = ()
-) -> list[dict[str, Any]]:
-    """A list of objects, each with a count under every key of `counts` and a string under
-    every key of `strings`."""
+def _objects(value: object) -> list[dict[str, object]]:
+    """A list of JSON objects; TypeError otherwise."""
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise TypeError("expected a list of objects")
-    for entry in value:
-        for key in counts:
-            _int(entry[key])
-        for key in strings:
-            _str(entry[key])
-    return list(value)
-
-
-def _str(value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {type(value).__name__}")
-    return value
-
-
-def _int(value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise TypeError(f"expected a count, got {value!r}")
     return value
 
 
@@ -250,7 +230,7 @@ class CoordinatorStore:
             cur.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ("faults", faults.to_json()))
 
     def roll_back(self, step: int, plan: pb.Plan, started_unix: float) -> None:
-        """A restore from checkpoints (coordinator.py): the losses after `step` and every final
+        """A restore from checkpoints (recovery.py): the losses after `step` and every final
         report are of a timeline that no longer happened; `plan` is the plan now. One
         transaction. (Progress events stay: they are what watchers were shown.)"""
         rows = [("plan", plan.SerializeToString()), ("started_unix", started_unix)]
