@@ -14,6 +14,7 @@ import torch
 
 from ravnest_node.compression import ACTIVATION_ONLY, SampleReferences
 from ravnest_node.compression.transform import KLTBases
+from ravnest_node.pipeline.metrics import StageMetrics
 from ravnest_node.pipeline.schedule import GRAD, HIDDEN, Schedule
 from ravnest_node.transport.frames import Frame, FrameKind
 
@@ -33,8 +34,10 @@ class Inbox:
     """The admitted frames of both directions, in arrival order, and `wake`, the event the
     compute loop waits on when it has nothing to do. Used on the event loop only."""
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, counts: StageMetrics | None = None) -> None:
         self._schedule = schedule
+        self._counts = StageMetrics() if counts is None else counts
+        """The stage's metrics record (counters.py) that what the inbox measures goes to."""
         spec, run = schedule.spec, schedule.run
         # Receiver state per incoming stream: klt's basis (kept whatever the run's codecs, as
         # a sender may pick klt by itself), and for aq-delta the reference of every sample.

@@ -107,9 +107,9 @@ class StageRuntime:
         self._schedule = Schedule(
             spec, run, start_step=start_step, forward=forward, backward=backward
         )
-        self._inbox = Inbox(self._schedule)
         # Metrics; the compute thread keeps its own (compute_s, the encoder's byte counts).
         self._counters = StageCounters(run.max_staleness)
+        self._inbox = Inbox(self._schedule, self._counters.counts)
         self._rounds = (
             ReplicaRounds(averaging, self._compute, self._counters, self._inbox.wake, spec.index)
             if averaging is not None
