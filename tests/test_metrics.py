@@ -41,6 +41,7 @@ SAMPLE = StageMetrics(
     gradient_deflated_frames=1,
     downstream_bandwidth_bps=5e7,
     upstream_bandwidth_bps=4e7,
+    frame_decode_s=0.75,
 )
 
 

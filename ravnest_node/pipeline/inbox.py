@@ -6,6 +6,7 @@ codecs need (aq-delta's per-sample references, klt's bases).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -78,11 +79,14 @@ class Inbox:
         self._schedule.check_room(len(queue))
         # Decoding validates the payload's content (codes, scales, indices, lz4); do it before
         # anything changes, off the event loop and off the compute thread.
+        started = time.perf_counter()
         tensors, commit = await asyncio.to_thread(frame.decode_with, self._references)
+        decode_s = time.perf_counter() - started
         self._schedule.check_room(len(queue))
         # No await from the check above to here: the frame's effect on receiver state
         # (aq-delta references) is applied only now that it is admitted.
         commit()
+        self._counts.frame_decode_s += decode_s
         queue.append(Received(frame.kind, frame.seq, frame.version, tensors, frame.samples))
         self._schedule.admitted(frame.kind, frame.seq)
         self.accepted += 1

@@ -134,6 +134,15 @@ class StageMetrics:
     """Bandwidth `auto` measured towards the next stage, bits/s (0: not measured)."""
     upstream_bandwidth_bps: float = 0.0
     """Bandwidth `auto` measured towards the previous stage, bits/s (0: not measured)."""
+    frame_decode_s: float = field(
+        default=0.0,
+        metadata=series(
+            "ravnest_frame_decode_seconds_total",
+            "Seconds spent decoding the frames this stage admitted (off its compute thread).",
+        ),
+    )
+    """Seconds spent decoding the payloads of the frames this stage admitted (in a worker
+    thread, beside the compute thread: klt's rANS decoding is most of it)."""
 
     @property
     def busy_fraction(self) -> float:
