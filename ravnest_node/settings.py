@@ -9,6 +9,11 @@ first:
 3. an environment variable ``RAVNEST_<FIELD>``, or ``RAVNEST_<SECTION>_<FIELD>`` in a section,
 4. a command-line flag ``--<field-with-dashes>`` (leaf names are unique across the tree),
 
+A *flat* section (its field's metadata has ``"flat": True``) groups fields in the code only:
+its leaves are addressed as if they were fields of the section holding it (a flat section of
+the root: top-level TOML keys, ``RAVNEST_<FIELD>``, no help group), so that settings can move
+into a section without any config file, environment or command line changing.
+
 and code may pin a field above all of them with ``load(..., overrides=...)``. Leaf types are
 ``int``, ``float``, ``str``, ``bool``, ``pathlib.Path``, a ``Literal`` of strings, ``X | None``
 of those, or ``tuple[X, ...]`` of those (a repeatable flag, a TOML array, a comma-separated
@@ -83,6 +88,7 @@ class _Kind:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Leaf:
     path: tuple[str, ...]
+    """Where users address it: TOML tables and key, the env variable's parts, the reference."""
     kind: _Kind
     default: Any  # dataclasses.MISSING when the field is required
     doc: str
@@ -96,20 +102,40 @@ class _Leaf:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Section:
     cls: type
+    name: str
+    """Its field's name in the parent section ("" for the root)."""
     path: tuple[str, ...]
+    """Where users address it: its parent's path, and its name unless it is flat."""
     doc: str
-    leaves: tuple[_Leaf, ...]
-    sections: tuple[_Section, ...]
+    flat: bool
+    children: tuple[_Leaf | _Section, ...]
+    """Its fields, in field order."""
+
+    def own_leaves(self) -> Iterator[_Leaf]:
+        """The leaves addressed in this section's table: its own and, where they stand in
+        field order, those of its flat sections."""
+        for child in self.children:
+            if isinstance(child, _Leaf):
+                yield child
+            elif child.flat:
+                yield from child.own_leaves()
+
+    def subtables(self) -> Iterator[_Section]:
+        """The sections that are tables directly inside this one (through flat ones too)."""
+        for child in self.children:
+            if isinstance(child, _Section):
+                yield from child.subtables() if child.flat else (child,)
 
     def all_sections(self) -> Iterator[_Section]:
-        """This section and every section below it, depth first, in field order."""
+        """This table and every table below it, depth first, in field order (flat sections
+        are part of their parent's table)."""
         yield self
-        for section in self.sections:
+        for section in self.subtables():
             yield from section.all_sections()
 
     def all_leaves(self) -> Iterator[_Leaf]:
         for section in self.all_sections():
-            yield from section.leaves
+            yield from section.own_leaves()
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -162,7 +188,7 @@ def add_arguments(
     if unknown:
         raise TypeError(f"cannot exclude {', '.join(unknown)}: not settings of {cls.__name__}")
     for section in tree.all_sections():
-        leaves = [leaf for leaf in section.leaves if leaf.name not in exclude]
+        leaves = [leaf for leaf in section.own_leaves() if leaf.name not in exclude]
         if not leaves:
             continue
         add: Callable[..., argparse.Action] = parser.add_argument
@@ -260,7 +286,7 @@ def reference_markdown(cls: type) -> str:
 
 def _tree(cls: type) -> _Section:
     """Walk the config classes once; raises TypeError for a tree this module cannot handle."""
-    root = _section(cls, (), "", _MISSING)
+    root = _section(cls, "", (), "", _MISSING, flat=False)
     seen: dict[str, tuple[str, ...]] = {}
     for leaf in root.all_leaves():
         for key in (leaf.name, leaf.flag, env_name(leaf.path)):
@@ -273,14 +299,15 @@ def _tree(cls: type) -> _Section:
     return root
 
 
-def _section(cls: type, path: tuple[str, ...], doc: str, instance: Any) -> _Section:
+def _section(
+    cls: type, name: str, path: tuple[str, ...], doc: str, instance: Any, *, flat: bool
+) -> _Section:
     """One section of the tree; ``instance`` is its default value, if the parent field has one."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
     hints = get_type_hints(cls)
     docs = field_docs(cls)
-    leaves: list[_Leaf] = []
-    sections: list[_Section] = []
+    children: list[_Leaf | _Section] = []
     for field in dataclasses.fields(cls):
         if not field.init:
             continue
@@ -296,13 +323,17 @@ def _section(cls: type, path: tuple[str, ...], doc: str, instance: Any) -> _Sect
         sub_path = (*path, field.name)
         sub_doc = docs.get(field.name, "")
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            sections.append(_section(hint, sub_path, sub_doc, default))
+            sub_flat = bool(field.metadata.get("flat", False))
+            sub = path if sub_flat else sub_path
+            children.append(_section(hint, field.name, sub, sub_doc, default, flat=sub_flat))
             continue
+        if "flat" in field.metadata:
+            raise TypeError(f"{cls.__name__}.{field.name}: only a section can be flat")
         flag = field.metadata.get("flag", "--" + field.name.replace("_", "-"))
         if not (isinstance(flag, str) and flag.startswith("--")):
             raise TypeError(f"{cls.__name__}.{field.name}: flag {flag!r} must start with '--'")
-        leaves.append(_Leaf(sub_path, _kind(hint, sub_path), default, sub_doc, flag))
-    return _Section(cls, path, doc, tuple(leaves), tuple(sections))
+        children.append(_Leaf(sub_path, _kind(hint, sub_path), default, sub_doc, flag))
+    return _Section(cls, name, path, doc, flat, tuple(children))
 
 
 def _kind(hint: Any, path: tuple[str, ...]) -> _Kind:
@@ -403,8 +434,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def _collect_toml(
     table: Mapping[str, Any], section: _Section, where: str, out: dict[tuple[str, ...], object]
 ) -> None:
-    children: dict[str, _Leaf | _Section] = {leaf.name: leaf for leaf in section.leaves}
-    children |= {sub.path[-1]: sub for sub in section.sections}
+    children: dict[str, _Leaf | _Section] = {leaf.name: leaf for leaf in section.own_leaves()}
+    children |= {sub.name: sub for sub in section.subtables()}
     dotted = ".".join(section.path)
     for key, value in table.items():
         child = children.get(key)
@@ -430,8 +461,14 @@ def _collect_toml(
 
 
 def _build(section: _Section, values: Mapping[tuple[str, ...], object]) -> object:
-    kwargs = {leaf.name: values.get(leaf.path, leaf.default) for leaf in section.leaves}
-    kwargs |= {sub.path[-1]: _build(sub, values) for sub in section.sections}
+    kwargs = {
+        child.name: (
+            _build(child, values)
+            if isinstance(child, _Section)
+            else values.get(child.path, child.default)
+        )
+        for child in section.children
+    }
     return section.cls(**kwargs)
 
 
@@ -506,7 +543,8 @@ def _parse_flag(kind: _Kind, text: str) -> object:
 def to_env(config: object, prefix: Sequence[str] = ()) -> dict[str, str]:
     """Every leaf of a config instance as ``RAVNEST_*`` variables, which `load` reads back into
     an equal config: how a parent process hands its settings to the node processes it starts.
-    `prefix` is the path of `config` inside the tree that will read them (e.g. ``("train",)``)."""
+    `prefix` is the path of `config` inside the tree that will read them (e.g. ``("train",)``);
+    a flat section's fields are addressed as its parent's (its field's metadata says "flat")."""
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise TypeError(f"{config!r} is not a dataclass instance")
     out: dict[str, str] = {}
@@ -514,7 +552,7 @@ def to_env(config: object, prefix: Sequence[str] = ()) -> dict[str, str]:
         value = getattr(config, f.name)
         path = (*prefix, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            out |= to_env(value, path)
+            out |= to_env(value, prefix if f.metadata.get("flat", False) else path)
         elif value is None:
             out[env_name(path)] = "none"
         elif isinstance(value, bool):

@@ -104,7 +104,8 @@ def test_file_env_and_flags_fill_the_same_fields(tmp_path: Path) -> None:
     parser = main.__globals__["_parser"]()
     args = parser.parse_args(["start", "--steps", "9", "--config", str(path)])
     cfg = settings.load(NodeConfig, args=args, env=env, toml_path=path)
-    assert cfg.swarm_size == 2 and cfg.train.lr == 0.001 and cfg.transport.stop_grace_s == 1.5
+    assert cfg.membership.swarm_size == 2 and cfg.train.lr == 0.001
+    assert cfg.transport.stop_grace_s == 1.5
     assert cfg.train.codec == "bf16"  # env over file
     assert cfg.train.steps == 9  # flag over env
     with pytest.raises(ConfigError, match="RAVNEST_TRAIN_STEPS"):

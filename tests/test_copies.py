@@ -168,7 +168,8 @@ class Server(pb_grpc.NodeServicer):
 
 def worker(tmp_path: Path, compute: ThreadPoolExecutor) -> Worker:
     return Worker(
-        node_id="keeper", address="127.0.0.1:1", coordinator="127.0.0.1:2", compute_threads=1,
+        node_id="keeper", address="127.0.0.1:1", coordinator_address="127.0.0.1:2",
+        compute_threads=1,
         transport=TransportConfig(connect_timeout_s=5), compute=compute,
         counters=LinkCounters(), checkpoints=CheckpointDir(tmp_path / "keeper"),
     )  # fmt: skip
@@ -249,7 +250,7 @@ async def test_fetch_checkpoint_refuses_unknown_peers_and_other_plans(tmp_path: 
     save(store, trained_blocks(1, 3, 10), 10)
     with ThreadPoolExecutor(1) as compute:
         w = Worker(
-            node_id="owner", address="127.0.0.1:1", coordinator="127.0.0.1:2",
+            node_id="owner", address="127.0.0.1:1", coordinator_address="127.0.0.1:2",
             compute_threads=1, transport=TransportConfig(connect_timeout_s=0.2),
             compute=compute, counters=LinkCounters(), checkpoints=store,
         )  # fmt: skip

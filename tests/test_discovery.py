@@ -146,17 +146,20 @@ def test_addresses_put_ipv4_first_and_drop_unusable_ones() -> None:
 def test_peers_come_from_repeated_flags_the_environment_and_toml(tmp_path: Path) -> None:
     args = _parser().parse_args(["start", "--peer", "10.0.0.1:7070", "--peer", "[::1]:7071"])
     cfg = settings.load(NodeConfig, args=args, env={})
-    assert cfg.peers == ("10.0.0.1:7070", "[::1]:7071")
-    assert not cfg.is_coordinator and cfg.finds_coordinator
+    assert cfg.discovery.peers == ("10.0.0.1:7070", "[::1]:7071")
+    assert not cfg.discovery.is_coordinator and cfg.discovery.finds_coordinator
     env = settings.load(NodeConfig, env={"RAVNEST_PEERS": "10.0.0.1:7070, [::1]:7071"})
-    assert env.peers == cfg.peers
-    assert settings.load(NodeConfig, env=settings.to_env(cfg)).peers == cfg.peers
+    assert env.discovery.peers == cfg.discovery.peers
+    again = settings.load(NodeConfig, env=settings.to_env(cfg))
+    assert again.discovery.peers == cfg.discovery.peers
     path = tmp_path / "node.toml"
     path.write_text('peers = ["10.0.0.1:7070"]\nmdns = true\njoin = "auto"\n')
     toml = settings.load(NodeConfig, env={}, toml_path=path)
-    assert toml.peers == ("10.0.0.1:7070",) and toml.mdns and toml.finds_coordinator
+    assert toml.discovery.peers == ("10.0.0.1:7070",) and toml.discovery.mdns
+    assert toml.discovery.finds_coordinator
     plain = settings.load(NodeConfig, env={})
-    assert plain.is_coordinator and not plain.mdns and plain.peers == ()
+    assert plain.discovery.is_coordinator and not plain.discovery.mdns
+    assert plain.discovery.peers == ()
 
 
 @pytest.mark.parametrize(
@@ -173,7 +176,7 @@ def test_peers_come_from_repeated_flags_the_environment_and_toml(tmp_path: Path)
 )
 def test_bad_discovery_settings_say_what_is_wrong(changes: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError) as info:
-        NodeConfig(**changes)  # type: ignore[arg-type]
+        settings.load(NodeConfig, env={}, overrides=changes)
     assert needle in str(info.value)
 
 

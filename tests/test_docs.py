@@ -24,13 +24,15 @@ def test_configuration_reference_is_current() -> None:
 
 
 def _fields(cls: type, prefix: str = "") -> Iterator[tuple[str, str, bool]]:
-    """(dotted setting, its docstring, whether it is a leaf) of a config class tree."""
+    """(dotted setting, its docstring, whether it is a leaf) of a config class tree; a flat
+    section's settings are addressed as its parent's (settings.py)."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         section = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None
         yield f"{prefix}{f.name}", docs.get(f.name, ""), section is None
         if section is not None:
-            yield from _fields(section, f"{prefix}{f.name}.")
+            flat = f.metadata.get("flat", False)
+            yield from _fields(section, prefix if flat else f"{prefix}{f.name}.")
 
 
 @pytest.mark.parametrize("cls", [NodeConfig, DemoConfig, BenchConfig])

@@ -23,6 +23,7 @@ from ravnest_node.coordination.election import (
     majority,
     stand,
 )
+from ravnest_node.daemon.failover import electorate
 from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.proto import control_pb2 as pb
 
@@ -86,6 +87,19 @@ def test_failover_vote_rules(
     new, ok, why = grant_vote(VoteState(1, "a"), 2, candidate, voter, epoch)
     assert ok is granted and reason in why
     assert new == (VoteState(2, candidate) if ok else VoteState(1, "a"))
+
+
+def test_a_failovers_electorate_is_the_plans_members_less_the_lost_coordinator() -> None:
+    plan = pb.Plan(epoch=4)
+    for node_id, address in [("c", "c:1"), ("a", "a:1"), ("d", "d:1"), ("a", "a:1"), ("b", "x:9")]:
+        plan.stages.add(node_id=node_id, address=address)
+    # Lost: "b" by its node id, and "d", which holds the lost coordinator's address.
+    e = electorate(plan, own_id="c", lost_id="b", lost_address="d:1")
+    assert e.lost == {"b", "d"} and e.members == {"a": "a:1", "c": "c:1"}
+    assert e.size == 4  # the majority counts the lost members too
+    assert e.voters == (("a", "a:1"),) and e.rank == 1  # "a" stands first
+    spare = electorate(plan, own_id="s", lost_id="b", lost_address="")
+    assert spare.rank == len(spare.members) == 3 and len(spare.voters) == 3
 
 
 def test_a_majority_is_more_than_half() -> None:

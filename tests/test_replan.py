@@ -206,7 +206,7 @@ async def test_a_worker_never_goes_back_to_an_older_plan() -> None:
 
     with ThreadPoolExecutor(1) as compute:
         worker = Worker(
-            node_id="w", address="w:1", coordinator="c:1", compute_threads=1,
+            node_id="w", address="w:1", coordinator_address="c:1", compute_threads=1,
             transport=TransportConfig(), compute=compute, counters=LinkCounters(),
         )  # fmt: skip
         seen: list[tuple[int, bool]] = []

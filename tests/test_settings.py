@@ -16,6 +16,7 @@ from ravnest_node.settings import (
     field_docs,
     load,
     reference_markdown,
+    to_env,
 )
 
 
@@ -382,3 +383,77 @@ def test_tuple_settings_repeat_the_flag_split_the_env_and_take_toml_arrays(
     text = reference_markdown(Repeated)
     assert "| `ports` | `--ports` | `RAVNEST_PORTS` | list of int (repeat the flag" in text
     assert "| `1,2` |" in text and "| `''` |" in text
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Relaying:
+    relay: str = ""
+    """The relay to go through."""
+    relay_ports: tuple[int, ...] = ()
+    """Ports a relay opens."""
+
+    def __post_init__(self) -> None:
+        if self.relay_ports and not self.relay:
+            raise ConfigError("relay_ports: only with a relay")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Flat:
+    listen: str = "127.0.0.1:0"
+    """The address."""
+    relaying: Relaying = field(default_factory=Relaying, metadata={"flat": True})
+    """Relay settings, addressed as top-level ones."""
+    quiet: bool = False
+    """After the flat section."""
+    train: TrainSettings = field(default_factory=TrainSettings)
+    """A table of its own."""
+
+
+def test_a_flat_sections_leaves_are_addressed_as_top_level_fields(tmp_path: Path) -> None:
+    toml = write(tmp_path, 'relay = "r:1"\nrelay_ports = [7]\n[train]\nsteps = 3\n')
+    got = load(Flat, env={}, toml_path=toml)
+    assert got.relaying == Relaying(relay="r:1", relay_ports=(7,)) and got.train.steps == 3
+    env = {"RAVNEST_RELAY": "e:2", "RAVNEST_RELAY_PORTS": "8,9", "RAVNEST_RELAYING_RELAY": "x:1"}
+    assert load(Flat, env=env).relaying == Relaying(relay="e:2", relay_ports=(8, 9))
+    assert to_env(got) == {
+        "RAVNEST_LISTEN": "127.0.0.1:0",
+        "RAVNEST_RELAY": "r:1",
+        "RAVNEST_RELAY_PORTS": "7",
+        "RAVNEST_QUIET": "false",
+        "RAVNEST_TRAIN_STEPS": "3",
+        "RAVNEST_TRAIN_LR": "0.01",
+        "RAVNEST_TRAIN_BATCH_SIZE": "8",
+    }
+    assert load(Flat, env=to_env(got)) == got
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Flat)
+    args = parser.parse_args(["--relay", "f:3", "--quiet"])
+    assert load(Flat, args=args, env={}) == Flat(relaying=Relaying(relay="f:3"), quiet=True)
+    assert "relaying" not in [group.title for group in parser._action_groups]
+    assert load(Flat, env={}, overrides={"relay": "o:4"}).relaying.relay == "o:4"
+    with pytest.raises(ConfigError, match="only with a relay"):  # the section's own check
+        load(Flat, env={"RAVNEST_RELAY_PORTS": "7"})
+    with pytest.raises(ConfigError, match="unknown setting 'relaying' at the top level"):
+        load(Flat, env={}, toml_path=write(tmp_path, '[relaying]\nrelay = "r:1"\n'))
+    rows = reference_markdown(Flat).splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| `listen`",
+        "| `relay`",
+        "| `relay_ports`",
+        "| `quiet`",
+        "| `train.steps`",
+        "| `train.lr`",
+        "| `train.batch_size`",
+    ]
+    assert "| `relay` | `--relay` | `RAVNEST_RELAY` |" in reference_markdown(Flat)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class FlatLeaf:
+    size: int = field(default=0, metadata={"flat": True})
+    """Not a section."""
+
+
+def test_only_a_section_can_be_flat() -> None:
+    with pytest.raises(TypeError, match="only a section can be flat"):
+        load(FlatLeaf, env={})

@@ -17,6 +17,7 @@ import grpc
 import msgpack
 import pytest
 
+from ravnest_node import settings
 from ravnest_node.bench.links import LinkSpec, NetnsSwarm, netns_available
 from ravnest_node.bench.scenario_links import free_port
 from ravnest_node.daemon.config import NodeConfig
@@ -362,7 +363,7 @@ def test_a_node_the_coordinator_cannot_reach_goes_through_a_relay_it_offers(
 )
 def test_bad_relay_settings_say_what_is_wrong(changes: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
-        NodeConfig(**changes)  # type: ignore[arg-type]
+        settings.load(NodeConfig, env={}, overrides=changes)
 
 
 def test_a_node_in_a_namespace_nobody_can_reach_chooses_a_relay_and_trains(

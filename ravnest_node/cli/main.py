@@ -262,7 +262,7 @@ def _fail(message: str) -> int:
 
 
 def _start(cfg: NodeConfig) -> int:
-    formatter = setup_logging(cfg.log_level, cfg.log_format)
+    formatter = setup_logging(cfg.logs.log_level, cfg.logs.log_format)
 
     def announce(info: NodeInfo) -> None:
         event = {"event": "ready", "node_id": info.node_id, "address": info.address,
@@ -275,7 +275,9 @@ def _start(cfg: NodeConfig) -> int:
         if isinstance(formatter, JsonLines):
             formatter.node_id = daemon.node_id
         # A worker's stop may first hand its blocks over: allow for it before the watchdog.
-        deadline_s = STOP_DEADLINE_S + (0 if cfg.is_coordinator else cfg.leave_timeout_s)
+        deadline_s = STOP_DEADLINE_S + (
+            0 if cfg.discovery.is_coordinator else cfg.membership.leave_timeout_s
+        )
         install_stop_handlers(asyncio.get_running_loop(), daemon.stop, deadline_s=deadline_s)
         await daemon.run(announce)
 

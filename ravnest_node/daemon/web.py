@@ -10,7 +10,7 @@ It is plain HTTP on `metrics_host` (loopback unless told otherwise) and answers 
 request body is read, a request head over MAX_HEAD_BYTES or slower than HEAD_TIMEOUT_S is
 dropped, and at most MAX_CONNECTIONS are served at once. It shows what `status` shows and
 changes nothing. `/swarm.json` asks the coordinator at most once a second, whoever asks it
-(node.py), so that pages and scrapers cannot spend the node's calls at its coordinator.
+(status.py), so that pages and scrapers cannot spend the node's calls at its coordinator.
 """
 
 from __future__ import annotations

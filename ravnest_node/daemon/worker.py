@@ -224,7 +224,7 @@ class Worker:
         *,
         node_id: str,
         address: str,
-        coordinator: str,
+        coordinator_address: str,
         compute_threads: int,
         transport: TransportConfig,
         compute: Executor,
@@ -269,7 +269,7 @@ class Worker:
         self._coordinator_grace_s = coordinator_grace_s
         self._averaging_service = averaging
         self._address = address
-        self.coordinator = coordinator
+        self.coordinator_address = coordinator_address
         """The coordinator's address; "" until the daemon has found it."""
         self._threads = compute_threads
         self._joined = asyncio.Event()
@@ -405,7 +405,7 @@ class Worker:
         later to join. Best effort: a member that cannot be probed is left out (the planner
         then goes by uplinks)."""
         try:
-            with coordinator_errors(self.coordinator):
+            with coordinator_errors(self.coordinator_address):
                 view = await self._stub().Swarm(
                     pb.SwarmRequest(), timeout=self._transport.connect_timeout_s
                 )
@@ -429,7 +429,7 @@ class Worker:
                     continue  # one machine: memory, not a network
                 if m.relay_node_id and not self.relay_node_id:
                     continue  # only through its relay, but their stream would go straight
-                to = coordinator_link if m.address == self.coordinator else None
+                to = coordinator_link if m.address == self.coordinator_address else None
                 if to is None:
                     to = await self._measure_in_turn(m.address, m.node_id, pull=False)
                 back = await self._measure_in_turn(m.address, m.node_id, pull=True)
@@ -452,10 +452,11 @@ class Worker:
         link probes under epoch 0, in turn with the other nodes measuring it. None for the
         coordinator's own node, a coordinator on loopback (the same machine), or one that does
         not take probes (best effort: the planner then assumes a fast link)."""
-        if self.coordinator == self._address or is_loopback(self.coordinator):
+        if self.coordinator_address == self._address or is_loopback(self.coordinator_address):
             return None  # its own node, or the same machine: memory, not a network
         try:
-            link = await self._measure_in_turn(self.coordinator, self.coordinator, pull=False)
+            coordinator = self.coordinator_address
+            link = await self._measure_in_turn(coordinator, coordinator, pull=False)
         except PeerError as exc:
             log.info("the link to the coordinator is not measured: %s", exc)
             return None
@@ -479,10 +480,10 @@ class Worker:
     def _stub(self) -> pb_grpc.CoordinatorStub:
         """A stub for the coordinator this node follows now: calls made through it reach a
         new coordinator after a failover (`follow`), retries included."""
-        channel = self._channels.get(self.coordinator)
+        channel = self._channels.get(self.coordinator_address)
         if channel is None:
-            channel = grpc_channel(self.coordinator, self._transport)
-            self._channels[self.coordinator] = channel
+            channel = grpc_channel(self.coordinator_address, self._transport)
+            self._channels[self.coordinator_address] = channel
         return pb_grpc.CoordinatorStub(channel)
 
     async def follow(self, address: str) -> None:
@@ -490,11 +491,11 @@ class Worker:
         everything there from now on (the plan stream, heartbeats, reports), and join it again
         with what this node measured and the newest plan epoch it knows, so that it can plan
         with this node. Raises PeerUnavailable / PeerRefused if it cannot join."""
-        if address == self.coordinator and not self.coordinator_lost:
+        if address == self.coordinator_address and not self.coordinator_lost:
             return
         log.warning("following coordinator %s from now on (it was %s)", address,
-                    self.coordinator)  # fmt: skip
-        self.coordinator = address
+                    self.coordinator_address)  # fmt: skip
+        self.coordinator_address = address
         self.coordinator_lost = False
         self._heartbeats_failing_since = None
         self._switched.set()
@@ -766,7 +767,7 @@ class Worker:
         arrived = loop.time()
         if arrived - self._measuring_asked_at < MEMBERS_KEEP_S and node_id in self._measuring:
             return self._measuring[node_id]
-        if not self.coordinator:
+        if not self.coordinator_address:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "this node has no coordinator yet")
         while True:
             ask = self._measuring_ask
@@ -791,7 +792,7 @@ class Worker:
 
     async def _ask_measuring(self) -> None:
         """Ask the coordinator which members measure their links now (`_measuring`)."""
-        with coordinator_errors(self.coordinator):
+        with coordinator_errors(self.coordinator_address):
             view = await self._stub().Swarm(
                 pb.SwarmRequest(), timeout=self._transport.connect_timeout_s
             )
@@ -847,9 +848,10 @@ class Worker:
         """Join, wait for the plan, train the stage; returns when this stage's run is done.
         Unreachable if the coordinator cannot reach this node at its address (nothing has
         changed then: the daemon may go through a relay and call this again)."""
-        if not self.coordinator:
+        if not self.coordinator_address:
             raise RuntimeError("Worker.run() before the coordinator's address is known")
-        async with open_channel(self.coordinator, self._transport):  # answers within the timeout
+        # open_channel answers within the timeout
+        async with open_channel(self.coordinator_address, self._transport):
             stub = self._stub()
             join = pb.JoinRequest(
                 node_id=self.node_id,
@@ -857,12 +859,15 @@ class Worker:
                 compute_threads=self._threads,
                 protocol=PROTOCOL,
             )
-            with coordinator_errors(self.coordinator):
+            with coordinator_errors(self.coordinator_address):
                 try:
                     reply = await stub.Join(join, timeout=self._transport.connect_timeout_s)
                 except grpc.aio.AioRpcError as exc:
                     if any(k == UNREACHABLE_KEY for k, _ in exc.trailing_metadata() or ()):
-                        what = f"coordinator {self.coordinator}: {exc.code().name}: {exc.details()}"
+                        what = (
+                            f"coordinator {self.coordinator_address}: "
+                            f"{exc.code().name}: {exc.details()}"
+                        )
                         raise Unreachable(what) from None
                     raise
             self._lease_s = reply.lease_s or DEFAULT_LEASE_S
@@ -874,7 +879,7 @@ class Worker:
                 check_allowed(reply.model, self._model_dirs)
                 get_model(reply.model)
             except ConfigError as exc:
-                raise PeerRefused(f"coordinator {self.coordinator}: {exc}") from None
+                raise PeerRefused(f"coordinator {self.coordinator_address}: {exc}") from None
             loop = asyncio.get_running_loop()
             caps = await loop.run_in_executor(
                 self._compute,
@@ -904,7 +909,7 @@ class Worker:
                          [m.step for m in found] or "(none)")  # fmt: skip
             self._caps = caps
             join.capabilities.CopyFrom(caps)
-            with coordinator_errors(self.coordinator):
+            with coordinator_errors(self.coordinator_address):
                 await stub.Join(join, timeout=self._transport.connect_timeout_s)
             async with asyncio.TaskGroup() as tg:
                 watcher = tg.create_task(self._watch_plans())
@@ -1008,7 +1013,7 @@ class Worker:
             reason=str(error)[:200],
         )
         try:
-            async with open_channel(self.coordinator, self._transport) as channel:
+            async with open_channel(self.coordinator_address, self._transport) as channel:
                 # The coordinator may probe twice, each for up to a lease.
                 reply = await pb_grpc.CoordinatorStub(channel).Suspect(
                     request, timeout=self._transport.connect_timeout_s + 2 * self._lease_s
@@ -1043,7 +1048,7 @@ class Worker:
         unreachable_since: float | None = None
         while True:
             self._switched.clear()
-            address = self.coordinator
+            address = self.coordinator_address
             watch = asyncio.create_task(self._watch_plans_from(address))
             switched = asyncio.create_task(self._switched.wait())
             try:
@@ -1056,7 +1061,7 @@ class Worker:
                     if not watch.done():
                         self._left_behind.add(watch)
                         watch.add_done_callback(self._ended_behind)
-            if self.coordinator != address:
+            if self.coordinator_address != address:
                 unreachable_since = None
                 continue
             error = watch.exception() if watch.done() and not watch.cancelled() else None
@@ -1081,7 +1086,7 @@ class Worker:
         # is tried again after a pause.
         watch = self._stub().WatchPlan(pb.WatchPlanRequest(node_id=self.node_id))
         async for plan in watch:
-            if self.coordinator != address:
+            if self.coordinator_address != address:
                 return
             self.coordinator_lost = False
             latest = self.latest_plan
@@ -1492,8 +1497,8 @@ class Worker:
     async def leave(self) -> bool:
         """Tell the coordinator this node is leaving; True if it should stay until a plan
         without it has taken its blocks over (`handed_over`)."""
-        async with open_channel(self.coordinator, self._transport) as channel:
-            with coordinator_errors(self.coordinator):
+        async with open_channel(self.coordinator_address, self._transport) as channel:
+            with coordinator_errors(self.coordinator_address):
                 reply = await pb_grpc.CoordinatorStub(channel).Leave(
                     pb.LeaveRequest(node_id=self.node_id),
                     timeout=self._transport.connect_timeout_s,
@@ -1631,7 +1636,7 @@ class Worker:
             attempt = loop.time()
             timeout_s = max(0.1, min(self._transport.connect_timeout_s, deadline - attempt))
             try:
-                with coordinator_errors(self.coordinator):
+                with coordinator_errors(self.coordinator_address):
                     result = await call(timeout_s)
             except PeerUnavailable as exc:
                 self._reraise_cancel(exc)
@@ -1644,7 +1649,7 @@ class Worker:
                     await asyncio.sleep(REPORT_RETRY_S)  # a retry's pause, not a wait for an event
                 continue
             if lost_at is not None:
-                log.info("coordinator %s answers again after %.1f s", self.coordinator,
+                log.info("coordinator %s answers again after %.1f s", self.coordinator_address,
                          loop.time() - lost_at)  # fmt: skip
             return result
 
@@ -1662,7 +1667,7 @@ class Worker:
                 if not at_once:
                     await asyncio.sleep(interval)  # the heartbeat's period, not a wait for an event
                 at_once = False
-                coordinator = self.coordinator  # a failover may move it
+                coordinator = self.coordinator_address  # a failover may move it
                 try:
                     held = self._checkpoints.retention.held_epoch if self._checkpoints else 0
                     offers = await asyncio.to_thread(self.checkpoint_offers)  # after `held`
@@ -1674,13 +1679,13 @@ class Worker:
                     rtt_s = loop.time() - sent
                     # The coordinator waits for this node's held offers to restore: at once.
                     at_once = await self._hold_checkpoints(reply.hold_epoch)
-                    if coordinator == self.coordinator:
+                    if coordinator == self.coordinator_address:
                         self._heartbeats_failing_since = None
                 except grpc.aio.AioRpcError as exc:
                     log.warning(
                         "heartbeat to coordinator %s failed: %s", coordinator, exc.code().name
                     )
-                    if coordinator != self.coordinator:  # a failover moved it meanwhile
+                    if coordinator != self.coordinator_address:  # a failover moved it meanwhile
                         continue
                     if self._heartbeats_failing_since is None:
                         self._heartbeats_failing_since = sent
