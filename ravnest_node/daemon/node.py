@@ -370,7 +370,7 @@ class NodeDaemon:
             averaging=averaging,
             node_id=self.node_id,
             address=self.address,
-            coordinator=self.found.address if self.found else "",
+            coordinator_address=self.found.address if self.found else "",
             compute_threads=torch.get_num_threads(),
             transport=cfg.transport,
             compute=self._compute,
@@ -744,7 +744,7 @@ class NodeDaemon:
                     self.found = Found(
                         self.address, pb.FOUND_VIA_ELECTION, f"term {term}", term, self.node_id
                     )
-                    worker.coordinator = self.address
+                    worker.coordinator_address = self.address
                     await mdns.set_role("coordinator")
                     return
             left = deadline - loop.time()
@@ -856,7 +856,7 @@ class NodeDaemon:
         stand, waits as long as it takes)."""
         cfg, votes, plan = self.config, self._votes, worker.started_plan
         assert votes is not None and plan is not None
-        old, before = worker.coordinator, self.found
+        old, before = worker.coordinator_address, self.found
         lost_id = before.node_id if before is not None else ""
         lost = {s.node_id for s in plan.stages if s.node_id == lost_id or s.address == old}
         lost_term = before.term if before is not None else 0
@@ -977,14 +977,14 @@ class NodeDaemon:
         )
         log.info("coordinator %s found via %s (%s)", found.address, found.via_name, found.source)
         self.found = found
-        worker.coordinator = found.address
+        worker.coordinator_address = found.address
 
     async def _serve(self, worker: Worker, server: grpc.aio.Server) -> None:
         async def train() -> None:
             try:
                 if self.config.elects:
                     await self._elect(worker)
-                elif not worker.coordinator:
+                elif not worker.coordinator_address:
                     await self._find_coordinator(worker)
                 try:
                     await worker.run()
