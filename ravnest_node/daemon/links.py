@@ -51,7 +51,7 @@ CodecLink = tuple[pb.StageAssignment, CodecChoice, float]
 class LinkMeter:
     """Measures this node's (`node_id`) links, its probe bytes counted in `counters`."""
 
-    def __init__(self, *, node_id: str, transport: TransportConfig, counters: LinkCounters):
+    def __init__(self, *, node_id: str, transport: TransportConfig, counters: LinkCounters) -> None:
         self.node_id = node_id
         self.counters = counters
         self._transport = transport

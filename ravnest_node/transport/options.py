@@ -1,4 +1,4 @@
-"""Transport settings and the gRPC channel/server options derived from them."""
+"""Transport settings, the gRPC channel/server options derived from them, and channels to peers."""
 
 from __future__ import annotations
 
