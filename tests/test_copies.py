@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,10 @@ from ravnest_node.checkpoint import (
     bytes_bound,
     parse_manifest,
 )
-from ravnest_node.daemon.worker import Worker
+from ravnest_node.daemon.changes import Changes
+from ravnest_node.daemon.checkpoints import CheckpointKeeper
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.transport.boundary import LinkCounters
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.options import TransportConfig
 
@@ -166,12 +165,11 @@ class Server(pb_grpc.NodeServicer):
             yield chunk
 
 
-def worker(tmp_path: Path, compute: ThreadPoolExecutor) -> Worker:
-    return Worker(
-        node_id="keeper", address="127.0.0.1:1", coordinator_address="127.0.0.1:2",
-        compute_threads=1,
-        transport=TransportConfig(connect_timeout_s=5), compute=compute,
-        counters=LinkCounters(), checkpoints=CheckpointDir(tmp_path / "keeper"),
+def keeper(node_id: str, store: CheckpointDir, connect_timeout_s: float) -> CheckpointKeeper:
+    return CheckpointKeeper(
+        node_id=node_id, store=store, resume=False,
+        transport=TransportConfig(connect_timeout_s=connect_timeout_s),
+        changes=Changes(connect_timeout_s),
     )  # fmt: skip
 
 
@@ -185,9 +183,7 @@ async def copy_from(tmp_path: Path, chunks: Iterator[pb.CheckpointChunk]) -> Che
                                 node_id="owner", address=f"127.0.0.1:{port}")  # fmt: skip
     plan = pb.Plan(epoch=1, run=RUN, stages=[source])
     try:
-        with ThreadPoolExecutor(1) as compute:
-            w = worker(tmp_path, compute)
-            await w._copy_checkpoint(plan, source, 10)
+        await keeper("keeper", CheckpointDir(tmp_path / "keeper"), 5).copy(plan, source, 10)
     finally:
         await server.stop(None)
     return CheckpointCopies(tmp_path / "keeper")
@@ -248,32 +244,27 @@ async def test_a_copy_the_peer_lies_about_is_refused_and_nothing_is_written(
 async def test_fetch_checkpoint_refuses_unknown_peers_and_other_plans(tmp_path: Path) -> None:
     store = CheckpointDir(tmp_path / "owner-dir")
     save(store, trained_blocks(1, 3, 10), 10)
-    with ThreadPoolExecutor(1) as compute:
-        w = Worker(
-            node_id="owner", address="127.0.0.1:1", coordinator_address="127.0.0.1:2",
-            compute_threads=1, transport=TransportConfig(connect_timeout_s=0.2),
-            compute=compute, counters=LinkCounters(), checkpoints=store,
-        )  # fmt: skip
-        stages = [pb.StageAssignment(node_id="owner"),
-                  pb.StageAssignment(node_id="keeper", index=1),
-                  pb.StageAssignment(node_id="other", index=2)]  # fmt: skip
-        w.plan = pb.Plan(epoch=3, stages=stages)
-        w.checkpoint_step = 10
+    owner = keeper("owner", store, 0.2)
+    stages = [pb.StageAssignment(node_id="owner"),
+              pb.StageAssignment(node_id="keeper", index=1),
+              pb.StageAssignment(node_id="other", index=2)]  # fmt: skip
+    plan = pb.Plan(epoch=3, stages=stages)
+    owner.checkpoint_step = 10
 
-        async def fetch(node: str, epoch: int, step: int = 10) -> list[pb.CheckpointChunk]:
-            request = pb.CheckpointRequest(node_id=node, plan_epoch=epoch, step=step)
-            return [c async for c in w.fetch_checkpoint(request)]
+    async def fetch(node: str, epoch: int, step: int = 10) -> list[pb.CheckpointChunk]:
+        request = pb.CheckpointRequest(node_id=node, plan_epoch=epoch, step=step)
+        return [c async for c in owner.serve_copy(request, plan)]
 
-        for node, epoch, step, code in [
-            ("stranger", 3, 10, grpc.StatusCode.PERMISSION_DENIED),
-            ("other", 3, 10, grpc.StatusCode.PERMISSION_DENIED),  # not the next stage's node
-            ("keeper", 2, 10, grpc.StatusCode.FAILED_PRECONDITION),
-            ("keeper", 3, 20, grpc.StatusCode.UNAVAILABLE),  # not written (yet)
-            ("keeper", 3, 5, grpc.StatusCode.NOT_FOUND),  # not kept
-        ]:
-            with pytest.raises(Refusal) as refused:
-                await fetch(node, epoch, step)
-            assert refused.value.code == code
-        chunks = await fetch("keeper", 3)
+    for node, epoch, step, code in [
+        ("stranger", 3, 10, grpc.StatusCode.PERMISSION_DENIED),
+        ("other", 3, 10, grpc.StatusCode.PERMISSION_DENIED),  # not the next stage's node
+        ("keeper", 2, 10, grpc.StatusCode.FAILED_PRECONDITION),
+        ("keeper", 3, 20, grpc.StatusCode.UNAVAILABLE),  # not written (yet)
+        ("keeper", 3, 5, grpc.StatusCode.NOT_FOUND),  # not kept
+    ]:
+        with pytest.raises(Refusal) as refused:
+            await fetch(node, epoch, step)
+        assert refused.value.code == code
+    chunks = await fetch("keeper", 3)
     assert parse_manifest(chunks[0].manifest, 10).step == 10
     assert sum(len(c.data) for c in chunks) == store.manifest(10).bytes

@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -183,10 +184,8 @@ def test_a_node_that_stops_mid_run_hands_its_blocks_over(tmp_path: Path, procs: 
 async def test_a_worker_never_goes_back_to_an_older_plan() -> None:
     """A coordinator that comes back with an older plan (a stale one, or one restored from an
     old copy of its store) cannot impose it: the worker keeps the newest it has seen."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ravnest_node.daemon.worker import Worker
-    from ravnest_node.transport.boundary import LinkCounters
+    from ravnest_node.daemon.changes import Changes
+    from ravnest_node.daemon.coordinator_client import CoordinatorClient
     from ravnest_node.transport.options import TransportConfig
 
     def plan(epoch: int, pending: bool = False) -> pb.Plan:
@@ -194,33 +193,38 @@ async def test_a_worker_never_goes_back_to_an_older_plan() -> None:
 
     streams = [[plan(3)], [plan(2), plan(3), plan(4, pending=True), plan(4)]]
 
-    class Stub:
-        def WatchPlan(self, request: pb.WatchPlanRequest) -> AsyncIterator[pb.Plan]:
-            async def stream() -> AsyncIterator[pb.Plan]:
-                for p in streams.pop(0):
-                    yield p
-                if not streams:  # the last stream stays open, as a live coordinator's does
-                    await asyncio.Event().wait()
+    class Coordinator(pb_grpc.CoordinatorServicer):
+        async def WatchPlan(
+            self, request: pb.WatchPlanRequest, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[pb.Plan]:
+            for p in streams.pop(0):
+                yield p
+            if not streams:  # the last stream stays open, as a live coordinator's does
+                await asyncio.Event().wait()
 
-            return stream()
+    seen: list[tuple[int, bool]] = []
 
-    with ThreadPoolExecutor(1) as compute:
-        worker = Worker(
-            node_id="w", address="w:1", coordinator_address="c:1", compute_threads=1,
-            transport=TransportConfig(), compute=compute, counters=LinkCounters(),
-        )  # fmt: skip
-        seen: list[tuple[int, bool]] = []
-        notify = worker._notify
+    class Recorded(Changes):
+        async def notify(self) -> None:
+            assert client.latest_plan is not None
+            seen.append((client.latest_plan.epoch, client.latest_plan.pending))
+            await super().notify()
 
-        async def record() -> None:
-            assert worker.latest_plan is not None
-            seen.append((worker.latest_plan.epoch, worker.latest_plan.pending))
-            await notify()
-
-        worker._notify = record  # type: ignore[method-assign]
-        worker._stub = Stub  # type: ignore[assignment]
-        watcher = asyncio.create_task(worker._watch_plans())
-        latest = await worker._next_plan(3)  # the first stream ended: it reconnects
-        watcher.cancel()
+    server = grpc.aio.server()
+    pb_grpc.add_CoordinatorServicer_to_server(Coordinator(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = CoordinatorClient(
+        join=pb.JoinRequest(node_id="w"), address=f"127.0.0.1:{port}",
+        transport=TransportConfig(), changes=Recorded(1.0), grace_s=1.0,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
+            watcher = tg.create_task(client.watch_plans())
+            latest = await client.next_plan(3)  # the first stream ended: it reconnects
+            watcher.cancel()
+    finally:
+        await client.close()
+        await server.stop(None)
     assert latest.epoch == 4 and not latest.pending
     assert seen == [(3, False), (4, True), (4, False)]  # epoch 2 never replaced epoch 3

@@ -1,14 +1,17 @@
-"""Transport settings and the gRPC channel/server options derived from them."""
+"""Transport settings, the gRPC channel/server options derived from them, and channels to peers."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from ravnest_node.errors import ConfigError
+from ravnest_node.errors import ConfigError, PeerUnavailable
 from ravnest_node.transport.credentials import TLS_NAME, SwarmCredentials, load_credentials
 
 
@@ -184,6 +187,24 @@ def grpc_channel(address: str, cfg: TransportConfig) -> grpc.aio.Channel:
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, creds, options=options)
+
+
+@asynccontextmanager
+async def open_channel(address: str, cfg: TransportConfig) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to a peer, ready to use (closed on the way out); PeerUnavailable if it does
+    not answer within the connect timeout."""
+    channel = grpc_channel(address, cfg)
+    try:
+        try:
+            async with asyncio.timeout(cfg.connect_timeout_s):
+                await channel.channel_ready()
+        except TimeoutError:
+            raise PeerUnavailable(
+                f"no answer from {address} within {cfg.connect_timeout_s:g} s"
+            ) from None
+        yield channel
+    finally:
+        await channel.close(grace=None)
 
 
 def grpc_sync_channel(address: str, cfg: TransportConfig) -> grpc.Channel:
