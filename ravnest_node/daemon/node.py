@@ -388,6 +388,7 @@ class NodeDaemon:
         worker.relay_address = self._relay.address if self._relay is not None else ""
         worker.compute_scale = cfg.fault_compute_scale
         worker.block_delay_s = cfg.fault_block_ms / 1000
+        worker.fuzz_upstream = cfg.fault_fuzz_upstream
         self._worker = worker
         server.add_generic_rpc_handlers([averaging.handler()])
         boundary = BoundaryServer(

@@ -277,6 +277,8 @@ class Worker:
         """Test only: multiplies the compute time this node measures (see NodeConfig)."""
         self.block_delay_s = 0.0
         """Test only: seconds this node sleeps per block and microbatch (see NodeConfig)."""
+        self.fuzz_upstream = ""
+        """Test only: a peer whose streams are checked, never admitted (see NodeConfig)."""
         self._transport = transport
         self._compute = compute
         self.counters = counters
@@ -576,6 +578,8 @@ class Worker:
         session = await self._session_at(epoch, "stream")
         if session.runtime.spec.is_first:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the first stage has no upstream")
+        if peer_node_id and peer_node_id == self.fuzz_upstream and not back:  # test only
+            return BoundaryLink(peer_node_id, self.counters, 1), session.runtime.check_from_upstream
         if session.opens_upstream != back:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           "this stage opens the stream to its upstream itself (BoundaryBack)"
