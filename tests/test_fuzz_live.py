@@ -209,6 +209,37 @@ class Storm:
                     "the parser")  # fmt: skip
 
 
+def _run_storm(storm: Storm, training: list[int]) -> None:
+    """The storm: EXAMPLES random calls at every method, then FUZZED streams of FUZZER's frames
+    at the `training` stages (those that take frames from upstream), each after asking the
+    stage which microbatch it expects next."""
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), database=None)  # fmt: skip
+    @given(
+        target=st.integers(0, 2),
+        entry=st.sampled_from(ENTRIES),
+        payload=st.binary(max_size=512),
+        seed=st.integers(0, 2**32 - 1),
+        claimed=st.sampled_from(["upstream", FUZZER, "stranger", "none"]),
+        seq=st.integers(-(2**40), 2**40),
+    )
+    def storm_once(target: int, entry: tuple[str, str], payload: bytes, seed: int, claimed: str,
+                   seq: int) -> None:  # fmt: skip
+        storm.call(target, entry, payload, seed, claimed, seq)
+
+    @settings(max_examples=FUZZED, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), database=None)  # fmt: skip
+    @given(target=st.sampled_from(training), payload=st.binary(max_size=512),
+           seed=st.integers(0, 2**32 - 1), seq=st.integers(0, 4 * STEPS))  # fmt: skip
+    def fuzz_once(target: int, payload: bytes, seed: int, seq: int) -> None:
+        storm.learn(target)
+        storm.call(target, (boundary.PATH, "frames"), payload, seed, FUZZER, seq)
+
+    storm_once()
+    fuzz_once()
+
+
 def _swarm(procs: Procs, tmp_path: Path) -> list[dict[str, Any]]:
     """Three nodes training TRAIN (n0 the coordinator), each checking FUZZER's streams: their
     ready events."""
@@ -232,34 +263,8 @@ def test_a_training_swarm_shrugs_off_thousands_of_hostile_messages(
     storm = Storm(nodes, stages, plan.epoch, node_status(middle).upstream_node_id)
     refused_before = sum(node_status(n["address"]).frames_refused for n in nodes)
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), database=None)  # fmt: skip
-    @given(
-        target=st.integers(0, 2),
-        entry=st.sampled_from(ENTRIES),
-        payload=st.binary(max_size=512),
-        seed=st.integers(0, 2**32 - 1),
-        claimed=st.sampled_from(["upstream", FUZZER, "stranger", "none"]),
-        seq=st.integers(-(2**40), 2**40),
-    )
-    def storm_once(target: int, entry: tuple[str, str], payload: bytes, seed: int, claimed: str,
-                   seq: int) -> None:  # fmt: skip
-        storm.call(target, entry, payload, seed, claimed, seq)
-
-    # Then streams of FUZZER's frames at the training stages that take frames from upstream.
-    training = [i for i, n in enumerate(nodes) if stages[n["node_id"]] > 0]
-
-    @settings(max_examples=FUZZED, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), database=None)  # fmt: skip
-    @given(target=st.sampled_from(training), payload=st.binary(max_size=512),
-           seed=st.integers(0, 2**32 - 1), seq=st.integers(0, 4 * STEPS))  # fmt: skip
-    def fuzz_once(target: int, payload: bytes, seed: int, seq: int) -> None:
-        storm.learn(target)
-        storm.call(target, (boundary.PATH, "frames"), payload, seed, FUZZER, seq)
-
     started = time.monotonic()
-    storm_once()
-    fuzz_once()
+    _run_storm(storm, [i for i, n in enumerate(nodes) if stages[n["node_id"]] > 0])
     during = not node_status(middle).run_done
     storm.close()
     print(
