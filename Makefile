@@ -42,7 +42,7 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		chromium chromium-driver >/dev/null) ; } \
-		|| echo "no chromium: the browser test will be skipped"
+		|| echo "no chromium: the browser test will be skipped (fail, under RAVNEST_TEST_STRICT=1)"
 
 test: check browser
 	$(PY) -m pytest -q

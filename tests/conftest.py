@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import json
 import os
 import selectors
@@ -13,11 +15,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, NoReturn
 
 import grpc
 import pytest
 
+from ravnest_node.bench.links import netns_available
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.compute import StageCompute
 from ravnest_node.pipeline.inbox import Inbox
@@ -33,6 +37,44 @@ from ravnest_node.transport.options import TransportConfig, grpc_sync_channel
 NODE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RAVNEST_")} | {
     "PYTHONUNBUFFERED": "1",
 }
+
+STRICT = os.environ.get("RAVNEST_TEST_STRICT") == "1"
+"""Set by .ci/run: a test must not skip for want of something the environment should have."""
+
+
+def missing(reason: str) -> NoReturn:
+    """Skip the test for want of something of the environment (network namespaces, Chromium,
+    an optional package); under RAVNEST_TEST_STRICT=1 (CI, where everything is installed and
+    the tests run as root) fail instead. Skips about a test's own parameters stay skips."""
+    if STRICT:
+        pytest.fail(f"{reason} (RAVNEST_TEST_STRICT=1: this environment must have it)")
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require_module(name: str, why: str = "") -> ModuleType:
+    """`pytest.importorskip`, with `missing`'s rule: the module, or a skip (a failure under
+    RAVNEST_TEST_STRICT=1). Usable at module level."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        missing(f"{name} is not installed{f' ({why})' if why else ''}: {exc}")
+
+
+def has_module(name: str) -> bool:
+    """Whether `name` can be imported, for a check that only runs with it (under
+    RAVNEST_TEST_STRICT=1, its absence fails the test: that check must run)."""
+    if importlib.util.find_spec(name) is not None:
+        return True
+    if STRICT:
+        missing(f"{name} is not installed")
+    return False
+
+
+def require_netns() -> None:
+    """Network namespaces, veth pairs and tbf usable here (root), or `missing`."""
+    ok, reason = netns_available()
+    if not ok:
+        missing(reason)
 
 
 async def _no_report(_: StepReport) -> None:

@@ -10,10 +10,9 @@ from typing import Any
 
 import pytest
 
-from ravnest_node.bench.links import netns_available
 from ravnest_node.transport.credentials import create_swarm
 
-from .conftest import NODE_ENV, ravnest
+from .conftest import NODE_ENV, ravnest, require_netns
 
 
 def _bench(tmp_path: Path, *args: str) -> tuple[list[dict[str, Any]], str]:
@@ -80,9 +79,7 @@ def test_bench_over_relays(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_in_namespaces_with_torch_pipelining(tmp_path: Path) -> None:
-    ok, why = netns_available()
-    if not ok:
-        pytest.skip(why)
+    require_netns()
     records, _ = _bench(tmp_path, "--emulation", "netns", "--systems", "ours,torch-pipelining")
     ours, torch_pp = records
     assert ours["link"]["emulation"] == "netns"

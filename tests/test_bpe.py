@@ -5,7 +5,6 @@ ids on held-out text, tricky strings and random text; bad files are refused with
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import random
 import unicodedata
@@ -20,6 +19,8 @@ from hypothesis import strategies as st
 from ravnest_node.data.bpe import MAX_FILE_BYTES, BpeTokenizer
 from ravnest_node.data.text import Tokenizer
 from ravnest_node.errors import ConfigError
+
+from .conftest import has_module, require_module
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -110,7 +111,7 @@ def sentences(seed: int, count: int) -> list[str]:
 
 
 def tokenizers_lib() -> Any:
-    return pytest.importorskip("tokenizers")
+    return require_module("tokenizers")
 
 
 def train(tokenizer: Any, vocab_size: int, specials: list[str], alphabet: list[str]) -> None:
@@ -560,7 +561,7 @@ def test_a_minimal_file_by_hand(tmp_path: Path) -> None:
     path = write(tmp_path / "tokenizer.json", minimal_spec())
     tokenizer = BpeTokenizer.from_file(path)
     assert tokenizer.encode("ab aab") == [2, 3, 0, 2]  # "ab", "Ġ", "a", "ab"
-    if importlib.util.find_spec("tokenizers") is not None:
+    if has_module("tokenizers"):
         assert_same_ids(tokenizer, tokenizers_lib().Tokenizer.from_file(str(path)), TRICKY)
     assert tokenizer.decode([2, 3, 0, 2]) == "ab aab"
     assert tokenizer.encode("abc") == [2]  # "c" has no token and there is no unknown token

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ravnest_node.bench.links import LinkSpec, NetnsSwarm, netns_available
+from ravnest_node.bench.links import LinkSpec, NetnsSwarm
 from ravnest_node.coordination.election import (
     Ballot,
     VoteBook,
@@ -34,6 +34,7 @@ from .conftest import (
     poll_until,
     progress_events,
     ravnest,
+    require_netns,
     swarm_view,
 )
 
@@ -215,9 +216,7 @@ def test_three_nodes_started_alike_elect_one_coordinator_and_train(
 def test_three_hosts_on_a_bridge_elect_over_multicast(procs: Procs, tmp_path: Path) -> None:
     """The same across network namespaces: each node in its own namespace, mDNS on its own
     interface, multicast crossing a real Linux bridge."""
-    ok, reason = netns_available()
-    if not ok:
-        pytest.skip(reason)
+    require_netns()
     swarm = f"bridge-{os.getpid()}"
     with NetnsSwarm(3, LinkSpec(rate_mbit=1000, delay_ms=0), name="rve") as net:
         nodes = [

@@ -1,13 +1,23 @@
-"""A live, training swarm under a storm of random and mutated frames and control messages, then
-a flood of streams from one peer: no handler fails, every node keeps training, and the run ends
-exactly as an undisturbed one."""
+"""A live, training swarm under a storm of random and mutated messages at every method it serves,
+then a flood of streams from one peer: no handler fails, hostile frames reach the frame checks
+of training nodes and are refused with INVALID_ARGUMENT, every node trains to the end, and the
+run ends exactly as a plain PyTorch loop trains it: nothing refused changed a parameter.
+
+A stage's real upstream holds its stream slot for the whole run (another stream claiming to be
+it is refused before a frame is read, ALREADY_EXISTS), and a frame refused on that stream ends
+it and the plan with it. So the nodes run with --fault-fuzz-upstream FUZZER: a stream claiming
+to come from FUZZER is checked frame by frame as the upstream's is, against the stage as it
+trains (the plan's shapes, the microbatch the stage expects next, its window, the payload
+decoded), and nothing of it is admitted."""
 
 from __future__ import annotations
 
 import json
 import random
-import subprocess
+import re
+import signal
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +29,26 @@ from hypothesis import strategies as st
 from ravnest_node.averaging import wire
 from ravnest_node.compression import get_codec
 from ravnest_node.transport import boundary, probe
-from ravnest_node.transport.frames import FrameKind, encode_frame
+from ravnest_node.transport.frames import MAGIC, FrameKind, Outgoing, encode_frame
 from ravnest_node.transport.options import TransportConfig
 
-from .conftest import Procs, node_status, poll_until, ravnest
-from .test_equivalence import assert_same_training
+from .conftest import Procs, node_status, poll_until, progress_events, swarm_view
+from .training import assert_same_training, plain_training, trained_run
 
 STEPS = 400
-ARGS = ("--model", "tiny", "--steps", str(STEPS), "--seed", "0", "--max-staleness", "0",
-        "--codec", "none")  # fmt: skip
+TRAIN = ("--model", "tiny", "--steps", str(STEPS), "--seed", "0", "--max-staleness", "0",
+         "--codec", "none")  # fmt: skip
+FUZZER = "fuzzer"
+EXAMPLES = 1000
+FUZZED = 500
 FLOOD = 100
 PEER_MAX_CALLS = TransportConfig().peer_max_calls
+COORDINATOR = "/ravnest.v1.Coordinator/"
 ENTRIES = [
-    ("/ravnest.v1.Coordinator/Join", "unary"),
-    ("/ravnest.v1.Coordinator/Report", "unary"),
-    ("/ravnest.v1.Coordinator/Heartbeat", "unary"),
-    ("/ravnest.v1.Coordinator/Drain", "unary"),
-    ("/ravnest.v1.Coordinator/Suspect", "unary"),
-    ("/ravnest.v1.Coordinator/Swarm", "unary"),
+    *((f"{COORDINATOR}{m}", "unary")
+      for m in ("Join", "Report", "Swarm", "Heartbeat", "Leave", "Drain", "Suspect")),
+    (f"{COORDINATOR}WatchPlan", "server-stream"),
+    (f"{COORDINATOR}WatchProgress", "server-stream"),
     ("/ravnest.v1.Node/Status", "unary"),
     ("/ravnest.v1.Node/FetchBlock", "server-stream"),
     ("/ravnest.v1.Node/FetchCheckpoint", "server-stream"),
@@ -44,22 +56,44 @@ ENTRIES = [
     (wire.PATH, "unary"),
     (boundary.PATH, "frames"),
     (boundary.BACK_PATH, "frames"),
-]
+]  # fmt: skip
 """Every method a node serves to peers (Election only runs with --join elect), and how it is
-called: random bytes as the request, or random and mutated frames on a stream."""
+called: random bytes as the request (a server stream: up to its first answer), or random and
+mutated frames on a stream."""
+CODECS = ("none", "bf16", "fp16", "int8-block", "int4-block")
+"""Codecs a frame may come in (a sender with codec auto picks one per frame)."""
+SHAPES = ((4, 32, 64), (4, 32, 63), (2, 32, 64), (4, 2048), (1, 4, 32, 64))
+"""The activation's shape in the plan, and others."""
+REFUSED_BY = {
+    "the plan": re.compile(r"does not match the plan's|carries tensors"),
+    "the schedule": re.compile(r"forward seq|weight version|in flight|last microbatch"),
+    "the payload": re.compile(r"unpack|bad lz4|bad deflate|wrong size|codec \S+: |not finite"),
+}
+"""What refused a frame, from the INVALID_ARGUMENT's details (otherwise: the parser, which
+checks a frame's structure and sizes before anything is allocated)."""
 
 
-def _valid_frame(seq: int) -> bytes:
-    """A well-formed activation frame of tiny's first boundary (mutated below)."""
-    return encode_frame(
-        FrameKind.FORWARD, seq, 0,
-        [("hidden", torch.ones(4, 32, 64), get_codec("none")),
-         ("targets", torch.zeros(4, 32, dtype=torch.uint8), get_codec("none"))],
-    )  # fmt: skip
+def _frame(seq: int, rng: random.Random) -> bytes:
+    """A well-formed activation frame of tiny's first boundary, for microbatch `seq` of a run
+    at staleness 0, in a random codec; now and then of a shape the plan does not have."""
+    shape = rng.choice(SHAPES) if rng.random() < 0.1 else SHAPES[0]
+    # Zeros pack (lz4, or deflate where asked), so that mutations reach the unpacking too.
+    values = torch.zeros(shape) if rng.random() < 0.3 else torch.randn(shape)
+    hidden = Outgoing("hidden", values, get_codec(rng.choice(CODECS)), deflate=rng.random() < 0.5)
+    targets = torch.zeros(4, 32, dtype=torch.uint8)
+    return encode_frame(FrameKind.FORWARD, seq, seq // 4,
+                        [hidden, ("targets", targets, get_codec("none"))])  # fmt: skip
 
 
-def _mutate(data: bytes, rng: random.Random) -> bytes:
-    out = bytearray(data)
+def _mutate(frame: bytes, rng: random.Random) -> bytes:
+    """A frame with a few random changes: bytes flipped (half the time only in its payloads,
+    which leaves a frame that parses), cut or inserted."""
+    out = bytearray(frame)
+    payloads = len(MAGIC) + 4 + int.from_bytes(frame[len(MAGIC) : len(MAGIC) + 4], "little")
+    if rng.random() < 0.5:
+        for _ in range(rng.randint(1, 8)):
+            out[rng.randrange(payloads, len(out))] = rng.randrange(256)
+        return bytes(out)
     for _ in range(rng.randint(1, 8)):
         op = rng.randrange(3)
         if op == 0 and out:  # flip a byte
@@ -72,115 +106,207 @@ def _mutate(data: bytes, rng: random.Random) -> bytes:
     return bytes(out)
 
 
-def _demo(procs: Procs, tmp_path: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
-    return procs.popen(
-        ravnest("demo", "--work-dir", str(tmp_path / name), "--summary-json",
-                str(tmp_path / f"{name}.json"), *ARGS, *args),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,  # a failed test kills its node processes too (Procs.cleanup)
-    )  # fmt: skip
+class Storm:
+    """One hostile peer's calls at the swarm, and what they were answered."""
+
+    def __init__(self, nodes: list[dict[str, Any]], stages: dict[str, int], epoch: int,
+                 upstream: str) -> None:  # fmt: skip
+        self.nodes, self.stages, self.epoch, self.upstream = nodes, stages, epoch, upstream
+        self.channels = [grpc.insecure_channel(n["address"]) for n in nodes]
+        self.codes: Counter[str] = Counter()
+        self.hits: Counter[str] = Counter()
+        self.fuzzed: Counter[str] = Counter()
+        """Outcomes of FUZZER's streams at a training stage under its plan: OK (every frame
+        passed every check), what refused a frame, or another status code."""
+        self.expected: dict[int, int] = {}
+        """Per target: the microbatch its stage last said it expects next."""
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+    def frames(self, target: int, rng: random.Random, seq: int, payload: bytes) -> list[bytes]:
+        """One to three messages: raw bytes, or frames (near the microbatch the target expects
+        next, if known), most of them mutated."""
+        out = []
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.2:
+                out.append(payload)
+                continue
+            near = self.expected.get(target)  # (the stage moves on meanwhile)
+            at = near + rng.randrange(3) if near is not None and rng.random() < 0.9 else seq
+            frame = _frame(at % 2**31, rng)
+            out.append(_mutate(frame, rng) if rng.random() < 0.6 else frame)
+        return out
+
+    def claim(
+        self, claimed: str, rng: random.Random, seq: int
+    ) -> tuple[int, list[tuple[str, str]]]:
+        """The plan epoch and metadata a call claims: the plan's epoch, an old one, nonsense, or
+        one far ahead (refused at once: one just ahead waits for its plan, as a neighbour's may,
+        which would slow the storm down); FUZZER mostly claims the plan's."""
+        claims = [self.epoch, self.epoch - 1, -abs(seq) - 1, abs(seq) + 2**41]
+        claim = self.epoch if claimed == FUZZER and rng.random() < 0.8 else rng.choice(claims)
+        metadata = [(boundary.EPOCH_KEY, str(claim))]
+        if claimed != "none":
+            ids = {"upstream": self.upstream, "stranger": "x1", FUZZER: FUZZER}
+            metadata.append((boundary.NODE_ID_KEY, ids[claimed]))
+        return claim, metadata
+
+    def call(self, target: int, entry: tuple[str, str], payload: bytes, seed: int, claimed: str,
+             seq: int, messages: list[bytes] | None = None) -> None:  # fmt: skip
+        """One hostile call (`messages`: the frames to send, instead of random ones)."""
+        path, how = entry
+        if path.startswith(COORDINATOR):
+            target = 0  # only the coordinator serves those
+        rng = random.Random(seed)
+        claim, metadata = (
+            (self.epoch, [(boundary.EPOCH_KEY, str(self.epoch)), (boundary.NODE_ID_KEY, FUZZER)])
+            if messages is not None else self.claim(claimed, rng, seq)
+        )  # fmt: skip
+        channel = self.channels[target]
+        fuzzed = (path == boundary.PATH and claimed == FUZZER and claim == self.epoch
+                  and self.stages[self.nodes[target]["node_id"]] > 0)  # fmt: skip
+        try:
+            if how == "unary":
+                channel.unary_unary(path)(payload, metadata=metadata, timeout=1)
+            elif how == "server-stream":
+                call = channel.unary_stream(path)(payload, metadata=metadata, timeout=1)
+                next(call, None)  # its first answer (WatchPlan's: the plan) or its refusal
+                call.cancel()
+            else:
+                messages = messages or self.frames(target, rng, seq, payload)
+                list(channel.stream_stream(path)(iter(messages), metadata=metadata, timeout=1))
+            self.codes["OK"] += 1
+            if fuzzed:
+                self.fuzzed["OK"] += 1
+        except grpc.RpcError as exc:
+            assert isinstance(exc, grpc.Call)
+            code, details = exc.code(), exc.details() or ""
+            # UNKNOWN is a handler that raised: a bug, but for gRPC's own answer to bytes that
+            # are not the request's protobuf (the DecodeError, raised before our handler runs).
+            assert code != grpc.StatusCode.UNKNOWN or details.startswith(
+                "Unexpected <class 'google.protobuf.message.DecodeError'>"
+            ), (path, details)
+            self.codes[code.name] += 1
+            if fuzzed:
+                self.fuzzed[self._refused_by(code, details, target)] += 1
+        self.hits[path] += 1
+
+    def learn(self, target: int) -> None:
+        """Ask the stage of `target` which microbatch it expects next: it says so when it
+        refuses a frame of another (one hostile stream more)."""
+        frame = _frame(0, random.Random(0))
+        self.call(target, (boundary.PATH, "frames"), frame, 0, FUZZER, 0, [frame])
+
+    def _refused_by(self, code: grpc.StatusCode, details: str, target: int) -> str:
+        if code != grpc.StatusCode.INVALID_ARGUMENT:
+            return code.name
+        assert details.startswith("frame refused: "), details
+        if found := re.search(r"forward seq \d+, expected (\d+)", details):
+            self.expected[target] = int(found[1])
+        return next((what for what, reason in REFUSED_BY.items() if reason.search(details)),
+                    "the parser")  # fmt: skip
 
 
-def _ready(work_dir: Path, index: int) -> dict[str, Any]:
-    path = work_dir / f"node-{index}" / "ready.json"
-    poll_until(path.exists, 60)
-    ready: dict[str, Any] = json.loads(path.read_text())
-    return ready
+def _run_storm(storm: Storm, training: list[int]) -> None:
+    """The storm: EXAMPLES random calls at every method, then FUZZED streams of FUZZER's frames
+    at the `training` stages (those that take frames from upstream), each after asking the
+    stage which microbatch it expects next."""
 
-
-def test_a_training_swarm_shrugs_off_thousands_of_hostile_messages(
-    procs: Procs, tmp_path: Path
-) -> None:
-    storm = _demo(procs, tmp_path, "storm", "--nodes", "3")
-    reference = _demo(procs, tmp_path, "reference", "--nodes", "1")  # meanwhile, undisturbed
-    nodes = [_ready(tmp_path / "storm", i) for i in range(3)]
-    middle = nodes[1]["address"]
-    poll_until(lambda: node_status(middle).stage == 1, 60)
-    status = node_status(middle)
-    upstream, epoch = status.upstream_node_id, status.plan_epoch
-    channels = {n["address"]: grpc.insecure_channel(n["address"]) for n in nodes}
-    codes: dict[str, int] = {}
-    hits: dict[str, int] = {}
-    sent = 0
-
-    @settings(
-        max_examples=1000,
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-        database=None,
-    )
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), database=None)  # fmt: skip
     @given(
         target=st.integers(0, 2),
         entry=st.sampled_from(ENTRIES),
         payload=st.binary(max_size=512),
         seed=st.integers(0, 2**32 - 1),
-        claimed=st.sampled_from(["upstream", "stranger", "none"]),
+        claimed=st.sampled_from(["upstream", FUZZER, "stranger", "none"]),
         seq=st.integers(-(2**40), 2**40),
     )
-    def storm_once(
-        target: int, entry: tuple[str, str], payload: bytes, seed: int, claimed: str, seq: int
-    ) -> None:
-        nonlocal sent
-        path, how = entry
-        if path.startswith("/ravnest.v1.Coordinator/"):
-            target = 0  # only the coordinator serves those
-        channel = channels[nodes[target]["address"]]
-        rng = random.Random(seed)
-        # The plan's epoch, an old one, nonsense, or one far ahead (refused at once: one just
-        # ahead waits for its plan, as a neighbour's may, which would slow the storm down).
-        claim = rng.choice([epoch, epoch - 1, -abs(seq) - 1, abs(seq) + 2**41])
-        metadata: list[tuple[str, str]] = [(boundary.EPOCH_KEY, str(claim))]
-        if claimed != "none":
-            metadata.append((boundary.NODE_ID_KEY, upstream if claimed == "upstream" else "x1"))
-        try:
-            if how == "unary":
-                channel.unary_unary(path)(payload, metadata=metadata, timeout=1)
-            elif how == "server-stream":
-                list(channel.unary_stream(path)(payload, metadata=metadata, timeout=1))
-            else:
-                message = _mutate(_valid_frame(seq % 2**31), rng) if rng.random() < 0.7 else payload
-                list(channel.stream_stream(path)(iter([message]), metadata=metadata, timeout=1))
-            codes["OK"] = codes.get("OK", 0) + 1
-        except grpc.RpcError as exc:
-            assert isinstance(exc, grpc.Call)
-            code = exc.code()
-            # UNKNOWN is a handler that raised: a bug, but for gRPC's own answer to bytes that
-            # are not the request's protobuf (the DecodeError, raised before our handler runs).
-            details = exc.details() or ""
-            assert code != grpc.StatusCode.UNKNOWN or details.startswith(
-                "Unexpected <class 'google.protobuf.message.DecodeError'>"
-            ), (path, details)
-            codes[code.name] = codes.get(code.name, 0) + 1
-        hits[path] = hits.get(path, 0) + 1
-        sent += 1
+    def storm_once(target: int, entry: tuple[str, str], payload: bytes, seed: int, claimed: str,
+                   seq: int) -> None:  # fmt: skip
+        storm.call(target, entry, payload, seed, claimed, seq)
+
+    @settings(max_examples=FUZZED, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), database=None)  # fmt: skip
+    @given(target=st.sampled_from(training), payload=st.binary(max_size=512),
+           seed=st.integers(0, 2**32 - 1), seq=st.integers(0, 4 * STEPS))  # fmt: skip
+    def fuzz_once(target: int, payload: bytes, seed: int, seq: int) -> None:
+        storm.learn(target)
+        storm.call(target, (boundary.PATH, "frames"), payload, seed, FUZZER, seq)
+
+    storm_once()
+    fuzz_once()
+
+
+def _swarm(procs: Procs, tmp_path: Path) -> list[dict[str, Any]]:
+    """Three nodes training TRAIN (n0 the coordinator), each checking FUZZER's streams: their
+    ready events."""
+    fuzz = ("--fault-fuzz-upstream", FUZZER)
+    _, first = procs.start_node(tmp_path / "n0", "--swarm-size", "3", *TRAIN, *fuzz)
+    return [first] + [
+        procs.start_node(tmp_path / f"n{i}", "--join", first["address"], *fuzz)[1] for i in (1, 2)
+    ]
+
+
+def test_a_training_swarm_shrugs_off_thousands_of_hostile_messages(
+    procs: Procs, tmp_path: Path
+) -> None:
+    nodes = _swarm(procs, tmp_path)
+    coordinator = nodes[0]["address"]
+    poll_until(lambda: len(swarm_view(coordinator).plan.stages) == 3, 60)
+    plan = swarm_view(coordinator).plan
+    stages = {s.node_id: s.index for s in plan.stages}
+    middle = next(n["address"] for n in nodes if stages[n["node_id"]] == 1)
+    poll_until(lambda: node_status(middle).stage == 1, 60)
+    storm = Storm(nodes, stages, plan.epoch, node_status(middle).upstream_node_id)
+    refused_before = sum(node_status(n["address"]).frames_refused for n in nodes)
 
     started = time.monotonic()
-    storm_once()
+    _run_storm(storm, [i for i, n in enumerate(nodes) if stages[n["node_id"]] > 0])
     during = not node_status(middle).run_done
-    for channel in channels.values():
-        channel.close()
-    print(f"{sent} hostile messages in {time.monotonic() - started:.1f} s: {codes}")
-    assert sent == 1000 and during, "the storm should hit a swarm that is still training"
-    assert set(hits) == {path for path, _ in ENTRIES} and min(hits.values()) >= 20, hits
-    for refusal in ("FAILED_PRECONDITION", "PERMISSION_DENIED", "NOT_FOUND"):
-        assert codes.get(refusal, 0) >= 10, codes
-    # Then a flood: one peer opens 100 long-lived streams at the coordinator. It gets
-    # peer_max_calls of them; the swarm's own calls are still served.
-    coordinator = nodes[0]["address"]
+    storm.close()
+    print(
+        f"{sum(storm.hits.values())} hostile messages in {time.monotonic() - started:.1f} s: "
+        f"{dict(storm.codes)}; FUZZER's streams at training stages: {dict(storm.fuzzed)}"
+    )
+    assert sum(storm.hits.values()) == EXAMPLES + 2 * FUZZED and during, "the swarm should train on"
+    assert set(storm.hits) == {path for path, _ in ENTRIES} and min(storm.hits.values()) >= 20
+    for refusal in ("FAILED_PRECONDITION", "PERMISSION_DENIED", "NOT_FOUND", "INVALID_ARGUMENT"):
+        assert storm.codes[refusal] >= 10, storm.codes
+    # FUZZER's frames reached every check of a stage as it trained: each stream ended refused
+    # by one with INVALID_ARGUMENT and why, or passed them all; the nodes counted each refusal.
+    assert set(storm.fuzzed) <= {"OK", "the parser", *REFUSED_BY}, storm.fuzzed
+    assert all(storm.fuzzed[what] >= 3 for what in ("OK", "the parser", *REFUSED_BY)), storm.fuzzed
+    refused = sum(node_status(n["address"]).frames_refused for n in nodes) - refused_before
+    assert refused == storm.fuzzed.total() - storm.fuzzed["OK"]
+    _flood(coordinator)
+    assert not node_status(middle).run_done, "the flood should hit a swarm that is still training"
+    # Meanwhile, the same run in a plain PyTorch loop (one torch thread, as every node has).
+    reference = plain_training("tiny", STEPS)
+    # Every node lived and trained to the end under its first plan, exactly as the plain loop:
+    # nothing refused changed a parameter.
+    summary = json.loads(list(progress_events(coordinator, timeout_s=600))[-1].summary_json)
+    assert summary["crashes"] == [] and len(summary["plans"]) == 1
+    assert_same_training(trained_run(summary, [tmp_path / f"n{i}" for i in range(3)]), reference)
+    for proc in procs.started:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def _flood(coordinator: str) -> None:
+    """One peer opens 100 long-lived streams at the coordinator. It gets peer_max_calls of
+    them; the swarm's own calls are still served."""
     limited_before = node_status(coordinator).calls_limited
     flood = grpc.insecure_channel(coordinator, options=[("grpc.use_local_subchannel_pool", 1)])
-    watch = flood.unary_stream("/ravnest.v1.Coordinator/WatchProgress")
-    calls = [watch(b"") for _ in range(FLOOD)]  # b"": an empty WatchProgressRequest
-    poll_until(lambda: sum(c.done() for c in calls) >= FLOOD - PEER_MAX_CALLS, 30)
-    refused = [c for c in calls if c.done()]
-    assert len(refused) == FLOOD - PEER_MAX_CALLS
-    assert all(c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refused)
-    assert node_status(coordinator).calls_limited - limited_before == len(refused)
-    assert not node_status(middle).run_done, "the flood should hit a swarm that is still training"
-    # Every node lived and trained to the end (the demo exits 0 only then), exactly as one
-    # process trains the same run undisturbed: nothing refused changed a parameter.
-    assert storm.wait(300) == 0 and reference.wait(300) == 0
-    flood.close()
-    same = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("storm", "reference")]
-    assert_same_training(*same)
+    try:
+        watch = flood.unary_stream(f"{COORDINATOR}WatchProgress")
+        calls = [watch(b"") for _ in range(FLOOD)]  # b"": an empty WatchProgressRequest
+        poll_until(lambda: sum(c.done() for c in calls) >= FLOOD - PEER_MAX_CALLS, 30)
+        refused = [c for c in calls if c.done()]
+        assert len(refused) == FLOOD - PEER_MAX_CALLS
+        assert all(c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refused)
+        assert node_status(coordinator).calls_limited - limited_before == len(refused)
+    finally:
+        flood.close()

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from ravnest_node.bench import links
-from ravnest_node.bench.links import SCENARIOS, LinkSpec, NetnsSwarm, netns_available
+from ravnest_node.bench.links import SCENARIOS, LinkSpec, NetnsSwarm
 from ravnest_node.bench.relay import (
     MIN_BUFFER_BYTES,
     PACING_BURST_S,
@@ -32,7 +32,7 @@ from ravnest_node.bench.relay import (
     write_time,
 )
 
-from .conftest import Procs, read_line
+from .conftest import Procs, read_line, require_netns
 
 MB = 1_000_000
 # Share of a full-size frame's bytes that is TCP payload: 1448 of 1514 (timestamps option on).
@@ -341,9 +341,7 @@ with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30) as s:
 
 @pytest.fixture
 def netns() -> Iterator[None]:
-    ok, reason = netns_available()
-    if not ok:
-        pytest.skip(reason)
+    require_netns()
     links.remove_leftovers(TEST_NAME)
     yield
     links.remove_leftovers(TEST_NAME)

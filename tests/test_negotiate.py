@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ravnest_node.bench.links import LinkSpec, NetnsSwarm, netns_available
+from ravnest_node.bench.links import LinkSpec, NetnsSwarm
 from ravnest_node.coordination import negotiate
 from ravnest_node.coordination.negotiate import (
     DEFAULT_LINK,
@@ -31,6 +31,7 @@ from .conftest import (
     node_status,
     progress_events,
     ravnest,
+    require_netns,
     swarm_view,
 )
 
@@ -285,9 +286,7 @@ def test_a_host_on_a_slow_link_is_measured_and_left_spare(procs: Procs, tmp_path
     the compute), `status` says so, and the other two train the run. h2 also computes a little
     slower (`--fault-block-ms`): on a loaded machine it could otherwise measure fastest, and a
     plan of that one node alone, with no link at all, would then be the best."""
-    ok, reason = netns_available()
-    if not ok:
-        pytest.skip(reason)
+    require_netns()
     with NetnsSwarm(3, LinkSpec(rate_mbit=1000, delay_ms=0), name="rvs",
                     rates_mbit=[1000, 1000, 2]) as net:  # fmt: skip
         nodes = []

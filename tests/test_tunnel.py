@@ -18,7 +18,7 @@ import msgpack
 import pytest
 
 from ravnest_node import settings
-from ravnest_node.bench.links import LinkSpec, NetnsSwarm, netns_available
+from ravnest_node.bench.links import LinkSpec, NetnsSwarm
 from ravnest_node.bench.scenario_links import free_port
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.errors import ConfigError, PeerRefused
@@ -36,6 +36,7 @@ from .conftest import (
     poll_until,
     progress_events,
     ravnest,
+    require_netns,
     swarm_view,
 )
 
@@ -375,9 +376,7 @@ def test_a_node_in_a_namespace_nobody_can_reach_chooses_a_relay_and_trains(
     (n0 and n1 serve one) and takes the one with the lowest round trip; it reaches the others
     (and they it) only through that relay, over connections it opened. Before the plan it
     measures its links to n0 and n1 (its own connections, both ways)."""
-    ok, reason = netns_available()
-    if not ok:
-        pytest.skip(reason)
+    require_netns()
     with NetnsSwarm(3, LinkSpec(rate_mbit=1000, delay_ms=0), name="rvt") as net:
         hosts = [h.address for h in net.hosts]
 

