@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from ravnest_node.coordination.coordinator import CoordinatorService
+from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL
 

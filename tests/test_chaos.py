@@ -18,9 +18,9 @@ import grpc
 import pytest
 
 from ravnest_node.checkpoint import run_key
-from ravnest_node.coordination.coordinator import CoordinatorService
-from ravnest_node.coordination.membership import RoundTrips
-from ravnest_node.coordination.static_plan import has_node
+from ravnest_node.coordination.coordinator.membership import RoundTrips
+from ravnest_node.coordination.coordinator.service import CoordinatorService
+from ravnest_node.coordination.planning.static_plan import has_node
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL

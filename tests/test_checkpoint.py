@@ -21,8 +21,8 @@ from ravnest_node.checkpoint import (
     CheckpointError,
     run_key,
 )
-from ravnest_node.coordination.negotiate import check_capabilities, resume_point
-from ravnest_node.coordination.static_plan import Member
+from ravnest_node.coordination.planning.negotiate import check_capabilities, resume_point
+from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig

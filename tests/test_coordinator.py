@@ -9,9 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from ravnest_node.coordination.coordinator import CoordinatorService
-from ravnest_node.coordination.roster import MEASURING_S
-from ravnest_node.coordination.static_plan import (
+from ravnest_node.coordination.coordinator.roster import MEASURING_S
+from ravnest_node.coordination.coordinator.service import CoordinatorService
+from ravnest_node.coordination.planning.static_plan import (
     Member,
     check_plan,
     replica_group,

@@ -23,8 +23,8 @@ from ravnest_node.checkpoint import (
     bytes_bound,
     parse_manifest,
 )
-from ravnest_node.daemon.changes import Changes
-from ravnest_node.daemon.checkpoints import CheckpointKeeper
+from ravnest_node.daemon.worker.changes import Changes
+from ravnest_node.daemon.worker.checkpoints import CheckpointKeeper
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.errors import Refusal

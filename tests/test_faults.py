@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from ravnest_node.coordination.faults import (
+from ravnest_node.coordination.coordinator.faults import (
     Crash,
     FaultBook,
     PendingRestore,
     Restore,
     Takeover,
 )
-from ravnest_node.coordination.static_plan import Member
-from ravnest_node.coordination.store import Faults
+from ravnest_node.coordination.coordinator.store import Faults
+from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.proto import control_pb2 as pb
 
 # What the coordinator stored before its records were dataclasses (and still does).

@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import pytest
 
-from ravnest_node.coordination.coordinator import CoordinatorService
-from ravnest_node.coordination.store import STORE_FILE, CoordinatorStore
+from ravnest_node.coordination.coordinator.service import CoordinatorService
+from ravnest_node.coordination.coordinator.store import STORE_FILE, CoordinatorStore
 from ravnest_node.errors import ConfigError
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from ravnest_node.daemon.sessions import MemberProbes
+from ravnest_node.daemon.worker.sessions import MemberProbes
 from ravnest_node.errors import PeerUnavailable
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.errors import Refusal

@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import pytest
 
-from ravnest_node.coordination.coordinator import CoordinatorService
-from ravnest_node.coordination.membership import Leases
+from ravnest_node.coordination.coordinator.membership import Leases
+from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL, heartbeat_interval

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ravnest_node.coordination.planner import partition
+from ravnest_node.coordination.planning.planner import partition
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import (

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ravnest_node.bench.links import LinkSpec, NetnsSwarm
-from ravnest_node.coordination import negotiate
-from ravnest_node.coordination.negotiate import (
+from ravnest_node.coordination.planning import negotiate
+from ravnest_node.coordination.planning.negotiate import (
     DEFAULT_LINK,
     check_capabilities,
     measured_links,
@@ -19,7 +19,7 @@ from ravnest_node.coordination.negotiate import (
     node_speeds,
     wire_ratio,
 )
-from ravnest_node.coordination.static_plan import Member, check_plan, static_plan
+from ravnest_node.coordination.planning.static_plan import Member, check_plan, static_plan
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig

@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ravnest_node.bench.planner import run_planner_bench
-from ravnest_node.coordination.placement import (
+from ravnest_node.coordination.planning.placement import (
     Block,
     Link,
     Links,

@@ -28,7 +28,7 @@ from ravnest_node.cli.plan import (
     run_plan,
 )
 from ravnest_node.compression.codecs import INT4_BLOCK, INT8_BLOCK
-from ravnest_node.coordination.estimate import (
+from ravnest_node.coordination.planning.estimate import (
     DoesNotFit,
     NodeGroup,
     SharedHost,
@@ -36,8 +36,8 @@ from ravnest_node.coordination.estimate import (
     codec_bits,
     estimate,
 )
-from ravnest_node.coordination.placement import Link
-from ravnest_node.coordination.shapes import LLAMA_PRESETS, LlamaConfig, model_shape
+from ravnest_node.coordination.planning.placement import Link
+from ravnest_node.coordination.planning.shapes import LLAMA_PRESETS, LlamaConfig, model_shape
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.models.pretrained import model as pretrained_model

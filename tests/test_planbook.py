@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from ravnest_node.coordination.placement import SwarmPlan
-from ravnest_node.coordination.planbook import Phase, PlanBook
+from ravnest_node.coordination.coordinator.planbook import Phase, PlanBook
+from ravnest_node.coordination.planning.placement import SwarmPlan
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.errors import Refusal
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ravnest_node.coordination.planner import partition, stage_costs
+from ravnest_node.coordination.planning.planner import partition, stage_costs
 
 
 def brute_force(costs: list[float], num_stages: int) -> tuple[float, list[tuple[int, int]]]:

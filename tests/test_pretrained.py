@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ravnest_node.checkpoint import CheckpointDir
-from ravnest_node.coordination.negotiate import block_state_bytes
+from ravnest_node.coordination.planning.negotiate import block_state_bytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, pretrained
 from ravnest_node.models.lora import LoRALinear
@@ -617,7 +617,7 @@ def test_llama_classification_samples_start_as_its_template_says(tmp_path: Path)
 def test_timing_holds_one_layer_and_reads_no_weights(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ravnest_node.daemon.capabilities import time_blocks
+    from ravnest_node.daemon.worker.capabilities import time_blocks
 
     make_llama(tmp_path / "llama")
     name = f"hf:{tmp_path / 'llama'},seq=16,lora=2"

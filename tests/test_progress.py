@@ -8,7 +8,7 @@ import math
 import grpc
 import pytest
 
-from ravnest_node.coordination.progress import RunProgress
+from ravnest_node.coordination.coordinator.progress import RunProgress
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.errors import Refusal

@@ -184,8 +184,8 @@ def test_a_node_that_stops_mid_run_hands_its_blocks_over(tmp_path: Path, procs: 
 async def test_a_worker_never_goes_back_to_an_older_plan() -> None:
     """A coordinator that comes back with an older plan (a stale one, or one restored from an
     old copy of its store) cannot impose it: the worker keeps the newest it has seen."""
-    from ravnest_node.daemon.changes import Changes
-    from ravnest_node.daemon.coordinator_client import CoordinatorClient
+    from ravnest_node.daemon.worker.changes import Changes
+    from ravnest_node.daemon.worker.coordinator_client import CoordinatorClient
     from ravnest_node.transport.options import TransportConfig
 
     def plan(epoch: int, pending: bool = False) -> pb.Plan:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from ravnest_node.coordination.roster import MEASURING_S, Roster
-from ravnest_node.coordination.static_plan import Member
+from ravnest_node.coordination.coordinator.roster import MEASURING_S, Roster
+from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.probe import PROBE_BUDGET_BYTES

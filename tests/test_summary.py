@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ravnest_node.coordination.faults import Crash, FaultBook, Takeover
-from ravnest_node.coordination.progress import RunProgress
-from ravnest_node.coordination.summary import plan_entry, run_summary
+from ravnest_node.coordination.coordinator.faults import Crash, FaultBook, Takeover
+from ravnest_node.coordination.coordinator.progress import RunProgress
+from ravnest_node.coordination.coordinator.summary import plan_entry, run_summary
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from ravnest_node.bench.config import NODES, cores
 from ravnest_node.bench.report import Record
-from ravnest_node.coordination.planner import partition
+from ravnest_node.coordination.planning.planner import partition
 from ravnest_node.pipeline.run import TrainConfig
 
 

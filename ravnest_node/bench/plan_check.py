@@ -45,16 +45,16 @@ import grpc
 import torch
 
 from ravnest_node.compression.codecs import get_codec
-from ravnest_node.coordination.estimate import (
+from ravnest_node.coordination.planning.estimate import (
     Estimate,
     NodeGroup,
     SharedHost,
     Training,
     estimate,
 )
-from ravnest_node.coordination.placement import Link
-from ravnest_node.coordination.shapes import model_shape
-from ravnest_node.daemon.capabilities import available_memory_bytes
+from ravnest_node.coordination.planning.placement import Link
+from ravnest_node.coordination.planning.shapes import model_shape
+from ravnest_node.daemon.worker.capabilities import available_memory_bytes
 from ravnest_node.launch.demo import Demo, DemoConfig
 from ravnest_node.models import BlockModel, get_model
 from ravnest_node.pipeline.run import TrainConfig

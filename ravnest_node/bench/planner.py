@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from ravnest_node.coordination.negotiate import model_blocks
-from ravnest_node.coordination.placement import (
+from ravnest_node.coordination.planning.negotiate import model_blocks
+from ravnest_node.coordination.planning.placement import (
     Block,
     Link,
     Links,
@@ -28,7 +28,7 @@ from ravnest_node.coordination.placement import (
     plan_swarm,
     step_of,
 )
-from ravnest_node.coordination.planner import partition
+from ravnest_node.coordination.planning.planner import partition
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
 

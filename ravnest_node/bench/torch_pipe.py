@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from ravnest_node.coordination.planner import partition
+from ravnest_node.coordination.planning.planner import partition
 from ravnest_node.data import StdlibBytes
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import BlockModel, get_model

@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TextIO
 
-from ravnest_node.coordination.estimate import (
+from ravnest_node.coordination.planning.estimate import (
     ADAMW_BYTES_MOVED,
     CODECS,
     DoesNotFit,
@@ -29,8 +29,13 @@ from ravnest_node.coordination.estimate import (
     Training,
     estimate,
 )
-from ravnest_node.coordination.placement import Link
-from ravnest_node.coordination.shapes import LLAMA_PRESETS, LlamaConfig, ModelShape, model_shape
+from ravnest_node.coordination.planning.placement import Link
+from ravnest_node.coordination.planning.shapes import (
+    LLAMA_PRESETS,
+    LlamaConfig,
+    ModelShape,
+    model_shape,
+)
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, model_names
 from ravnest_node.models.pretrained import PretrainedModel, parse_spec, without_lora

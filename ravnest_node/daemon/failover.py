@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ravnest_node.coordination.coordinator import CoordinatorService
+from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.coordination.election import Ballot, VoteBook, stand
 from ravnest_node.coordination.locate import (
     AskStatus,
@@ -25,7 +25,7 @@ from ravnest_node.coordination.locate import (
     locate_coordinator,
 )
 from ravnest_node.daemon.config import NodeConfig
-from ravnest_node.daemon.worker import Worker
+from ravnest_node.daemon.worker.worker import Worker
 from ravnest_node.discovery import MdnsDiscovery
 from ravnest_node.errors import PeerError, PeerUnavailable, RunFailed
 from ravnest_node.proto import control_pb2 as pb

@@ -26,16 +26,16 @@ import torch
 
 from ravnest_node.averaging import AveragingService
 from ravnest_node.checkpoint import CheckpointDir
-from ravnest_node.coordination.coordinator import CoordinatorService
+from ravnest_node.coordination.coordinator.service import CoordinatorService
+from ravnest_node.coordination.coordinator.store import CoordinatorStore
 from ravnest_node.coordination.election import ElectionService
 from ravnest_node.coordination.locate import Found
-from ravnest_node.coordination.store import CoordinatorStore
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.daemon.failover import Leadership
 from ravnest_node.daemon.relays import Relays, relay_advice
 from ravnest_node.daemon.services import CoordinatorGate, NodeService, listen, probe_node
 from ravnest_node.daemon.status import SwarmPage, node_status, open_web
-from ravnest_node.daemon.worker import Worker
+from ravnest_node.daemon.worker.worker import Worker
 from ravnest_node.discovery import Advertisement, MdnsDiscovery, TxtRecord, advertised_ips
 from ravnest_node.errors import (
     PeerError,

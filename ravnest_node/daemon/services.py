@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ravnest_node.coordination.coordinator import CoordinatorService
-from ravnest_node.daemon.worker import Worker
+from ravnest_node.coordination.coordinator.service import CoordinatorService
+from ravnest_node.daemon.worker.worker import Worker
 from ravnest_node.errors import StartupError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc

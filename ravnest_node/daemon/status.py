@@ -26,7 +26,7 @@ from ravnest_node.daemon.web import (
     stage_families,
     swarm_page_data,
 )
-from ravnest_node.daemon.worker import Worker
+from ravnest_node.daemon.worker.worker import Worker
 from ravnest_node.errors import PeerUnavailable, StartupError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc

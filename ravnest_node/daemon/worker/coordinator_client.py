@@ -23,9 +23,9 @@ from typing import Protocol, TypeVar
 
 import grpc
 
-from ravnest_node.coordination.static_plan import stage_at
-from ravnest_node.daemon.changes import Changes
-from ravnest_node.daemon.tasks import Tasks
+from ravnest_node.coordination.planning.static_plan import stage_at
+from ravnest_node.daemon.worker.changes import Changes
+from ravnest_node.daemon.worker.tasks import Tasks
 from ravnest_node.errors import PeerError, PeerUnavailable, Unreachable
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc

@@ -11,12 +11,12 @@ import time
 import grpc
 
 from ravnest_node.checkpoint import run_key
-from ravnest_node.coordination.negotiate import negotiated_plan, resume_point
-from ravnest_node.coordination.placement import SwarmPlan
-from ravnest_node.coordination.planbook import Phase
-from ravnest_node.coordination.reporting import drop_steps
-from ravnest_node.coordination.static_plan import Member, same_stages, stage_at
-from ravnest_node.coordination.swarm_state import SwarmState
+from ravnest_node.coordination.coordinator.planbook import Phase
+from ravnest_node.coordination.coordinator.reporting import drop_steps
+from ravnest_node.coordination.coordinator.swarm_state import SwarmState
+from ravnest_node.coordination.planning.negotiate import negotiated_plan, resume_point
+from ravnest_node.coordination.planning.placement import SwarmPlan
+from ravnest_node.coordination.planning.static_plan import Member, same_stages, stage_at
 from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.errors import Refusal

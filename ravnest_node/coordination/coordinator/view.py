@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from typing import TypeVar
 
-from ravnest_node.coordination.negotiate import member_speeds
-from ravnest_node.coordination.swarm_state import SwarmState
+from ravnest_node.coordination.coordinator.swarm_state import SwarmState
+from ravnest_node.coordination.planning.negotiate import member_speeds
 from ravnest_node.proto import control_pb2 as pb
 
 __all__ = ["LOSS_POINTS", "swarm_view", "thin"]

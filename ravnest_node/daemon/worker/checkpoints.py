@@ -29,9 +29,9 @@ from ravnest_node.checkpoint import (
     Manifest,
     run_key,
 )
-from ravnest_node.coordination.static_plan import stage_at
-from ravnest_node.daemon.changes import Changes
-from ravnest_node.daemon.checkpoint_copies import CheckpointCopier, copier_of
+from ravnest_node.coordination.planning.static_plan import stage_at
+from ravnest_node.daemon.worker.changes import Changes
+from ravnest_node.daemon.worker.checkpoint_copies import CheckpointCopier, copier_of
 from ravnest_node.errors import RunFailed
 from ravnest_node.models import BlockModel, get_model
 from ravnest_node.proto import control_pb2 as pb

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
-from ravnest_node.coordination.membership import Leases, RoundTrips
-from ravnest_node.coordination.static_plan import Member
+from ravnest_node.coordination.coordinator.membership import Leases, RoundTrips
+from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.probe import MIN_PROBE_COST, PROBE_BUDGET_BYTES, ProbeTurns

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import grpc
 
-from ravnest_node.daemon.changes import Changes
-from ravnest_node.daemon.tasks import Tasks
+from ravnest_node.daemon.worker.changes import Changes
+from ravnest_node.daemon.worker.tasks import Tasks
 from ravnest_node.errors import FrameError, PeerError, PeerUnavailable
 from ravnest_node.pipeline.stage import StageRuntime
 from ravnest_node.proto import control_pb2 as pb

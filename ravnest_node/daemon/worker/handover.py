@@ -20,8 +20,8 @@ import grpc
 import torch
 
 from ravnest_node.blocks import BlockWeights
-from ravnest_node.coordination.static_plan import has_node
-from ravnest_node.daemon.changes import Changes
+from ravnest_node.coordination.planning.static_plan import has_node
+from ravnest_node.daemon.worker.changes import Changes
 from ravnest_node.errors import PeerError, RunFailed
 from ravnest_node.pipeline.handoff import CHUNK_BYTES, BlockAssembler, to_chunks
 from ravnest_node.proto import control_pb2 as pb

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ravnest_node.coordination.faults import FaultBook
-from ravnest_node.coordination.progress import RunProgress
+from ravnest_node.coordination.coordinator.faults import FaultBook
+from ravnest_node.coordination.coordinator.progress import RunProgress
 from ravnest_node.pipeline.metrics import from_report
 from ravnest_node.pipeline.metrics import summary as metrics_summary
 from ravnest_node.pipeline.run import TrainConfig

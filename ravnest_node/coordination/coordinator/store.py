@@ -24,8 +24,8 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from ravnest_node.coordination.faults import Crash, Restore, as_count, as_text
-from ravnest_node.coordination.static_plan import Member
+from ravnest_node.coordination.coordinator.faults import Crash, Restore, as_count, as_text
+from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
 

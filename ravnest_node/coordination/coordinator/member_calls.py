@@ -9,19 +9,19 @@ import logging
 
 import grpc
 
-from ravnest_node.coordination.negotiate import check_capabilities
-from ravnest_node.coordination.planbook import Phase
-from ravnest_node.coordination.recovery import (
+from ravnest_node.coordination.coordinator.planbook import Phase
+from ravnest_node.coordination.coordinator.recovery import (
     check_lost,
     lose,
     raise_floor,
     restarted,
     takeover_ready,
 )
-from ravnest_node.coordination.replan import maybe_replan, publish_when_ready
-from ravnest_node.coordination.roster import MAX_MEMBERS
-from ravnest_node.coordination.static_plan import Member, has_node
-from ravnest_node.coordination.swarm_state import SwarmState
+from ravnest_node.coordination.coordinator.replan import maybe_replan, publish_when_ready
+from ravnest_node.coordination.coordinator.roster import MAX_MEMBERS
+from ravnest_node.coordination.coordinator.swarm_state import SwarmState
+from ravnest_node.coordination.planning.negotiate import check_capabilities
+from ravnest_node.coordination.planning.static_plan import Member, has_node
 from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ravnest_node.coordination.negotiate import check_offers
-from ravnest_node.coordination.static_plan import Member
+from ravnest_node.coordination.planning.negotiate import check_offers
+from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
 

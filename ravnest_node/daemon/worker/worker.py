@@ -35,15 +35,15 @@ from pathlib import Path
 
 from ravnest_node.averaging import AveragingService
 from ravnest_node.checkpoint import CheckpointDir
-from ravnest_node.coordination.static_plan import has_node
-from ravnest_node.daemon.capabilities import measure
-from ravnest_node.daemon.changes import Changes
-from ravnest_node.daemon.checkpoints import CheckpointKeeper
-from ravnest_node.daemon.coordinator_client import CoordinatorClient
-from ravnest_node.daemon.handover import Handover
-from ravnest_node.daemon.links import LinkMeter
-from ravnest_node.daemon.sessions import Sessions
-from ravnest_node.daemon.training import StageTrainer, stopped_blocks
+from ravnest_node.coordination.planning.static_plan import has_node
+from ravnest_node.daemon.worker.capabilities import measure
+from ravnest_node.daemon.worker.changes import Changes
+from ravnest_node.daemon.worker.checkpoints import CheckpointKeeper
+from ravnest_node.daemon.worker.coordinator_client import CoordinatorClient
+from ravnest_node.daemon.worker.handover import Handover
+from ravnest_node.daemon.worker.links import LinkMeter
+from ravnest_node.daemon.worker.sessions import Sessions
+from ravnest_node.daemon.worker.training import StageTrainer, stopped_blocks
 from ravnest_node.errors import ConfigError, PeerError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
 from ravnest_node.models.pretrained import check_allowed

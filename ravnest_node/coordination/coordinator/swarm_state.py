@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ravnest_node.coordination.faults import FaultBook
-from ravnest_node.coordination.planbook import PlanBook
-from ravnest_node.coordination.progress import RunProgress
-from ravnest_node.coordination.roster import Roster
-from ravnest_node.coordination.static_plan import Member
-from ravnest_node.coordination.store import CoordinatorStore, Faults, Saved
+from ravnest_node.coordination.coordinator.faults import FaultBook
+from ravnest_node.coordination.coordinator.planbook import PlanBook
+from ravnest_node.coordination.coordinator.progress import RunProgress
+from ravnest_node.coordination.coordinator.roster import Roster
+from ravnest_node.coordination.coordinator.store import CoordinatorStore, Faults, Saved
+from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import BlockModel, get_model
 from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape

@@ -21,7 +21,7 @@ import enum
 
 import grpc
 
-from ravnest_node.coordination.placement import SwarmPlan
+from ravnest_node.coordination.planning.placement import SwarmPlan
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.errors import Refusal
 

@@ -44,8 +44,15 @@ from dataclasses import dataclass
 
 from ravnest_node.compression.auto import AUTO, AUTO_LADDER
 from ravnest_node.compression.codecs import get_codec
-from ravnest_node.coordination.placement import Block, Link, Links, NodeCaps, SwarmPlan, plan_swarm
-from ravnest_node.coordination.static_plan import Member
+from ravnest_node.coordination.planning.placement import (
+    Block,
+    Link,
+    Links,
+    NodeCaps,
+    SwarmPlan,
+    plan_swarm,
+)
+from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import BlockModel
 from ravnest_node.models.base import shapes_only

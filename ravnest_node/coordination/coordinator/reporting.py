@@ -11,9 +11,9 @@ from typing import Any
 
 import grpc
 
-from ravnest_node.coordination.progress import StageKey
-from ravnest_node.coordination.summary import run_summary
-from ravnest_node.coordination.swarm_state import SwarmState
+from ravnest_node.coordination.coordinator.progress import StageKey
+from ravnest_node.coordination.coordinator.summary import run_summary
+from ravnest_node.coordination.coordinator.swarm_state import SwarmState
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.state import write_atomic
 from ravnest_node.transport.errors import Refusal

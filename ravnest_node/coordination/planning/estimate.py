@@ -41,9 +41,13 @@ import torch
 
 from ravnest_node.compression.auto import AUTO_LADDER, choose_codec
 from ravnest_node.compression.codecs import encoder
-from ravnest_node.coordination.negotiate import ADAM_BYTES_PER_PARAM, STASH_BYTES_PER_PARAM, place
-from ravnest_node.coordination.placement import Block, Link, Links, NodeCaps, SwarmPlan
-from ravnest_node.coordination.shapes import BlockShape, ModelShape
+from ravnest_node.coordination.planning.negotiate import (
+    ADAM_BYTES_PER_PARAM,
+    STASH_BYTES_PER_PARAM,
+    place,
+)
+from ravnest_node.coordination.planning.placement import Block, Link, Links, NodeCaps, SwarmPlan
+from ravnest_node.coordination.planning.shapes import BlockShape, ModelShape
 from ravnest_node.errors import ConfigError
 
 __all__ = [

@@ -24,14 +24,14 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from ravnest_node.coordination import member_calls, recovery, replan, reporting
-from ravnest_node.coordination.faults import FaultBook
-from ravnest_node.coordination.planbook import PlanBook
-from ravnest_node.coordination.progress import RunProgress
-from ravnest_node.coordination.roster import Roster
-from ravnest_node.coordination.store import CoordinatorStore
-from ravnest_node.coordination.swarm_state import SwarmState
-from ravnest_node.coordination.view import swarm_view
+from ravnest_node.coordination.coordinator import member_calls, recovery, replan, reporting
+from ravnest_node.coordination.coordinator.faults import FaultBook
+from ravnest_node.coordination.coordinator.planbook import PlanBook
+from ravnest_node.coordination.coordinator.progress import RunProgress
+from ravnest_node.coordination.coordinator.roster import Roster
+from ravnest_node.coordination.coordinator.store import CoordinatorStore
+from ravnest_node.coordination.coordinator.swarm_state import SwarmState
+from ravnest_node.coordination.coordinator.view import swarm_view
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc

@@ -24,13 +24,18 @@ import torch
 
 from ravnest_node.averaging import AveragingConfig, AveragingService, Member, ReplicaAverager
 from ravnest_node.blocks import BlockWeights
-from ravnest_node.coordination.static_plan import check_plan, dials_back, replica_group, stage_at
-from ravnest_node.daemon.changes import Changes
-from ravnest_node.daemon.checkpoints import CheckpointKeeper
-from ravnest_node.daemon.coordinator_client import CoordinatorClient
-from ravnest_node.daemon.handover import Handover
-from ravnest_node.daemon.links import LinkMeter
-from ravnest_node.daemon.sessions import Session, Sessions
+from ravnest_node.coordination.planning.static_plan import (
+    check_plan,
+    dials_back,
+    replica_group,
+    stage_at,
+)
+from ravnest_node.daemon.worker.changes import Changes
+from ravnest_node.daemon.worker.checkpoints import CheckpointKeeper
+from ravnest_node.daemon.worker.coordinator_client import CoordinatorClient
+from ravnest_node.daemon.worker.handover import Handover
+from ravnest_node.daemon.worker.links import LinkMeter
+from ravnest_node.daemon.worker.sessions import Session, Sessions
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import BlockModel, get_model
 from ravnest_node.models.pretrained import check_allowed

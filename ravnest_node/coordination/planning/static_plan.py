@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ravnest_node.coordination.planner import partition
+from ravnest_node.coordination.planning.planner import partition
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import BlockModel
 from ravnest_node.proto import control_pb2 as pb

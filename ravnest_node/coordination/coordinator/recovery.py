@@ -9,13 +9,13 @@ import logging
 import time
 
 from ravnest_node.checkpoint import run_key
-from ravnest_node.coordination.faults import PendingRestore, Restore, Takeover
-from ravnest_node.coordination.negotiate import resume_point
-from ravnest_node.coordination.planbook import Phase
-from ravnest_node.coordination.replan import adopt, maybe_replan, negotiate, switch
-from ravnest_node.coordination.reporting import finish_if_done
-from ravnest_node.coordination.static_plan import Member, has_node
-from ravnest_node.coordination.swarm_state import SwarmState
+from ravnest_node.coordination.coordinator.faults import PendingRestore, Restore, Takeover
+from ravnest_node.coordination.coordinator.planbook import Phase
+from ravnest_node.coordination.coordinator.replan import adopt, maybe_replan, negotiate, switch
+from ravnest_node.coordination.coordinator.reporting import finish_if_done
+from ravnest_node.coordination.coordinator.swarm_state import SwarmState
+from ravnest_node.coordination.planning.negotiate import resume_point
+from ravnest_node.coordination.planning.static_plan import Member, has_node
 from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import LOST_AFTER_LEASES, MAX_EPOCH_AHEAD

@@ -33,9 +33,9 @@ from ravnest_node.checkpoint import (
     parse_manifest,
     run_key,
 )
-from ravnest_node.coordination.static_plan import stage_at
-from ravnest_node.daemon.changes import Changes
-from ravnest_node.daemon.tasks import Tasks
+from ravnest_node.coordination.planning.static_plan import stage_at
+from ravnest_node.daemon.worker.changes import Changes
+from ravnest_node.daemon.worker.tasks import Tasks
 from ravnest_node.errors import PeerError
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.handoff import CHUNK_BYTES
