@@ -1,5 +1,5 @@
-"""Stage checkpoints on disk (ravnest_node/checkpoint.py): written atomically, loaded verified,
-refused whole when anything is wrong, the previous good one used instead; and where a run
+"""Stage checkpoints on disk (ravnest_node/checkpoint/store.py): written atomically, loaded
+verified, refused whole when anything is wrong, the previous good one used instead; and where a run
 resumes from the checkpoints its members offer (negotiate.resume_point)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Checkpoint copies (a stage without a replica has its checkpoints kept by the next stage's
-node, ravnest_node/checkpoint.py `CheckpointCopies`, `Node.FetchCheckpoint`): a copy is kept
+node, ravnest_node/checkpoint/store.py `CheckpointCopies`, `Node.FetchCheckpoint`): a copy is kept
 only whole and as expected; whatever the serving peer sends otherwise is refused with nothing
 written."""
 

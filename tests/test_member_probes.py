@@ -1,5 +1,5 @@
-"""Probes under epoch 0 (daemon/sessions.py `MemberProbes`): only a member measuring its links,
-as the coordinator lists them, may probe this node, within its byte budget; the probes that
+"""Probes under epoch 0 (daemon/worker/sessions.py `MemberProbes`): only a member measuring its
+links, as the coordinator lists them, may probe this node, within its byte budget; the probes that
 arrive together share one question to the coordinator, and a coordinator that cannot answer
 refuses them as unavailable. Tested with a fake coordinator, without sockets."""
 

@@ -1,5 +1,6 @@
-"""`ravnest-node plan` and its cost model (coordination/estimate.py and shapes.py): pure parts,
-the CLI's parsing and exit statuses, and one real `python -m ravnest_node plan --json` process."""
+"""`ravnest-node plan` and its cost model (coordination/planning/estimate.py and shapes.py):
+pure parts, the CLI's parsing and exit statuses, and one real `python -m ravnest_node plan
+--json` process."""
 
 from __future__ import annotations
 

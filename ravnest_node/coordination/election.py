@@ -14,7 +14,7 @@ smallest one cannot win votes from those that have. The rules are pure functions
 the service and the candidate's round wrap them.
 
 When an elected coordinator is lost after the first plan (its plan stream unreachable), the
-members of the newest plan elect another among themselves (a failover, `NodeDaemon._fail_over`):
+members of the newest plan elect another among themselves (a failover, daemon/failover.py):
 the electorate is that plan's nodes, the majority is over all of them (the lost one included),
 and a voter grants its vote to a candidate that knows a plan at least as new as its own and is
 not the coordinator it lost (Raft's "at least as up to date" rule: a node restarted with no plan

@@ -1,4 +1,4 @@
-"""The block contract: how a model is presented to the swarm, and the registry of presets.
+"""The block contract: how a model is presented to the swarm (registry.py finds one by name).
 
 A swarm trains one model cut into contiguous *stages*; each node runs one stage. To be cut, a
 model is written as an ordered list of *blocks* (`BlockModel.build_blocks`) with a relative

@@ -1,6 +1,6 @@
 """What the calls members make about themselves and their neighbours change: `Join` (a
 newcomer, a member asking again or coming back, a restart), `Heartbeat`, `Leave` and
-`Suspect`. Pure decisions on a `SwarmState`; a refusal is a `Refusal` (coordinator.py answers
+`Suspect`. Pure decisions on a `SwarmState`; a refusal is a `Refusal` (service.py answers
 it with its status, and does the awaiting: reaching a joining node, probing suspects)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The stages' reports and the run's end: a report (`Report`) becomes progress, a broken
 pipeline's untrained steps are dropped and counted, and once every stage of the last plan has
 sent its final report the run summary is written and the last event made. Pure decisions on a
-`SwarmState`; a refusal is a `Refusal` (coordinator.py answers it with its status)."""
+`SwarmState`; a refusal is a `Refusal` (service.py answers it with its status)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The coordinator's roster: its members, their leases, what they measured, who is lost, and
 who is measuring its links. Pure: the clock is injected, nothing here awaits or talks to the
-network (coordinator.py does)."""
+network (service.py does)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@
 `DIR/coordinator.sqlite3`, one transaction per change, so that a coordinator killed at any
 moment restarts with the state of its last answered call: the members and what they measured,
 the plan, every step's loss, each stage's final report, the progress events, and its record of
-faults (members lost, steps dropped, restores). Nodes notice
-nothing but a gap: their reports wait and are retried until it answers again (worker.py).
+faults (members lost, steps dropped, restores). Nodes notice nothing but a gap: their
+reports wait and are retried until it answers again (daemon/worker/coordinator_client.py).
 
 The file is ours, not the network's; still, a file that does not parse is refused with a
 clear error rather than half-loaded. Journal mode WAL with synchronous=NORMAL: a killed

@@ -1,7 +1,7 @@
 """What a coordinator knows of its swarm and run, in one place: the run's settings, its pure
 parts (roster.py, planbook.py, faults.py, progress.py) and the store that keeps them (a lab
 coordinator's; store.py). The decisions that span the parts (replan.py, recovery.py,
-member_calls.py, reporting.py) take a `SwarmState`; coordinator.py serves them over gRPC.
+member_calls.py, reporting.py) take a `SwarmState`; service.py serves them over gRPC.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the parts of a worker wait on together: a change to the worker's state.
 
-The worker is made of small parts (daemon/worker.py), and a wait in one is often for a change
+The worker is made of small parts (daemon/worker/worker.py), and a wait in one is often for a change
 in another: a block fetch waits for this node's plan to end, a neighbour's stream for this
 node's session of the plan, a checkpoint copy for the checkpoint to be written, a leaving node
 for its blocks to be taken. Every change wakes every waiter (`notify`), and each checks its own
@@ -60,7 +60,7 @@ class Changes:
     def raise_if_stopping(self) -> None:
         """Raise CancelledError if the node is stopping or this task is being cancelled. A
         call to this node's own server that is cancelled while the server stops can end with
-        UNAVAILABLE (or CANCELLED) instead of the cancel (see NodeDaemon._serve): a retry loop
+        UNAVAILABLE (or CANCELLED) instead of the cancel (see NodeDaemon._end): a retry loop
         must not swallow the stop with it."""
         task = asyncio.current_task()
         if self.stopping or (task is not None and task.cancelling()):

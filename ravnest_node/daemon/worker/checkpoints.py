@@ -7,7 +7,8 @@ its start, offers what it holds in its heartbeats (the coordinator restores a ru
 and holds everything while a restore is being planned (checkpoint.Retention).
 
 A stage without a replica has no other copy of its state: the next stage's node keeps copies
-of its checkpoints (daemon/checkpoint_copies.py), so that a restore finds them when it is lost.
+of its checkpoints (daemon/worker/checkpoint_copies.py), so that a restore finds them when it
+is lost.
 """
 
 from __future__ import annotations
