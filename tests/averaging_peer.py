@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import torch
 
-from ravnest_node.averaging import AveragingConfig, AveragingService, Member, OuterOptimizer
+from ravnest_node.averaging import AveragingConfig, AveragingService, OuterOptimizer, Replica
 from ravnest_node.averaging.exchange import ReplicaAverager
 from ravnest_node.averaging.outer import flatten_into, param_count
 from ravnest_node.averaging.wire import SERVICE, Pusher
@@ -65,7 +65,7 @@ async def read_stdin() -> str:
 
 
 async def honest(
-    args: argparse.Namespace, service: AveragingService, members: list[Member]
+    args: argparse.Namespace, service: AveragingService, members: list[Replica]
 ) -> ReplicaAverager:
     init = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=init) * 0.1 for s in SHAPES]
@@ -136,7 +136,7 @@ class Sink:
         )
 
 
-async def poison(args: argparse.Namespace, sink: Sink, members: list[Member]) -> Pusher:
+async def poison(args: argparse.Namespace, sink: Sink, members: list[Replica]) -> Pusher:
     numel = sum(torch.Size(s).numel() for s in SHAPES)
     others = [m for m in members if m.node_id != args.node_id]
     pusher = Pusher(args.node_id, TransportConfig(max_message_bytes=MAX_MESSAGE_BYTES))
@@ -192,7 +192,7 @@ async def main() -> None:
     server.add_generic_rpc_handlers([sink.handler() if args.poison else service.handler()])
     await server.start()
     emit(event="ready", port=port)
-    members = [Member(i, a) for i, a in json.loads(await read_stdin())["members"]]
+    members = [Replica(i, a) for i, a in json.loads(await read_stdin())["members"]]
     if args.poison:
         closer: Any = await poison(args, sink, members)
     else:

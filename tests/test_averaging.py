@@ -26,8 +26,8 @@ from ravnest_node.averaging import (
     AveragingConfig,
     AveragingService,
     BanList,
-    Member,
     OuterOptimizer,
+    Replica,
     ReplicaAverager,
     Topology,
     choose_topology,
@@ -141,7 +141,7 @@ async def test_error_feedback_tracks_the_sum_of_true_deltas() -> None:
     config = AveragingConfig(codec="int4-block", timeout_s=1.0)
     averager = ReplicaAverager(
         node_id="a",
-        members=[Member("a", "127.0.0.1:9")],
+        members=[Replica("a", "127.0.0.1:9")],
         config=config,
         numel=1000,
         max_message_bytes=LIMIT,
@@ -282,7 +282,7 @@ def test_a_delta_too_large_for_a_message_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="max_message_bytes"):
         ReplicaAverager(
             node_id="a",
-            members=[Member("a", "127.0.0.1:1")],
+            members=[Replica("a", "127.0.0.1:1")],
             config=AveragingConfig(),
             numel=1_000_000,
             max_message_bytes=2**20,
@@ -290,7 +290,7 @@ def test_a_delta_too_large_for_a_message_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="not a member"):
         ReplicaAverager(
             node_id="z",
-            members=[Member("a", "127.0.0.1:1")],
+            members=[Replica("a", "127.0.0.1:1")],
             config=AveragingConfig(),
             numel=10,
             max_message_bytes=LIMIT,
@@ -317,11 +317,11 @@ async def _group(
     members = []
     for i in range(n):
         if i in down:
-            members.append(Member(f"n{i}", f"127.0.0.1:{_closed_port()}"))
+            members.append(Replica(f"n{i}", f"127.0.0.1:{_closed_port()}"))
             continue
         servers[i] = grpc.aio.server(options=server_options(TransportConfig()))
         port = servers[i].add_insecure_port("127.0.0.1:0")
-        members.append(Member(f"n{i}", f"127.0.0.1:{port}"))
+        members.append(Replica(f"n{i}", f"127.0.0.1:{port}"))
     averagers = {
         i: ReplicaAverager(
             node_id=f"n{i}", members=members, config=config, numel=numel, max_message_bytes=LIMIT
@@ -402,7 +402,7 @@ async def test_a_push_to_a_member_still_on_an_earlier_round_is_delivered_once_it
         behind = asyncio.Event()
         push = a._pusher.push
 
-        async def watched(member: Member, message: bytes, deadline: float) -> int:
+        async def watched(member: Replica, message: bytes, deadline: float) -> int:
             try:
                 return await push(member, message, deadline)
             except PeerBehind:
@@ -446,7 +446,7 @@ async def test_bad_pushes_are_refused_with_a_status_and_change_nothing() -> None
     config = AveragingConfig(codec="none", timeout_s=5.0)
     averager = ReplicaAverager(
         node_id="a",
-        members=[Member("a", address), Member("b", "127.0.0.1:1")],
+        members=[Replica("a", address), Replica("b", "127.0.0.1:1")],
         config=config,
         numel=numel,
         max_message_bytes=LIMIT,

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ravnest_node.averaging import (
     AveragingConfig,
-    Member,
+    Replica,
     ReplicaAverager,
     Topology,
     delta_codec,
@@ -258,7 +258,7 @@ async def group(
     """Members n0 .. n{n-1}, each with its own grpc.aio server on 127.0.0.1."""
     servers = [grpc.aio.server(options=server_options(TransportConfig())) for _ in range(n)]
     members = [
-        Member(f"n{i}", f"127.0.0.1:{s.add_insecure_port('127.0.0.1:0')}")
+        Replica(f"n{i}", f"127.0.0.1:{s.add_insecure_port('127.0.0.1:0')}")
         for i, s in enumerate(servers)
     ]
     averagers = {
@@ -314,7 +314,7 @@ async def test_powersgd_runs_all_to_all_and_refuses_what_does_not_fit() -> None:
     layout = ((64, 48), (48,))
     numel = numel_of(layout)
     config = AveragingConfig(codec="powersgd", timeout_s=1.0)
-    members = [Member(f"n{i}", f"127.0.0.1:{i + 1}") for i in range(6)]
+    members = [Replica(f"n{i}", f"127.0.0.1:{i + 1}") for i in range(6)]
 
     def averager(**kw: Any) -> ReplicaAverager:
         args: dict[str, Any] = {

@@ -353,25 +353,25 @@ async def test_only_a_member_measuring_its_links_may_probe_the_coordinator(tmp_p
     ctx: Any = FakeContext()
     first = pb.JoinRequest(node_id="a", address="a:1", protocol=PROTOCOL)
     await svc.Join(first, ctx)
-    svc.check_link_probe("a", PROBE_BUDGET_BYTES)
+    svc.admit_probe("a", PROBE_BUDGET_BYTES)
     await svc.Join(first, ctx)  # again while measuring: the same budget
     with pytest.raises(Refusal) as info:
-        svc.check_link_probe("a", 1)  # its budget is spent
+        svc.admit_probe("a", 1)  # its budget is spent
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(Refusal) as info:
-        svc.check_link_probe("stranger", 1)
+        svc.admit_probe("stranger", 1)
     assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
     view = await svc.Swarm(pb.SwarmRequest(), ctx)
     assert view.members[0].measuring_since == clock.now
     await join(svc, "a")  # with capabilities: its measuring is over
     with pytest.raises(Refusal):
-        svc.check_link_probe("a", 1)
+        svc.admit_probe("a", 1)
     assert (await svc.Swarm(pb.SwarmRequest(), ctx)).members[0].measuring_since == 0
     await svc.Join(first, ctx)  # measuring again (say, restarted): a fresh budget
-    svc.check_link_probe("a", 1)
+    svc.admit_probe("a", 1)
     clock.now += MEASURING_S  # a member that never sends capabilities stops measuring
     with pytest.raises(Refusal) as info:
-        svc.check_link_probe("a", 1)
+        svc.admit_probe("a", 1)
     assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
 
 

@@ -48,15 +48,15 @@ class FakeCoordinator:
 
 async def refused(probes: MemberProbes, peer: str, nbytes: int = 0) -> grpc.StatusCode:
     with pytest.raises(Refusal) as refusal:
-        await probes.check(peer, nbytes)
+        await probes.admit(peer, nbytes)
     return refusal.value.code
 
 
 async def test_only_a_member_measuring_its_links_may_probe_within_its_budget() -> None:
     coordinator = FakeCoordinator()
     probes = MemberProbes(coordinator)
-    await probes.check(MEASURING, PROBE_BUDGET_BYTES // 2)
-    await probes.check(MEASURING, PROBE_BUDGET_BYTES // 2)
+    await probes.admit(MEASURING, PROBE_BUDGET_BYTES // 2)
+    await probes.admit(MEASURING, PROBE_BUDGET_BYTES // 2)
     assert await refused(probes, MEASURING, 1) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert await refused(probes, WAITING) == grpc.StatusCode.PERMISSION_DENIED
     assert await refused(probes, "not an id!") == grpc.StatusCode.PERMISSION_DENIED
@@ -68,14 +68,14 @@ async def test_probes_that_arrive_together_share_the_questions() -> None:
     coordinator = FakeCoordinator()
     coordinator.answer.clear()
     probes = MemberProbes(coordinator)
-    checks = [asyncio.create_task(probes.check(MEASURING, 0)) for _ in range(5)]
+    checks = [asyncio.create_task(probes.admit(MEASURING, 0)) for _ in range(5)]
     async with asyncio.timeout(10):
         await coordinator.asking.wait()
         coordinator.answer.set()
         await asyncio.gather(*checks)
     assert 1 <= coordinator.asked <= 2
     asked = coordinator.asked
-    await probes.check(MEASURING, 0)  # the answer is kept for a while
+    await probes.admit(MEASURING, 0)  # the answer is kept for a while
     assert coordinator.asked == asked
 
 
@@ -85,7 +85,7 @@ async def test_probes_are_refused_as_unavailable_when_the_coordinator_cannot_say
     probes = MemberProbes(coordinator)
     assert await refused(probes, MEASURING) == grpc.StatusCode.UNAVAILABLE
     coordinator.fails = False  # asked again (after the rate limit), and it answers
-    await probes.check(MEASURING, 0)
+    await probes.admit(MEASURING, 0)
     assert coordinator.asked == 2
     assert await refused(MemberProbes(FakeCoordinator(address="")), MEASURING) == (
         grpc.StatusCode.UNAVAILABLE

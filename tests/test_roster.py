@@ -108,20 +108,20 @@ def test_only_a_measuring_member_probes_within_its_budget() -> None:
     clock = Clock()
     roster = _roster(clock, "ab")
     with pytest.raises(Refusal) as info:
-        roster.check_link_probe("a", 1)  # joined, not measuring
+        roster.admit_probe("a", 1)  # joined, not measuring
     assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
     roster.note_measuring("a", measured=False)
     assert roster.measuring_since("a") == clock.now
-    roster.check_link_probe("a", PROBE_BUDGET_BYTES)
+    roster.admit_probe("a", PROBE_BUDGET_BYTES)
     clock.now += 1.0
     roster.note_measuring("a", measured=False)  # again while measuring: the same budget
     assert roster.measuring_since("a") == clock.now - 1.0
     with pytest.raises(Refusal) as info:
-        roster.check_link_probe("a", 1)
+        roster.admit_probe("a", 1)
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     roster.note_measuring("a", measured=True)
     assert roster.measuring_since("a") == 0.0
     roster.note_measuring("a", measured=False)  # measuring again: a fresh budget
-    roster.check_link_probe("a", 1)
+    roster.admit_probe("a", 1)
     clock.now += MEASURING_S
     assert roster.measuring_since("a") == 0.0  # not for ever

@@ -13,15 +13,15 @@ from ravnest_node.averaging.outer import OuterOptimizer
 from ravnest_node.averaging.robust import BanList, Screening, screen_norms
 from ravnest_node.averaging.rounds import RoundResult
 from ravnest_node.averaging.topology import Topology, choose_topology, round_payload_bytes
-from ravnest_node.averaging.wire import AveragingService, Member
+from ravnest_node.averaging.wire import AveragingService, Replica
 
 __all__ = [
     "DELTA_CODECS",
     "AveragingConfig",
     "AveragingService",
     "BanList",
-    "Member",
     "OuterOptimizer",
+    "Replica",
     "ReplicaAverager",
     "RoundResult",
     "Screening",

@@ -35,7 +35,7 @@ from ravnest_node.averaging.robust import BanList
 from ravnest_node.averaging.rounds import RoundKit, RoundResult, RoundRun
 from ravnest_node.averaging.topology import Topology
 from ravnest_node.averaging.whole_round import whole_round
-from ravnest_node.averaging.wire import ChannelFactory, Member, Pusher, push_handler
+from ravnest_node.averaging.wire import ChannelFactory, Pusher, Replica, push_handler
 from ravnest_node.errors import ConfigError
 from ravnest_node.transport.boundary import LinkCounters
 from ravnest_node.transport.options import TransportConfig
@@ -56,7 +56,7 @@ class ReplicaAverager:
         self,
         *,
         node_id: str,
-        members: Sequence[Member],
+        members: Sequence[Replica],
         config: AveragingConfig,
         numel: int,
         max_message_bytes: int,
@@ -117,7 +117,7 @@ class ReplicaAverager:
         return self._kit.group.node_id
 
     @property
-    def members(self) -> tuple[Member, ...]:
+    def members(self) -> tuple[Replica, ...]:
         """Every member of the group, this one included, sorted by node id."""
         return self._kit.group.members
 

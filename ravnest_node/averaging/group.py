@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from ravnest_node.averaging.robust import BanList
 from ravnest_node.averaging.topology import Topology, choose_topology, ring_chunks
-from ravnest_node.averaging.wire import Member
+from ravnest_node.averaging.wire import Replica
 from ravnest_node.errors import ConfigError
 from ravnest_node.transport.options import split_host_port
 
 
-def group_members(node_id: str, members: Sequence[Member]) -> tuple[Member, ...]:
+def group_members(node_id: str, members: Sequence[Replica]) -> tuple[Replica, ...]:
     """The group `members`, sorted by node id; ConfigError if it lists an id twice or lacks
     `node_id`."""
     ids = [m.node_id for m in members]
@@ -36,14 +36,14 @@ class Group:
 
     node_id: str
     """This member."""
-    members: tuple[Member, ...]
+    members: tuple[Replica, ...]
     """Every member, this one included, sorted by node id."""
     rank: int
     """This member's index in `members`."""
     ids: frozenset[str]
     """The members' node ids."""
     hosts: Mapping[str, str]
-    """Member id -> the host of its address (where its pushes should come from)."""
+    """Replica id -> the host of its address (where its pushes should come from)."""
     topology: Topology
     """How the group's rounds move deltas."""
     bounds: tuple[tuple[int, int], ...]
@@ -55,7 +55,7 @@ class Group:
     def of(
         cls,
         node_id: str,
-        members: tuple[Member, ...],
+        members: tuple[Replica, ...],
         bans: BanList,
         *,
         numel: int,
@@ -79,7 +79,7 @@ class Group:
         )
 
     @property
-    def others(self) -> tuple[Member, ...]:
+    def others(self) -> tuple[Replica, ...]:
         """The other members, less those banned for the run."""
         return tuple(m for m in self.members if m.node_id != self.node_id and not self._out(m))
 
@@ -94,9 +94,9 @@ class Group:
         return self.members[(self.rank - 1) % len(self.members)].node_id
 
     @property
-    def successor(self) -> Member:
+    def successor(self) -> Replica:
         """The member after this one in the ring (this member pushes its parts to it)."""
         return self.members[(self.rank + 1) % len(self.members)]
 
-    def _out(self, member: Member) -> bool:
+    def _out(self, member: Replica) -> bool:
         return member.node_id in self.bans.banned

@@ -19,7 +19,7 @@ from ravnest_node.averaging.inbox import GATHER, SCATTER, RoundInbox, part_name
 from ravnest_node.averaging.rounds import RoundKit, RoundResult, RoundRun
 from ravnest_node.averaging.topology import gather_chunk, owned_chunk, scatter_chunk
 from ravnest_node.averaging.whole_round import whole_round
-from ravnest_node.averaging.wire import Member
+from ravnest_node.averaging.wire import Replica
 from ravnest_node.errors import PeerError
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _assemble(kit: RoundKit, sums: dict[int, torch.Tensor]) -> torch.Tensor:
 async def _push_part(
     kit: RoundKit,
     run: RoundRun,
-    member: Member,
+    member: Replica,
     message: bytes,
     deadline: float,
     inbox: RoundInbox,

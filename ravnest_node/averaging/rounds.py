@@ -21,7 +21,7 @@ from ravnest_node.averaging.deltas import DeltaCoder
 from ravnest_node.averaging.group import Group
 from ravnest_node.averaging.inbox import Inboxes
 from ravnest_node.averaging.topology import Topology
-from ravnest_node.averaging.wire import Member, Pusher
+from ravnest_node.averaging.wire import Pusher, Replica
 
 T = TypeVar("T")
 
@@ -97,7 +97,7 @@ class RoundKit:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
 
-    async def push(self, run: RoundRun, member: Member, message: bytes, deadline: float) -> None:
+    async def push(self, run: RoundRun, member: Replica, message: bytes, deadline: float) -> None:
         """Push `message` to `member` before `deadline`, counting the bytes delivered in `run`
         (PeerUnavailable / PeerRefused as `Pusher.push`)."""
         delivered = await self.pusher.push(member, message, deadline)

@@ -20,7 +20,7 @@ import torch
 from ravnest_node.averaging.inbox import WHOLE
 from ravnest_node.averaging.robust import Screening, screen_norms, stable_norm
 from ravnest_node.averaging.rounds import RoundKit, RoundResult, RoundRun
-from ravnest_node.averaging.wire import Member, PeerBehind, PeerExcludes
+from ravnest_node.averaging.wire import PeerBehind, PeerExcludes, Replica
 from ravnest_node.errors import PeerRefused, PeerUnavailable
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ def _judge(
 
 
 async def _push_whole(
-    kit: RoundKit, run: RoundRun, member: Member, message: bytes, unreachable: set[str]
+    kit: RoundKit, run: RoundRun, member: Replica, message: bytes, unreachable: set[str]
 ) -> None:
     loop = asyncio.get_running_loop()
     while True:

@@ -40,7 +40,7 @@ _NOT_YET = frozenset({grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECO
 
 
 @dataclass(frozen=True, slots=True)
-class Member:
+class Replica:
     """One member of a replica group."""
 
     node_id: str
@@ -148,7 +148,7 @@ class Pusher:
         self._counters = counters
         self._channels: dict[str, Any] = {}
 
-    async def push(self, member: Member, message: bytes, deadline: float) -> int:
+    async def push(self, member: Replica, message: bytes, deadline: float) -> int:
         """Push one message to `member` before the event loop time `deadline`; the bytes
         delivered. PeerUnavailable if it cannot be reached in time, PeerRefused if it answers
         with an error status."""

@@ -269,7 +269,7 @@ class NodeDaemon:
             dial_in=worker.dial_in,
         )
         server.add_generic_rpc_handlers([boundary.handler()])
-        server.add_generic_rpc_handlers([ProbeServer(self._check_probe, self.counters).handler()])
+        server.add_generic_rpc_handlers([ProbeServer(self._admit_probe, self.counters).handler()])
         pb_grpc.add_NodeServicer_to_server(NodeService(self.status, lambda: self._worker), server)
         if cfg.discovery.is_coordinator:
             self.leadership.service = self._coordinator_service(epoch=1)
@@ -317,15 +317,15 @@ class NodeDaemon:
         self._write_ready()
         return True
 
-    async def _check_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
+    async def _admit_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
         """Link probes: under epoch 0 a member measuring its link to this coordinator or this
         node; under a plan's epoch, a neighbour of this node's stage. Refusal otherwise."""
         service = self.leadership.service
         if epoch == 0 and service is not None:
-            service.check_link_probe(peer_node_id, nbytes)
+            service.admit_probe(peer_node_id, nbytes)
             return
         assert self._worker is not None
-        await self._worker.check_probe(peer_node_id, epoch, nbytes)
+        await self._worker.admit_probe(peer_node_id, epoch, nbytes)
 
     def _coordinator_service(self, epoch: int) -> CoordinatorService:
         cfg = self.config

@@ -3,12 +3,13 @@
 **A call that failed** (`grpc.aio.AioRpcError`, the client side) is one of two faults
 (errors.py):
 
-- `PeerUnavailable`: the peer gave no answer. UNAVAILABLE (no connection, or it broke),
-  DEADLINE_EXCEEDED (no answer in time) and CANCELLED. A call this node cancels itself never
-  gets here (grpc.aio raises `asyncio.CancelledError` in the caller for it), so a CANCELLED
-  status comes from the other end: its server stopping with the call open, or a relay or
-  proxy dropping it. Either way nobody answered, and the caller may try again (it checks
-  whether its own node is stopping first).
+- `PeerUnavailable`: the peer gave no answer. UNAVAILABLE (no connection, or it broke: also
+  what a caller gets when the peer's server stops with the call open), DEADLINE_EXCEEDED (no
+  answer in time) and CANCELLED. A call this node cancels itself never gets here (grpc.aio
+  raises `asyncio.CancelledError` in the caller for it; tests/test_transport_errors.py), so a
+  CANCELLED status comes from the other end or from between: the HTTP/2 stream reset with
+  CANCEL (a proxy, a relay). Nobody answered, and the caller may try again (it checks whether
+  its own node is stopping first).
 - `PeerRefused`: every other status. The peer answered, and said no.
 
 **A call this node refuses** (the server side): a handler raises `Refusal(code, reason)` and

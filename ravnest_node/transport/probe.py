@@ -201,8 +201,8 @@ def probe_sender(
     return send
 
 
-Check = Callable[[str, int, int], Awaitable[None]]
-"""check(peer_node_id, epoch, nbytes): returns if that peer may probe with that many bytes now,
+Admit = Callable[[str, int, int], Awaitable[None]]
+"""admit(peer_node_id, epoch, nbytes): returns if that peer may probe with that many bytes now,
 raises Refusal otherwise."""
 
 
@@ -210,8 +210,8 @@ class ProbeServer:
     """The server half: a generic raw-bytes unary handler for `PATH`. The answers of pulled
     probes are bytes this node sends: counted in `counters`, for the prober."""
 
-    def __init__(self, check: Check, counters: LinkCounters | None = None) -> None:
-        self._check = check
+    def __init__(self, admit: Admit, counters: LinkCounters | None = None) -> None:
+        self._admit = admit
         self._counters = counters
 
     def handler(self) -> Any:
@@ -237,7 +237,7 @@ class ProbeServer:
                 f"probe of {size} bytes exceeds the limit of {MAX_PROBE_BYTES}",
             )
         try:
-            await self._check(peer_id, epoch, size)
+            await self._admit(peer_id, epoch, size)
         except Refusal as refusal:
             await context.abort(refusal.code, refusal.reason)
         if pull and self._counters is not None:

@@ -56,7 +56,7 @@ class Roster:
         when that began. Only they may send link probes under epoch 0."""
         self._probe_turns = ProbeTurns(clock=clock)
         self._probe_bytes: dict[str, int] = {}
-        """Link-probe bytes each member has sent this coordinator (check_link_probe)."""
+        """Link-probe bytes each member has sent this coordinator (admit_probe)."""
 
     # ----- who is a member --------------------------------------------------------------------
     def index(self, node_id: str) -> int | None:
@@ -197,7 +197,7 @@ class Roster:
         since = self._measuring.get(node_id, 0.0)
         return since if since and self._clock() - since < MEASURING_S else 0.0
 
-    def check_link_probe(self, node_id: str, nbytes: int) -> None:
+    def admit_probe(self, node_id: str, nbytes: int) -> None:
         """A member measures its link to this coordinator (link probes under epoch 0): only a
         member that is measuring (between its first Join and its capabilities), within
         PROBE_BUDGET_BYTES each time it measures; Refusal otherwise."""

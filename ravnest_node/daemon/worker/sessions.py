@@ -8,7 +8,7 @@ stream attaches to the session of the plan this node trains now (`Session`), and
 plan's neighbours may attach. A neighbour may have the plan a moment before this node: a call
 waits for it, within the connect timeout.
 
-Link probes are admitted here too (`check_probe`): under a plan, from the stage's neighbours
+Link probes are admitted here too (`admit_probe`): under a plan, from the stage's neighbours
 within PROBE_BUDGET_BYTES each; under epoch 0 (before a plan, or a newcomer measuring its
 links), from members measuring their links as the coordinator lists them (`MemberProbes`).
 """
@@ -136,7 +136,7 @@ class MemberProbes:
         """Probe bytes each member has sent per measuring (node id, measuring_since)."""
         self._turns = ProbeTurns()
 
-    async def check(self, peer_node_id: str, nbytes: int) -> None:
+    async def admit(self, peer_node_id: str, nbytes: int) -> None:
         """Admit `nbytes` of probes from `peer_node_id`; Refusal otherwise."""
         if not valid_node_id(peer_node_id):
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED, "probe without a valid node id")
@@ -424,13 +424,13 @@ class Sessions:
                 slot.ended.add_done_callback(_retrieve)
 
     # ----- probes -----------------------------------------------------------------------------
-    async def check_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
+    async def admit_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
         """Called by the gRPC server for each link probe: only the plan's neighbours of this
         stage may probe, under the current epoch, within PROBE_BUDGET_BYTES each; Refusal
         otherwise. Waits for the plan like `open_session`. Under epoch 0 (before a plan, or a
         newcomer measuring its links), any member measuring its links may (`MemberProbes`)."""
         if epoch == 0:
-            await self._members.check(peer_node_id, nbytes)
+            await self._members.admit(peer_node_id, nbytes)
             return
         session = await self._session_at(epoch, "probe")
         if not peer_node_id or peer_node_id not in (

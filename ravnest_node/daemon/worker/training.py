@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ravnest_node.averaging import AveragingConfig, AveragingService, Member, ReplicaAverager
+from ravnest_node.averaging import AveragingConfig, AveragingService, Replica, ReplicaAverager
 from ravnest_node.blocks import BlockWeights
 from ravnest_node.coordination.planning.static_plan import (
     check_plan,
@@ -153,7 +153,7 @@ class StageTrainer:
         """Where the run's pretrained model and data may be read from (check_allowed)."""
         self._compute = compute
         self._transport = transport
-        self._averaging = averaging
+        self._push_service = averaging
         self._client = client
         self._keeper = keeper
         self._handover = handover
@@ -198,8 +198,8 @@ class StageTrainer:
             await self._run(stage)
         finally:
             if averaging is not None:  # also when a neighbour broke the plan
-                assert self._averaging is not None
-                self._averaging.attach(None)
+                assert self._push_service is not None
+                self._push_service.attach(None)
                 await averaging.averager.close()
         log.info("stage %d is at step %d", spec.index, runtime.version)
         return runtime
@@ -387,7 +387,7 @@ class StageTrainer:
         group = replica_group(plan, me)
         if len(group) < 2:
             return None
-        if self._averaging is None:
+        if self._push_service is None:
             raise RunFailed("this node cannot serve replica averaging")
         config = AveragingConfig(
             every_steps=run.average_every,
@@ -403,19 +403,19 @@ class StageTrainer:
         try:
             averager = ReplicaAverager(
                 node_id=self.node_id,
-                members=[Member(node_id=s.node_id, address=s.address) for s in group],
+                members=[Replica(node_id=s.node_id, address=s.address) for s in group],
                 config=config,
                 numel=sum(p.numel() for p in params),
                 max_message_bytes=self._transport.max_message_bytes,
                 counters=self._counters,
                 layout=[tuple(p.shape) for p in params],
                 transport=self._transport,
-                bans=self._averaging.bans,
+                bans=self._push_service.bans,
                 fault_push_scale=POISON_SCALE if run.fault_poison_pipeline == me.pipeline else 1.0,
             )
         except ConfigError as exc:
             raise RunFailed(f"cannot average stage {me.index}: {exc}") from None
-        self._averaging.attach(averager)
+        self._push_service.attach(averager)
         log.info("stage %d averages with %d replicas every %d steps (%s, %s)", me.index,
                  len(group) - 1, config.every_steps, averager.topology, config.codec)  # fmt: skip
         return Averaging(config=config, averager=averager)

@@ -408,9 +408,9 @@ class Worker:
         """The next stage, behind NAT, opens BoundaryBack (Sessions.dial_in)."""
         return await self._sessions.dial_in(peer_node_id, epoch)
 
-    async def check_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
-        """Admit a link probe, or Refusal (Sessions.check_probe)."""
-        await self._sessions.check_probe(peer_node_id, epoch, nbytes)
+    async def admit_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
+        """Admit a link probe, or Refusal (Sessions.admit_probe)."""
+        await self._sessions.admit_probe(peer_node_id, epoch, nbytes)
 
     def fetch_block(self, request: pb.BlockRequest) -> AsyncIterator[pb.BlockChunk]:
         """Node.FetchBlock: a block this node kept when its last plan ended (Handover.serve);
