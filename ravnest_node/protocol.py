@@ -7,15 +7,20 @@ docs/protocol.md describes the calls these numbers bound.
 
 from __future__ import annotations
 
+import hashlib
+
 __all__ = [
     "DEFAULT_LEASE_S",
     "LOST_AFTER_LEASES",
     "MAX_EPOCH_AHEAD",
+    "MAX_MEMBER_KEY_LEN",
     "MAX_OFFERS",
     "MAX_PEER_LINKS",
+    "MEMBER_KEY_METADATA",
     "PROTOCOL",
     "UNREACHABLE_KEY",
     "heartbeat_interval",
+    "member_key_digest",
 ]
 
 PROTOCOL = "ravnest.v1"
@@ -48,3 +53,19 @@ def heartbeat_interval(lease_s: float) -> float:
     """How often a member sends a heartbeat for a lease of `lease_s`: two lost ones are
     forgiven."""
     return lease_s / 3
+
+
+MEMBER_KEY_METADATA = "ravnest-member-key"
+"""Call metadata of a member's calls to its coordinator (Join, Heartbeat, Report, Suspect,
+Drain, Leave): the member key that proves the caller is the member its request names. A node
+makes its key once (kept in its state directory beside its id); the coordinator keeps the
+key's sha256 from the node's first Join and refuses a member-scoped call that does not carry
+it, so a stranger who read a member's id (`status --swarm`) cannot speak for it."""
+
+MAX_MEMBER_KEY_LEN = 128
+"""Characters of a member key a coordinator reads."""
+
+
+def member_key_digest(key: str) -> bytes:
+    """What a coordinator keeps of a member key (and what plans carry): its sha256."""
+    return hashlib.sha256(key.encode()).digest()

@@ -7,6 +7,7 @@ import secrets
 from pathlib import Path
 
 NODE_ID_FILE = "node_id"
+MEMBER_KEY_FILE = "member_key"
 MAX_NODE_ID_LEN = 64
 MAX_SWARM_NAME_LEN = 64
 
@@ -65,3 +66,23 @@ def load_or_create_node_id(state_dir: Path | None) -> str:
     node_id = secrets.token_hex(8)
     write_atomic(path, node_id.encode())
     return node_id
+
+
+def load_or_create_member_key(state_dir: Path | None) -> str:
+    """This node's member key (protocol.MEMBER_KEY_METADATA): kept in `state_dir` readable by
+    this user only, beside the node's id, so that a restarted node is still the member it
+    was; without a state directory a fresh key each start (as the id is)."""
+    if state_dir is None:
+        return secrets.token_urlsafe(32)
+    path = state_dir / MEMBER_KEY_FILE
+    if path.exists():
+        key = path.read_text().strip()
+        if (
+            32 <= len(key) <= 128
+            and key.isascii()
+            and key.replace("-", "").replace("_", "").isalnum()
+        ):
+            return key
+    key = secrets.token_urlsafe(32)
+    write_atomic(path, key.encode(), mode=0o600)
+    return key

@@ -10,7 +10,7 @@ import grpc
 
 from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.protocol import PROTOCOL
+from ravnest_node.protocol import MEMBER_KEY_METADATA, PROTOCOL
 
 
 class Aborted(Exception):
@@ -26,7 +26,14 @@ class Aborted(Exception):
 
 
 class FakeContext:
-    """The part of grpc.aio.ServicerContext the coordinator uses."""
+    """The part of grpc.aio.ServicerContext the coordinator uses. Its calls carry the member
+    key `key` (every member of a test has the same one unless the test says otherwise)."""
+
+    def __init__(self, key: str = "test-member-key") -> None:
+        self.key = key
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((MEMBER_KEY_METADATA, self.key),) if self.key else ()
 
     async def abort(
         self,
@@ -53,11 +60,16 @@ def capabilities(total_s: float = 0.08, blocks: int = 8, memory: int = 2**34) ->
 
 
 async def join(
-    svc: CoordinatorService, node: str, address: str = "", caps: pb.Capabilities | None = None
+    svc: CoordinatorService,
+    node: str,
+    address: str = "",
+    caps: pb.Capabilities | None = None,
+    key: str = "test-member-key",
 ) -> pb.JoinReply:
-    """A node's two joins: to learn what to measure, then with what it measured."""
+    """A node's two joins: to learn what to measure, then with what it measured (its calls
+    carry the member key `key`)."""
     request = pb.JoinRequest(node_id=node, address=address or f"{node}:1", protocol=PROTOCOL)
-    ctx: Any = FakeContext()
+    ctx: Any = FakeContext(key)
     first = await svc.Join(request, ctx)
     request.capabilities.CopyFrom(caps or capabilities())
     again = await svc.Join(request, ctx)

@@ -22,12 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ravnest_node.averaging import wire
 from ravnest_node.compression import get_codec
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.protocol import MEMBER_KEY_METADATA, PROTOCOL
 from ravnest_node.transport import boundary, probe
 from ravnest_node.transport.frames import MAGIC, FrameKind, Outgoing, encode_frame
 from ravnest_node.transport.options import TransportConfig
@@ -281,6 +285,7 @@ def test_a_training_swarm_shrugs_off_thousands_of_hostile_messages(
     assert all(storm.fuzzed[what] >= 3 for what in ("OK", "the parser", *REFUSED_BY)), storm.fuzzed
     refused = sum(node_status(n["address"]).frames_refused for n in nodes) - refused_before
     assert refused == storm.fuzzed.total() - storm.fuzzed["OK"]
+    _impersonate(coordinator, next(n for n, i in stages.items() if i == 1), plan.epoch)
     _flood(coordinator)
     assert not node_status(middle).run_done, "the flood should hit a swarm that is still training"
     # Meanwhile, the same run in a plain PyTorch loop (one torch thread, as every node has).
@@ -293,6 +298,30 @@ def test_a_training_swarm_shrugs_off_thousands_of_hostile_messages(
     for proc in procs.started:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def _impersonate(coordinator: str, member: str, epoch: int) -> None:
+    """Every call that speaks for a member, naming the middle stage's node, without its
+    member key or with a guessed one: each is refused (and the run's one plan, asserted at
+    the end, shows that none of them changed anything)."""
+    calls = [
+        ("Leave", pb.LeaveRequest(node_id=member)),
+        ("Heartbeat", pb.HeartbeatRequest(node_id=member)),
+        ("Report", pb.StageReport(node_id=member, stage=1, plan_epoch=epoch, step=1)),
+        ("Suspect", pb.SuspectRequest(node_id=member, plan_epoch=epoch, suspects=[member])),
+        ("Drain", pb.DrainRequest(node_id=member, plan_epoch=epoch)),
+        ("Join", pb.JoinRequest(node_id=member, address="127.0.0.1:9", protocol=PROTOCOL)),
+    ]
+    with grpc.insecure_channel(coordinator) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        for metadata, code in (
+            ((), grpc.StatusCode.UNAUTHENTICATED),
+            (((MEMBER_KEY_METADATA, "a-guess"),), grpc.StatusCode.PERMISSION_DENIED),
+        ):
+            for method, request in calls:
+                with pytest.raises(grpc.RpcError) as refused:
+                    getattr(stub, method)(request, metadata=metadata, timeout=10)
+                assert refused.value.code() == code, (method, refused.value.details())
 
 
 def _flood(coordinator: str) -> None:

@@ -49,7 +49,7 @@ from ravnest_node.models.pretrained import local_paths
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.protocol import PROTOCOL
-from ravnest_node.state import load_or_create_node_id, write_atomic
+from ravnest_node.state import load_or_create_member_key, load_or_create_node_id, write_atomic
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters
 from ravnest_node.transport.gate import TlsGate
 from ravnest_node.transport.limits import PeerLimiter
@@ -109,6 +109,8 @@ class NodeDaemon:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.node_id = load_or_create_node_id(config.state_dir)
+        self._member_key = load_or_create_member_key(config.state_dir)
+        """What proves to a coordinator that this node's calls are its own (member_keys.py)."""
         self.address = ""
         self._worker: Worker | None = None
         self.leadership = Leadership(config, self.node_id, self._coordinator_service)
@@ -234,6 +236,7 @@ class NodeDaemon:
         worker = Worker(
             averaging=self.averaging,
             node_id=self.node_id,
+            member_key=self._member_key,
             address=self.address,
             coordinator_address=found.address if found else "",
             compute_threads=torch.get_num_threads(),

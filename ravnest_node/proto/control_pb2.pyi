@@ -341,7 +341,7 @@ class RunSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., fault_poison_pipeline: _Optional[int] = ..., recompute: _Optional[bool] = ..., stages: _Optional[int] = ..., weight_prediction: _Optional[bool] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline", "relayed", "unpacks_deflate")
+    __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline", "relayed", "unpacks_deflate", "member_key_sha256")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     STOP_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +350,7 @@ class StageAssignment(_message.Message):
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     UNPACKS_DEFLATE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_KEY_SHA256_FIELD_NUMBER: _ClassVar[int]
     index: int
     first_block: int
     stop_block: int
@@ -358,7 +359,8 @@ class StageAssignment(_message.Message):
     pipeline: int
     relayed: bool
     unpacks_deflate: bool
-    def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ..., relayed: _Optional[bool] = ..., unpacks_deflate: _Optional[bool] = ...) -> None: ...
+    member_key_sha256: bytes
+    def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ..., relayed: _Optional[bool] = ..., unpacks_deflate: _Optional[bool] = ..., member_key_sha256: _Optional[bytes] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("epoch", "swarm_id", "run", "stages", "start_step", "pending", "previous", "restore")

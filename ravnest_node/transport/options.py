@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -180,20 +181,25 @@ def _channel_args(cfg: TransportConfig) -> ChannelArgs:
     return options, grpc.ssl_channel_credentials(creds.ca_pem, creds.key_pem, creds.cert_pem)
 
 
-def grpc_channel(address: str, cfg: TransportConfig) -> grpc.aio.Channel:
+def grpc_channel(
+    address: str, cfg: TransportConfig, interceptors: Sequence[Any] = ()
+) -> grpc.aio.Channel:
     """A channel to the node at `address`: mutual TLS with the swarm's credentials, or plain
-    in an open swarm."""
+    in an open swarm; its calls go through `interceptors` (client interceptors)."""
     options, creds = _channel_args(cfg)
+    chain = list(interceptors) or None
     if creds is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, creds, options=options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=chain)
+    return grpc.aio.secure_channel(address, creds, options=options, interceptors=chain)
 
 
 @asynccontextmanager
-async def open_channel(address: str, cfg: TransportConfig) -> AsyncIterator[grpc.aio.Channel]:
+async def open_channel(
+    address: str, cfg: TransportConfig, interceptors: Sequence[Any] = ()
+) -> AsyncIterator[grpc.aio.Channel]:
     """A channel to a peer, ready to use (closed on the way out); PeerUnavailable if it does
     not answer within the connect timeout."""
-    channel = grpc_channel(address, cfg)
+    channel = grpc_channel(address, cfg, interceptors)
     try:
         try:
             async with asyncio.timeout(cfg.connect_timeout_s):

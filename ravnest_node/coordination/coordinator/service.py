@@ -26,6 +26,7 @@ import grpc
 
 from ravnest_node.coordination.coordinator import member_calls, recovery, replan, reporting
 from ravnest_node.coordination.coordinator.faults import FaultBook
+from ravnest_node.coordination.coordinator.member_keys import key_of
 from ravnest_node.coordination.coordinator.planbook import PlanBook
 from ravnest_node.coordination.coordinator.progress import RunProgress
 from ravnest_node.coordination.coordinator.roster import Roster
@@ -147,14 +148,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def progress(self) -> RunProgress:
         return self._state.progress
 
+    def _speaks_for(self, node_id: str, context: Context) -> None:
+        """A member-scoped call naming `node_id` carries that member's key (member_keys.py);
+        Refusal otherwise. A call naming no member is left to the call's own checks."""
+        if not self._state.roster.is_member(node_id):
+            return  # (refused as from a stranger by the call itself)
+        if self._state.roster.keys.check(node_id, key_of(context.invocation_metadata())):
+            self._state.save_members()
+
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
 
     # ----- membership and plan ----------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context: Context) -> pb.JoinReply:
+        key = key_of(context.invocation_metadata())
         async with _answered(context):
             member_calls.check_join(request, self._state.num_blocks())
+            self._state.roster.keys.may_join(request.node_id, key)
         if await self._unreachable(request):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -164,8 +175,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 "with --relay-listen); otherwise check --advertise and the firewall",
                 trailing_metadata=((UNREACHABLE_KEY, "1"),),
             )
+        keys = self._state.roster.keys
         async with _answered(context):
-            reply, changed = member_calls.join(self._state, request)
+            # The key is the member's before its join can publish a plan (plans carry it).
+            added = keys.claim(request.node_id, key)
+            try:
+                reply, changed = member_calls.join(self._state, request)
+            except Refusal:
+                if added:
+                    keys.forget([request.node_id])
+                raise
+        if added:
+            self._state.save_members()
         if changed:
             await self._notify()
         return reply
@@ -188,6 +209,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatReply:
         async with _answered(context):
+            self._speaks_for(request.node_id, context)
             reply, changed = member_calls.heartbeat(self._state, request)
         if changed:
             await self._notify()
@@ -200,6 +222,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         lost now. One that answers stays: a broken stream alone proves nothing (its own
         neighbour may have broken it)."""
         async with _answered(context):
+            self._speaks_for(request.node_id, context)
             targets = member_calls.suspect_targets(self._state, request, self._probing)
         plan, probe = self.plan, self._probe
         if not targets or plan is None or probe is None:
@@ -222,12 +245,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: Context) -> pb.LeaveReply:
         async with _answered(context):
+            self._speaks_for(request.node_id, context)
             reply = member_calls.leave(self._state, request)
         await self._notify()
         return reply
 
     async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainReply:
         async with _answered(context):
+            self._speaks_for(request.node_id, context)
             stop = replan.drain(self._state, request)
         if stop is not None:  # a retry after the end was fixed
             return pb.DrainReply(stop_step=stop)
@@ -261,6 +286,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # ----- progress ---------------------------------------------------------------------------
     async def Report(self, request: pb.StageReport, context: Context) -> pb.ReportReply:
         async with _answered(context):
+            self._speaks_for(request.node_id, context)
             changed = reporting.report(self._state, request)
         if changed:
             await self._notify()

@@ -58,6 +58,8 @@ class Saved:
     swarm_size: int = 0
     members: list[Member] = field(default_factory=list)
     capabilities: dict[str, pb.Capabilities] = field(default_factory=dict)
+    member_keys: dict[str, bytes] = field(default_factory=dict)
+    """Node id -> the sha256 of its member key (member_keys.py)."""
     plan: pb.Plan | None = None
     started_unix: float = 0.0
     """Wall-clock time (time.time()) the plan was published."""
@@ -173,6 +175,9 @@ class CoordinatorStore:
             saved.members.append(Member(node_id=str(node_id), address=str(address)))
             if caps is not None:
                 saved.capabilities[node_id] = pb.Capabilities.FromString(caps)
+        if "member_keys" in meta:
+            keys = json.loads(str(meta["member_keys"]))
+            saved.member_keys = {str(k): bytes.fromhex(str(v)) for k, v in keys.items()}
         for pipeline, step, loss in db.execute("SELECT pipeline, step, loss FROM losses"):
             saved.pipeline_losses.setdefault(int(pipeline), {})[int(step)] = float(loss)
         for node_id, nbytes in db.execute("SELECT node_id, bytes FROM bytes_sent"):
@@ -198,9 +203,14 @@ class CoordinatorStore:
             cur.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", rows)
 
     def save_members(
-        self, members: Iterable[Member], capabilities: dict[str, pb.Capabilities]
+        self,
+        members: Iterable[Member],
+        capabilities: dict[str, pb.Capabilities],
+        member_keys: dict[str, bytes] | None = None,
     ) -> None:
-        """Replace the member list (joins, and evictions before the plan)."""
+        """Replace the member list (joins, and evictions before the plan) and the digests of
+        their keys."""
+        keys = json.dumps({k: v.hex() for k, v in sorted((member_keys or {}).items())})
         rows = [
             (
                 i,
@@ -213,6 +223,7 @@ class CoordinatorStore:
         with self._transaction() as cur:
             cur.execute("DELETE FROM members")
             cur.executemany("INSERT INTO members VALUES (?, ?, ?, ?)", rows)
+            cur.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ("member_keys", keys))
 
     def save_plan(self, plan: pb.Plan, started_unix: float) -> None:
         rows = [("plan", plan.SerializeToString()), ("started_unix", started_unix)]

@@ -67,13 +67,13 @@ class SwarmState:
         did not sign up for)."""
         model = get_model(train.model)
         check_swarm_shape(swarm_size, train)
+        roster = Roster(lease_s=lease_s, clock=clock, node_id=node_id, relay_address=relay_address)
         state = cls(
             train=train, model=model, swarm_id=swarm_id, swarm_size=swarm_size,
             fingerprint=model.dataset(seed=train.seed).fingerprint, clock=clock,
             summary_path=summary_path, store=store,
-            roster=Roster(lease_s=lease_s, clock=clock, node_id=node_id,
-                          relay_address=relay_address),
-            book=PlanBook(epoch), faults=FaultBook(), progress=RunProgress(train, clock),
+            roster=roster, book=PlanBook(epoch, stamp=roster.keys.stamp), faults=FaultBook(),
+            progress=RunProgress(train, clock),
         )  # fmt: skip
         if store is not None:
             state._open(store)
@@ -97,7 +97,8 @@ class SwarmState:
     # ----- the store --------------------------------------------------------------------------
     def save_members(self) -> None:
         if self.store is not None:
-            self.store.save_members(self.roster.members, self.roster.capabilities)
+            roster = self.roster
+            self.store.save_members(roster.members, roster.capabilities, roster.keys.digests)
 
     def save_faults(self) -> None:
         if self.store is not None:
@@ -139,6 +140,7 @@ class SwarmState:
     def _resume(self, saved: Saved) -> None:
         now = self.clock()
         self.roster.resume(saved.members, saved.capabilities, now)
+        self.roster.keys.learn(saved.member_keys.items())
         faults, progress = saved.faults, self.progress
         self.faults.resume(
             crashes=faults.crashes, restores=faults.restores, dropped=faults.dropped,
