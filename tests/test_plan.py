@@ -191,10 +191,12 @@ def test_at_100mbit_auto_compresses_and_an_uncompressed_link_is_the_bottleneck()
 
 def test_an_int8_base_holds_less_than_a_bf16_one() -> None:
     shape = LLAMA_PRESETS["llama-8b"].shape("llama-8b")
-    bf16 = estimate(shape, rtx4090s(2), Link(1e9), Training(mode="lora", base="bf16"))
-    int8 = estimate(shape, rtx4090s(2), Link(1e9), LORA_INT8)
+    bf16 = estimate(shape, rtx4090s(3), Link(1e9), Training(mode="lora", base="bf16"))
+    int8 = estimate(shape, rtx4090s(3), Link(1e9), LORA_INT8)
     weights = [sum(s.memory["weights"] for s in e.stages) for e in (bf16, int8)]
-    assert weights[1] == pytest.approx(weights[0] / 2, rel=0.02)
+    # The linear layers' matrices halve; the embedding table and the vectors stay fp32.
+    matrices = sum(b.matrix_params for b in shape.blocks)
+    assert weights[0] - weights[1] == pytest.approx(matrices, rel=0.01)
 
 
 def test_recompute_only_when_needed_unless_asked() -> None:
@@ -384,4 +386,3 @@ def test_a_local_bert_is_measured_without_reading_its_weights(
     shape = pretrained_shape(f"{name},lora=2")  # the shape before LoRA
     assert shape.params == params
     assert len(shape.blocks) == get_model(name).num_blocks()
-

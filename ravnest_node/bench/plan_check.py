@@ -51,12 +51,16 @@ from ravnest_node.coordination.planning.estimate import (
     SharedHost,
     Training,
     estimate,
+    stage_memory,
 )
+from ravnest_node.coordination.planning.negotiate import STASH_BYTES_PER_PARAM
 from ravnest_node.coordination.planning.placement import Link
-from ravnest_node.coordination.planning.shapes import model_shape
+from ravnest_node.coordination.planning.shapes import LlamaConfig, model_shape
 from ravnest_node.daemon.worker.capabilities import available_memory_bytes
 from ravnest_node.launch.demo import Demo, DemoConfig
-from ravnest_node.models import BlockModel, get_model
+from ravnest_node.models import BlockModel, TensorSpec, get_model, run_blocks
+from ravnest_node.models.lora import LoRAConfig, freeze
+from ravnest_node.models.pretrained.llama import LlamaLayer
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.transport.frames import FrameKind, FrameLimits, encode_frame, parse_frame
 
@@ -381,6 +385,104 @@ def run_plan_check(
     return 0
 
 
+MEMORY_LLAMA = LlamaConfig(layers=3, hidden=64, heads=4, kv_heads=2, mlp_hidden=128, vocab=256,
+                           seq_len=64)  # fmt: skip
+"""The Llama-shaped stage of the memory check: small enough for a CPU, every matrix a
+multiple of nf4's blocks."""
+MEMORY_TRAIN = Training(batch_size=4, microbatches=2, max_staleness=1, recompute="off")
+"""Microbatches of 2 samples, 4 in flight."""
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def measure_stage_memory(
+    blocks: Sequence[torch.nn.Module], inputs: Sequence[torch.Tensor], max_staleness: int
+) -> dict[str, float]:
+    """Bytes a stage of `blocks` keeps with `inputs` (one per microbatch) in flight, measured
+    on the CPU: its frozen buffers (weights), its parameters with their gradients, AdamW
+    moments and `max_staleness` stashed copies (trainable), and the distinct tensors autograd
+    saves for the backward of every microbatch (activations, not counting the stage's own
+    parameters and buffers). Blocks the calling thread."""
+    params = [p for b in blocks for p in b.parameters()]
+    own = {t.untyped_storage().data_ptr() for b in blocks for t in (*b.parameters(), *b.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    outputs = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for x in inputs:
+            inp = x.detach().requires_grad_(x.dtype.is_floating_point)
+            outputs.append(run_blocks(blocks, inp))
+    activations = float(sum(saved.values()))
+    for out in outputs:
+        torch.autograd.backward(out, torch.ones_like(out))
+    optimizer = torch.optim.AdamW(params)
+    optimizer.step()
+    moments = sum(t.nbytes for st in optimizer.state.values() for t in st.values() if t.dim())
+    grads = sum(p.grad.nbytes for p in params if p.grad is not None)
+    stash = STASH_BYTES_PER_PARAM * max_staleness * sum(p.numel() for p in params)
+    return {
+        "weights": float(sum(t.nbytes for b in blocks for t in b.buffers())),
+        "trainable": float(sum(p.nbytes for p in params) + grads + moments + stash),
+        "activations": activations,
+    }
+
+
+def _memory_case(kind: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(plan, measured) bytes of one stage kind: "full" (blocks 1..3 of bench-small), or
+    "lora-BASE" (MEMORY_LLAMA's layers, adapters on every linear layer, the base as BASE)."""
+    t, gen = MEMORY_TRAIN, torch.Generator().manual_seed(0)
+    if kind == "full":
+        model = get_model("bench-small")
+        blocks = model.build_stage(0, 1, 4)
+        spec = model.output_spec(0, t.microbatch)
+        shape, first, stop, train = model_shape(model), 1, 4, t
+    else:
+        base = kind.removeprefix("lora-")
+        c = MEMORY_LLAMA
+        config = {"hidden_size": c.hidden, "intermediate_size": c.mlp_hidden,
+                  "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads,
+                  "max_position_embeddings": c.seq_len, "rms_norm_eps": 1e-6,
+                  "rope_theta": 1e4}  # fmt: skip
+        lora = LoRAConfig(rank=t.lora_rank, alpha=16.0, targets=LLAMA_LINEARS, base=base)
+        blocks = []
+        for i in range(c.layers):
+            layer = LlamaLayer(config)
+            freeze(layer, lora, seed=0, index=i + 1)
+            blocks.append(layer)
+        shape, first, stop = c.shape("memory-llama", torch.float32), 1, 1 + c.layers
+        train = dataclasses.replace(t, mode="lora", base=base)  # type: ignore[arg-type]
+        spec = TensorSpec("hidden", (t.microbatch, c.seq_len, c.hidden), torch.float32)
+    size = spec.shape
+    inputs = [torch.randn(size, generator=gen) for _ in range(t.in_flight)]
+    plan = stage_memory(shape, train, first, stop)
+    return plan, measure_stage_memory(blocks, inputs, t.max_staleness)
+
+
+MEMORY_KINDS = ("full", "lora-bf16", "lora-nf4")
+
+
+def run_memory_check(out: TextIO = sys.stdout) -> list[Record]:
+    """The plan's bytes against the measured ones for each stage kind; prints the table."""
+    print("| stage | plan bytes | measured bytes | plan / measured | weights | trainable | "
+          "activations (plan / measured) |", file=out)  # fmt: skip
+    print("|---|---|---|---|---|---|---|", file=out)
+    records = []
+    for kind in MEMORY_KINDS:
+        plan, measured = _memory_case(kind)
+        total_plan, total = sum(plan.values()), sum(measured.values())
+        parts = [f"{plan[k]:,.0f} / {measured[k]:,.0f}" for k in plan]
+        print(f"| {kind} | {total_plan:,.0f} | {total:,.0f} | {total_plan / total:.3f} | "
+              + " | ".join(parts) + " |", file=out, flush=True)  # fmt: skip
+        records.append({"stage": kind, "plan": plan, "measured": measured,
+                        "ratio": total_plan / total})  # fmt: skip
+    return records
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ravnest_node.bench.plan_check``."""
     parser = argparse.ArgumentParser(prog="python -m ravnest_node.bench.plan_check")
@@ -388,7 +490,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=3, help="node processes (default 3)")
     parser.add_argument("--steps", type=int, default=40, help="steps per run (default 40)")
     parser.add_argument("--jsonl", type=Path, help="write the records here")
+    parser.add_argument(
+        "--memory", action="store_true", help="check the plan's memory per stage against a run's"
+    )
     args = parser.parse_args(argv)
+    if args.memory:
+        run_memory_check()
+        return 0
     return run_plan_check(args.models, args.nodes, args.steps, args.jsonl)
 
 

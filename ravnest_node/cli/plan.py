@@ -271,7 +271,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-rank", type=int, metavar="R", help=f"default {defaults.lora_rank}")
     parser.add_argument(
         "--base",
-        choices=["fp32", "bf16", "int8"],
+        choices=["fp32", "bf16", "int8", "nf4"],
         help=f"lora: storage of the frozen base (default {defaults.base})",
     )
     parser.add_argument(
@@ -372,9 +372,11 @@ def _hint(t: Training) -> str:
     """What would need less memory."""
     if t.mode == "full":
         return "Try --mode lora (a frozen base needs no optimizer state), or more nodes."
-    if t.base != "int8":
-        return "Try --base int8 (half of bf16), smaller microbatches, or more nodes."
-    return "Try smaller microbatches, a shorter --seq-len, or more nodes."
+    if t.base != "nf4":
+        return "Try --base nf4 (a quarter of bf16), a smaller --batch-size, or more nodes."
+    # Each stage may hold (max staleness + 1) x batch size samples between forward and
+    # backward: smaller microbatches of the same batch hold as much.
+    return "Try a smaller --batch-size, a shorter --seq-len, or more nodes."
 
 
 def _header(

@@ -8,15 +8,32 @@ fine-tune starts exactly at the pretrained model.
 Frozen weights are *buffers*, not parameters: everything in the swarm that moves or averages
 parameters (the optimizer, weight stashing, replica averaging, checkpoints, hand-offs) then
 sees only what trains, and a frozen base costs no optimizer state and no averaging bytes. The
-base can be kept in bfloat16 or int8 (per output row absmax) to halve or quarter its memory;
-it is cast back to float32 for each matmul.
+base can be kept in bfloat16, int8 (per output row absmax) or 4-bit NF4 (QLoRA: Dettmers et
+al., arXiv 2305.14314) to halve, quarter or eighth its memory.
+
+A compact base saves memory while training only if autograd does not keep an expanded copy of
+it for the backward: `FrozenMatmul` dequantises the weight into a temporary for the matmul and
+saves only the stored tensors, dequantising again for the input's gradient (the frozen weight
+gets none). The matmul runs in the input's dtype, or the autocast dtype inside autocast.
+
+NF4 quantisation is torchao's (`NF4Tensor.from_tensor`, block 64, scalers double-quantised in
+blocks of 256, as QLoRA): a maintained, pure-torch implementation that runs on the CPU and on
+CUDA alike (bitsandbytes' NF4 kernels are CUDA-centric). Its layout (two codes a byte, an int8
+scaler per block, a float32 factor per scaler block, their mean) is kept as plain buffers, and
+dequantised here with int32 indices into a table of byte pairs: torchao's own dequantisation
+expands the codes to int64, 16 bytes of temporaries a weight, too much beside a 24 GB card's
+largest matrix. Dequantising the same layout gives the same float32 values as torchao's.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +43,25 @@ from ravnest_node.errors import ConfigError
 
 __all__ = [
     "BASE_DTYPES",
+    "NF4_BLOCK",
     "FrozenLinear",
+    "FrozenMatmul",
     "LoRAConfig",
     "LoRALinear",
+    "dequantise",
     "freeze",
+    "nf4_bytes",
     "seeded_generator",
 ]
 
-BASE_DTYPES = ("fp32", "bf16", "int8")
-"""How a frozen base weight is stored: float32, bfloat16, or int8 with a float32 scale per row."""
+BASE_DTYPES = ("fp32", "bf16", "int8", "nf4")
+"""How a frozen base weight is stored: float32, bfloat16, int8 with a float32 scale per row, or
+NF4 (4 bits a weight, see the module docstring)."""
+NF4_BLOCK = 64
+"""Weights sharing one NF4 scaler (QLoRA's block size)."""
+NF4_SCALER_BLOCK = 256
+"""Scalers sharing one float32 factor (QLoRA's double quantisation); a matrix with fewer
+blocks, or a number of them not a multiple of this, uses the largest power of two dividing it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +75,7 @@ class LoRAConfig:
     targets: tuple[str, ...]
     """Names of the linear layers (their attribute names in a block, e.g. "query", "q_proj")."""
     base: str = "fp32"
-    """Storage of the frozen base weights: fp32, bf16 or int8."""
+    """Storage of the frozen base weights: fp32, bf16, int8 or nf4."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -68,16 +95,115 @@ def seeded_generator(*key: object) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _store(weight: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`weight` in the storage `base`: (stored, per-row scale or None)."""
+def nf4_scaler_block(numel: int) -> int:
+    """Scalers per float32 factor for a matrix of `numel` weights (`NF4_SCALER_BLOCK` or the
+    largest power of two below it that divides its number of blocks)."""
+    blocks, size = numel // NF4_BLOCK, NF4_SCALER_BLOCK
+    while blocks % size:
+        size //= 2
+    return size
+
+
+def nf4_bytes(numel: int) -> int:
+    """Bytes an NF4 base takes for a matrix of `numel` weights: two codes a byte, an int8 scaler
+    per block, a float32 factor per scaler block, a float32 mean and the 16-entry codebook."""
+    blocks = numel // NF4_BLOCK
+    return numel // 2 + blocks + 4 * (blocks // nf4_scaler_block(numel)) + 4 + 16 * 4
+
+
+def _nf4_module() -> Any:
+    """torchao's NF4 module, imported on first use (1 s; it logs two warnings about optional
+    CUDA extensions it cannot load, which say nothing about NF4: silenced here)."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        return importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _store(weight: torch.Tensor, base: str) -> list[torch.Tensor | None]:
+    """`weight` in the storage `base`: the stored tensors, in `dequantise`'s order (the weight,
+    then its scales: none for fp32 and bf16, a float32 per row for int8, the int8 block
+    scalers, float32 factors, mean and codebook for nf4)."""
     w = weight.detach()
     if base == "bf16":
-        return w.to(torch.bfloat16), None
+        return [w.to(torch.bfloat16), None]
     if base == "int8":
         scale = w.abs().amax(dim=1, keepdim=True).float() / 127.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        return torch.round(w.float() / scale).clamp(-127, 127).to(torch.int8), scale
-    return w.float().clone(), None
+        return [torch.round(w.float() / scale).clamp(-127, 127).to(torch.int8), scale]
+    if base == "nf4":
+        return _store_nf4(w)
+    return [w.float().clone(), None]
+
+
+def _store_nf4(w: torch.Tensor) -> list[torch.Tensor | None]:
+    n = w.numel()
+    if n % NF4_BLOCK:
+        raise ConfigError(
+            f"an nf4 base stores weights in blocks of {NF4_BLOCK}: a {tuple(w.shape)} matrix "
+            f"has {n} weights, not a multiple; use another base"
+        )
+    blocks, scaler_block = n // NF4_BLOCK, nf4_scaler_block(n)
+    if w.is_meta:  # shapes only (base.shapes_only): no arithmetic on a meta tensor
+        return [torch.empty(n // 2, dtype=torch.uint8), torch.empty(blocks, dtype=torch.int8),
+                torch.empty(blocks // scaler_block), torch.empty(()), torch.empty(16)]  # fmt: skip
+    q = _nf4_module().NF4Tensor.from_tensor(w.float().contiguous(), NF4_BLOCK, scaler_block)
+    return [q.quantized_data, q.quantized_scalers, q.quantization_factor,
+            q.scaler_mean.reshape(()), q.nf4]  # fmt: skip
+
+
+def dequantise(
+    base: str, stored: Sequence[torch.Tensor], shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight of `shape` stored as `base` says (`_store`'s tensors), as `dtype`. A new
+    tensor unless the stored one already is `dtype` (fp32 into float32, bf16 into bfloat16)."""
+    w = stored[0]
+    if base == "int8":
+        if dtype == torch.float32:  # as before a compute dtype existed: exact for fp32
+            return w.float() * stored[1]
+        return w.to(dtype).mul_(stored[1].to(dtype))
+    if base == "nf4":
+        codes, scalers, factors, mean, codebook = stored
+        # Byte b holds codes b >> 4 and b & 15, in that order.
+        pairs = torch.stack((codebook.repeat_interleave(16), codebook.repeat(16)), dim=1)
+        out = pairs.to(dtype)[codes.int()]
+        size = scalers.numel() // factors.numel()
+        scale = (scalers.view(-1, size) / factors.unsqueeze(-1)).flatten() + mean
+        out.view(scalers.numel(), -1).mul_(scale.to(dtype).unsqueeze(-1))
+        return out.view(shape)
+    return w.to(dtype)
+
+
+class FrozenMatmul(torch.autograd.Function):
+    """``F.linear(x, W, bias)`` for a frozen `W` stored compactly: autograd keeps the stored
+    tensors, not `W` (nor `x`: the frozen weight takes no gradient), and the backward
+    dequantises `W` again. Computes in the autocast dtype inside autocast, else in `x`'s."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, base: str, shape: torch.Size,
+        *stored: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        ctx.base, ctx.shape, ctx.dtype, ctx.x_dtype = base, shape, dtype, x.dtype
+        ctx.save_for_backward(*stored)
+        with torch.autocast(kind, enabled=False):
+            w = dequantise(base, stored, shape, dtype)
+            return F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        nones: tuple[None, ...] = (None,) * (3 + len(ctx.saved_tensors))
+        if not ctx.needs_input_grad[0]:
+            return (None, *nones)
+        w = dequantise(ctx.base, ctx.saved_tensors, ctx.shape, ctx.dtype)
+        return (grad.to(ctx.dtype).matmul(w).to(ctx.x_dtype), *nones)
 
 
 class FrozenLinear(nn.Module):
@@ -89,28 +215,39 @@ class FrozenLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, base: str = "fp32") -> None:
         super().__init__()
-        stored, scale = _store(linear.weight, base)
-        self.register_buffer("weight", stored)
-        self.register_buffer("scale", scale)
+        stored = _store(linear.weight, base)
+        self.register_buffer("weight", stored[0])
+        self.register_buffer("scale", stored[1])
+        self._extra = ("nf4_factor", "nf4_mean", "nf4_codebook")[: len(stored) - 2]
+        for name, tensor in zip(self._extra, stored[2:], strict=True):
+            self.register_buffer(name, tensor)
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.register_buffer("bias", bias)
+        self.base = base
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    def stored(self) -> list[torch.Tensor]:
+        """The tensors the weight is stored in (`dequantise`'s `stored`)."""
+        names = ("weight", "scale", *self._extra)
+        return [t for t in (getattr(self, n) for n in names) if t is not None]
+
     def dense_weight(self) -> torch.Tensor:
-        """The weight as float32 (dequantised if stored as int8)."""
-        w = self.weight.float()
-        return w * self.scale if self.scale is not None else w
+        """The weight as float32 (dequantised if stored as int8 or nf4)."""
+        shape = torch.Size((self.out_features, self.in_features))
+        return dequantise(self.base, self.stored(), shape, torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight(), self.bias)
+        if self.base == "fp32":  # autograd keeps the buffer itself: no copy to avoid
+            return F.linear(x, self.weight, self.bias)
+        shape = torch.Size((self.out_features, self.in_features))
+        out: torch.Tensor = FrozenMatmul.apply(x, self.bias, self.base, shape, *self.stored())  # type: ignore[no-untyped-call]
+        return out
 
 
 class LoRALinear(nn.Module):
     """A frozen linear layer plus a trainable low-rank adapter (B starts at zero)."""
 
-    def __init__(
-        self, linear: nn.Linear, cfg: LoRAConfig, generator: torch.Generator
-    ) -> None:
+    def __init__(self, linear: nn.Linear, cfg: LoRAConfig, generator: torch.Generator) -> None:
         super().__init__()
         self.base = FrozenLinear(linear, cfg.base)
         self.scaling = cfg.alpha / cfg.rank

@@ -14,7 +14,8 @@ microbatch are the prediction. What is added here is what the planner takes as g
   spread over the step's microbatches. A node's `speed` is its FLOP/s over the fastest's.
 * **Memory** a block needs on its node: weights (full: 16 B a parameter for weights, gradients
   and AdamW moments, plus one weight copy per unit of staleness; LoRA: the frozen base in
-  fp32/bf16/int8 and 16 B per adapter parameter), and the activations of every microbatch in
+  fp32/bf16/int8/nf4 and 16 B per adapter parameter; embedding tables and vectors stay
+  fp32), and the activations of every microbatch in
   flight, ``(max_staleness + 1) x microbatches`` (stage.py's bound), or only each block's input
   when the backward recomputes the forward. The last block (head and loss) keeps its
   activations for one microbatch only: the last stage runs forward, loss and backward at once.
@@ -49,6 +50,7 @@ from ravnest_node.coordination.planning.negotiate import (
 from ravnest_node.coordination.planning.placement import Block, Link, Links, NodeCaps, SwarmPlan
 from ravnest_node.coordination.planning.shapes import BlockShape, ModelShape
 from ravnest_node.errors import ConfigError
+from ravnest_node.models.lora import nf4_bytes
 
 __all__ = [
     "CODECS",
@@ -60,13 +62,18 @@ __all__ = [
     "Training",
     "codec_bits",
     "estimate",
+    "stage_memory",
 ]
 
 CODECS: tuple[str, ...] = ("none", "fp16", "bf16", "int8-block", "int4-block")
 """The codecs the link table shows."""
-BASE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}
-"""Bytes a frozen base weight takes (int8 also keeps a float32 scale per output row, as
-models/lora.py stores it)."""
+BASE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "nf4": nf4_bytes(2**20) / 2**20}
+"""Bytes a frozen base weight takes (int8 also keeps a float32 scale per output row; nf4 is
+two codes a byte, an int8 scaler per 64 and a float32 factor per 256 scalers, as
+models/lora.py stores them)."""
+DEQUANTISE_BYTES = {"fp32": 0.0, "bf16": 0.0, "int8": 0.0, "nf4": 2.0}
+"""Bytes of temporaries a weight takes while its base is dequantised, besides the dequantised
+copy itself (nf4: its codes as int32 indices, one per byte)."""
 ROW_SCALE_BYTES = 4
 LORA_STATE_BYTES = ADAM_BYTES_PER_PARAM
 """An adapter parameter trains in fp32 like any other: weight, gradient, two AdamW moments."""
@@ -80,7 +87,7 @@ class DoesNotFit(ConfigError):
 
 
 Mode = Literal["full", "lora"]
-Base = Literal["fp32", "bf16", "int8"]
+Base = Literal["fp32", "bf16", "int8", "nf4"]
 Recompute = Literal["auto", "off", "on"]
 
 
@@ -121,7 +128,7 @@ class Training:
     lora_rank: int = 16
     """Rank of each LoRA adapter."""
     base: Base = "bf16"
-    """LoRA only: how the frozen base is stored (fp32, bf16 or int8)."""
+    """LoRA only: how the frozen base is stored (fp32, bf16, int8 or nf4)."""
     batch_size: int = 16
     """Samples per optimizer step (per pipeline)."""
     microbatches: int = 4
@@ -141,16 +148,14 @@ class Training:
 
     def __post_init__(self) -> None:
         if self.lora_rank < 1 or self.max_staleness < 0 or self.pipelines < 1 or self.stages < 0:
-            raise ConfigError(
-                "lora rank and pipelines must be >= 1, max staleness and stages >= 0"
-            )
+            raise ConfigError("lora rank and pipelines must be >= 1, max staleness and stages >= 0")
         if self.batch_size < 1 or self.microbatches < 1 or self.batch_size % self.microbatches:
             raise ConfigError(
                 f"batch size {self.batch_size} must be a positive multiple of microbatches "
                 f"({self.microbatches})"
             )
-        if self.mode == "full" and self.base == "int8":
-            raise ConfigError("an int8 base is frozen: use it with --mode lora")
+        if self.mode == "full" and self.base in ("int8", "nf4"):
+            raise ConfigError(f"an {self.base} base is frozen: use it with --mode lora")
         if not 0 <= self.margin < 1:
             raise ConfigError(f"margin {self.margin}: give a share of memory in [0, 1)")
 
@@ -258,12 +263,15 @@ def _block_memory(
     if block.transient:  # with its own matrix expanded, if the layers' workspace is smaller
         activations = mb * block.saved_bytes
         if _dequantises(shape, t):
-            activations += block.largest_matrix * act_bytes
+            activations += block.largest_matrix * (act_bytes + DEQUANTISE_BYTES[t.base])
     elif recompute:  # only the block's input is kept; the first block's is the token ids
         inp = previous.boundary_elements * act_bytes if previous else 8 * shape.tokens_per_sample
         activations = t.in_flight * mb * inp
     else:
         activations = t.in_flight * mb * block.saved_bytes
+        if t.mode == "lora":  # each adapter's A x
+            lora = shape.tokens_per_sample * t.lora_rank * block.adapted_linears * act_bytes
+            activations += t.in_flight * mb * lora
     return {"weights": weights, "trainable": trainable, "activations": activations}
 
 
@@ -276,7 +284,8 @@ def _workspace(shape: ModelShape, t: Training, recompute: bool) -> float:
         work += max(t.microbatch * b.saved_bytes for b in shape.blocks if not b.transient)
     if _dequantises(shape, t):
         layers = [b.largest_matrix for b in shape.blocks if b.adapter_dims]
-        work += max(layers, default=0) * shape.activation_dtype.itemsize
+        itemsize = shape.activation_dtype.itemsize
+        work += max(layers, default=0) * (itemsize + DEQUANTISE_BYTES[t.base])
     return work
 
 
@@ -483,6 +492,20 @@ def _auto_choices(
     return picks
 
 
+def stage_memory(
+    shape: ModelShape, t: Training, first: int, stop: int, *, recompute: bool = False
+) -> dict[str, float]:
+    """Bytes blocks ``[first, stop)`` of `shape` keep on their node, by kind (weights,
+    trainable, activations), without the node's workspace and reserve: what bench/plan_check.py
+    measures against a run."""
+    parts = {"weights": 0.0, "trainable": 0.0, "activations": 0.0}
+    for i in range(first, stop):
+        previous = shape.blocks[i - 1] if i else None
+        for key, value in _block_memory(shape, shape.blocks[i], t, recompute, previous).items():
+            parts[key] += value
+    return parts
+
+
 def _stage_memory(
     shape: ModelShape,
     t: Training,
@@ -492,11 +515,7 @@ def _stage_memory(
     work: float,
     group: NodeGroup,
 ) -> dict[str, float]:
-    parts = {"weights": 0.0, "trainable": 0.0, "activations": 0.0}
-    for i in range(first, stop):
-        previous = shape.blocks[i - 1] if i else None
-        for key, value in _block_memory(shape, shape.blocks[i], t, recompute, previous).items():
-            parts[key] += value
+    parts = stage_memory(shape, t, first, stop, recompute=recompute)
     parts["workspace"] = work
     parts["reserve"] = group.reserve_bytes
     parts["total"] = math.fsum(parts.values())

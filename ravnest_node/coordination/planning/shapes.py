@@ -26,8 +26,8 @@ class BlockShape:
     params: int
     """Parameters of the block."""
     matrix_params: int
-    """Parameters in weight matrices and embedding tables (what a LoRA base stores compactly);
-    the rest (norms, biases) stay fp32."""
+    """Parameters in linear layers' weight matrices (what a LoRA base stores compactly); the
+    rest (embedding tables, norms, biases) stay fp32 (models/lora.py `freeze`)."""
     matrix_rows: int
     """Output rows of those matrices (an int8 base keeps one scale per row)."""
     largest_matrix: int
@@ -43,6 +43,8 @@ class BlockShape:
     """Bytes of activations autograd keeps from forward to backward, per sample."""
     transient: bool = False
     """Its activations live for one microbatch only (the head, run with the loss at once)."""
+    adapted_linears: int = 0
+    """Linear layers LoRA adapts: each keeps its adapter's ``A x`` (rank values a token)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +95,12 @@ class LlamaConfig:
                 f"({self.kv_heads}) must divide heads"
             )
 
-    def shape(self, name: str = "llama") -> ModelShape:
-        """The blocks of this model, in bf16 (activations) as it is trained on GPUs."""
+    def shape(self, name: str = "llama", dtype: torch.dtype = torch.bfloat16) -> ModelShape:
+        """The blocks of this model, with activations in `dtype` (bf16 as it is trained on
+        GPUs, float32 on a CPU)."""
         h, m, v, t = self.hidden, self.mlp_hidden, self.vocab, self.seq_len
         kv = self.kv_heads * (h // self.heads)
-        act = 2  # bf16
+        act = dtype.itemsize
         # (in, out) of q, k, v, o, gate, up, down.
         linears = [(h, h), (h, kv), (h, kv), (h, h), (h, m), (h, m), (m, h)]
         matrix = sum(i * o for i, o in linears)
@@ -111,16 +114,18 @@ class LlamaConfig:
             forward_flops=float(2 * t * matrix + 4 * t * t * h),
             boundary_elements=t * h,
             # Per token: both norms' inputs, the normed inputs of the attention and MLP matmuls,
-            # the attention output (h each: 5h), K and V (2 kv; Q is in the 5h of a fused
-            # kernel's saved inputs), and gate, up, SiLU(gate) and their product (4m); Korthikanti
-            # et al. (arXiv 2205.05198, sec. 4.1) count the same terms for GPT (34 B/token/h).
-            saved_bytes=float(t * (5 * h + 2 * kv + 4 * m) * act),
+            # the attention output (h each: 5h), K and V (2h: models/pretrained/llama.py repeats
+            # the kv heads before attention; Q is in the 5h of a fused kernel's saved inputs),
+            # and gate, up, SiLU(gate) and their product (4m); Korthikanti et al. (arXiv
+            # 2205.05198, sec. 4.1) count the same terms for GPT (34 B/token/h).
+            saved_bytes=float(t * (7 * h + 4 * m) * act),
+            adapted_linears=len(linears),
         )
         embedding = BlockShape(
             params=v * h,
-            matrix_params=v * h,
-            matrix_rows=v,
-            largest_matrix=v * h,
+            matrix_params=0,  # a table, not a linear layer: a LoRA base keeps it fp32
+            matrix_rows=0,
+            largest_matrix=0,
             adapter_dims=0,
             forward_flops=float(t * h),
             boundary_elements=t * h,
@@ -134,12 +139,12 @@ class LlamaConfig:
             adapter_dims=0,
             forward_flops=float(2 * t * h * v),
             boundary_elements=t * v,
-            # Norm input and head input (2h), logits in bf16 and fp32 log-probabilities.
+            # Norm input and head input (2h), logits and fp32 log-probabilities.
             saved_bytes=float(t * (2 * h * act + v * (act + 4))),
             transient=True,
         )
         blocks = (embedding, *([layer] * self.layers), head)
-        return ModelShape(name, blocks, t, torch.bfloat16)
+        return ModelShape(name, blocks, t, dtype)
 
 
 # Published shapes: Meta Llama 3 model cards and config.json of meta-llama/Meta-Llama-3-8B and
@@ -172,8 +177,8 @@ def model_shape(model: BlockModel) -> ModelShape:
     shapes = []
     last = len(blocks) - 1
     for i, block in enumerate(blocks):
-        matrices = [p for p in block.parameters() if p.dim() >= 2]
         linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+        matrices = [m.weight for m in linears]
         saved, out = _saved_bytes(model, block, x, last=i == last)
         shapes.append(
             BlockShape(

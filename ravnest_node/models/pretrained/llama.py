@@ -137,7 +137,9 @@ class LlamaLayer(nn.Module):
         q = self.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        angles = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq.float())
+        angles = torch.outer(
+            torch.arange(t, dtype=torch.float32, device=x.device), self.inv_freq.float()
+        )
         cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         group = self.heads // self.kv_heads
@@ -145,7 +147,7 @@ class LlamaLayer(nn.Module):
         if pad is None:
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~pad[:, None, None, :])
             a = a.nan_to_num(0.0)  # a pad query attending nothing
         x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
@@ -179,5 +181,7 @@ class LlamaClassifierHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         last = (x != 0).any(dim=-1).sum(dim=1).clamp(min=1) - 1  # right padding
-        out: torch.Tensor = self.score(self.norm(x[torch.arange(x.shape[0]), last]))
+        out: torch.Tensor = self.score(
+            self.norm(x[torch.arange(x.shape[0], device=x.device), last])
+        )
         return out

@@ -15,7 +15,7 @@ lora        LoRA rank; 0 = full fine-tuning (0)
 alpha       LoRA alpha (2 x rank)
 targets     linear layers that get adapters, joined by ``+`` (BERT: query+value; Llama:
             q_proj+v_proj)
-base        storage of frozen weights under LoRA: fp32, bf16 or int8 (fp32)
+base        storage of frozen weights under LoRA: fp32, bf16, int8 or nf4 (fp32)
 data        a local ``.txt`` file (language modelling) or ``.jsonl`` file with ``text`` and
             ``label`` (classification); default: the docstrings of the standard library
 tokenizer   ``wordpiece`` (from ``vocab.txt``; cased if ``tokenizer_config.json`` says
