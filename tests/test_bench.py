@@ -138,3 +138,15 @@ def test_bench_replicas(tmp_path: Path) -> None:
     logs = [p.read_text() for p in (tmp_path / "work").glob("*/node-*/node.log")]
     assert len(logs) == 3 + 3 + 6
     assert all("swarm 'bench' is protected: mutual TLS with every peer" in log for log in logs)
+
+
+def test_bench_on_a_device(tmp_path: Path) -> None:
+    # `--device cpu`: every node process and the compute-bound baseline on it, said in the
+    # records and the header; the torch-pipelining baseline (gloo) is CPU-only, so it runs
+    # here or is skipped for the links, never for the device.
+    records, out = _bench(tmp_path, "--emulation", "relay", "--device", "cpu",
+                          "--systems", "compute-bound,ours")  # fmt: skip
+    assert [r["system"] for r in records] == ["compute-bound", "ours"]
+    assert all(r["device"] == "cpu" and r["precision"] == "fp32" for r in records)
+    assert "samples per system on cpu;" in out
+    _same_training(records[1], records[0])

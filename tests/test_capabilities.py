@@ -13,12 +13,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ravnest_node.bench.config import BenchConfig
+from ravnest_node.bench.systems import on_device
 from ravnest_node.coordination.planning.negotiate import model_blocks, negotiated_plan
 from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.daemon.status import compute_of, compute_page_data
 from ravnest_node.daemon.web import device_families, render_metrics
 from ravnest_node.daemon.worker import capabilities
 from ravnest_node.daemon.worker.worker import Worker
+from ravnest_node.errors import ConfigError
+from ravnest_node.launch.demo import DemoConfig
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
@@ -123,3 +127,14 @@ def test_a_gpu_and_a_cpu_on_one_host_are_balanced_by_their_speed_and_memory() ->
     caps[1].memory_bytes = int(3 * max(held))
     tight = blocks_of(caps)
     assert fast["gpu-node"] > 3 >= tight["gpu-node"] >= 1
+
+
+def test_the_bench_takes_a_device_and_gives_it_to_its_node_processes(tmp_path: Path) -> None:
+    assert BenchConfig(device="cpu").device == "cpu"
+    with pytest.raises(ConfigError, match="not a device"):
+        BenchConfig(device="gpu0")
+    demo = on_device(DemoConfig(nodes=3, work_dir=tmp_path), "cpu")
+    assert getattr(demo, "device", "cpu") == "cpu"  # (DemoConfig.device: launch/demo.py)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA"):
+            BenchConfig(device="cuda")
