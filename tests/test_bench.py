@@ -10,6 +10,10 @@ from typing import Any
 
 import pytest
 
+from ravnest_node.errors import ConfigError
+from ravnest_node.models import get_model
+from ravnest_node.models.base import shapes_only
+from ravnest_node.models.llama_bench import LlamaBench, LlamaBenchConfig
 from ravnest_node.transport.credentials import create_swarm
 
 from .conftest import NODE_ENV, ravnest, require_netns
@@ -138,3 +142,42 @@ def test_bench_replicas(tmp_path: Path) -> None:
     logs = [p.read_text() for p in (tmp_path / "work").glob("*/node-*/node.log")]
     assert len(logs) == 3 + 3 + 6
     assert all("swarm 'bench' is protected: mutual TLS with every peer" in log for log in logs)
+
+
+def test_bench_on_a_device(tmp_path: Path) -> None:
+    # `--device cpu`: every node process and the compute-bound baseline on it, said in the
+    # records and the header; the torch-pipelining baseline (gloo) is CPU-only, so it runs
+    # here or is skipped for the links, never for the device.
+    records, out = _bench(tmp_path, "--emulation", "relay", "--device", "cpu",
+                          "--systems", "compute-bound,ours")  # fmt: skip
+    assert [r["system"] for r in records] == ["compute-bound", "ours"]
+    assert all(r["device"] == "cpu" and r["precision"] == "fp32" for r in records)
+    assert "samples per system on cpu;" in out
+    _same_training(records[1], records[0])
+
+
+def test_the_gpu_benchmark_model_is_llama_shaped_and_trains_on_bytes() -> None:
+    model = get_model("llama-300m")
+    assert model.num_blocks() == 26 and model.output_spec(5, 2).shape == (2, 256, 1024)
+    with shapes_only():
+        params = sum(p.numel() for b in model.build_blocks(0) for p in b.parameters())
+    assert 250e6 < params < 300e6
+    # The same blocks at a small size: a microbatch through all of them, a loss, a backward.
+    small = LlamaBench(LlamaBenchConfig(hidden=32, layers=3, heads=4, kv_heads=2, ffn=64,
+                                        seq_len=16))  # fmt: skip
+    blocks = small.build_blocks(seed=1)
+    assert blocks[1].k_proj.out_features == 16  # grouped-query: 2 key/value heads of 8
+    x, y = small.dataset(seed=0).batch(0, 2)
+    h = x
+    for i, block in enumerate(blocks):
+        h = block(h)
+        assert h.shape == small.output_spec(i, 2).shape
+    loss = small.loss(h, y)
+    loss.backward()
+    assert math.isfinite(loss.item()) and blocks[0].embed_tokens.weight.grad is not None
+    costs = small.block_costs()
+    assert len(costs) == 5 and costs[1] == costs[2] > costs[0] > 0
+    timing = small.timing_blocks()
+    assert len(timing) == 5 and timing[1] is timing[3]  # one layer, timed once
+    with pytest.raises(ConfigError, match="multiple of kv_heads"):
+        LlamaBenchConfig(hidden=32, layers=1, heads=4, kv_heads=3, ffn=8, seq_len=4)

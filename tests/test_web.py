@@ -142,6 +142,9 @@ def test_metrics_of_a_training_swarm_move(swarm: Any) -> None:
     for i, (a, b) in enumerate(zip(first, later, strict=True)):
         assert value(b, "ravnest_info", role="coordinator" if i == 0 else "worker") == 1
         assert value(b, "ravnest_plan_epoch") >= 1 and value(b, "ravnest_peers") == 2
+        # The device it computes on (the CPU in fp32 here; no memory series: not tracked).
+        assert value(b, "ravnest_device_info", device="cpu", precision="fp32") == 1
+        assert not any(n.startswith("ravnest_device_memory") for (n, _) in b)
         assert value(b, "ravnest_step") > value(a, "ravnest_step")
         assert value(b, "ravnest_samples_per_second") > 0
         assert 0 < value(b, "ravnest_stage_busy_fraction") <= 1
@@ -177,6 +180,7 @@ def test_the_page_data_and_the_page(swarm: Any) -> None:
     worker = nodes[1]["metrics"]  # any node serves it, from its coordinator
     data = json.loads(_get(f"http://{worker}/swarm.json"))
     assert len(data["members"]) == 3 and data["model"] == "tiny"
+    assert data["node"] == {"device": "cpu", "precision": "fp32"}  # this node's compute
     assert sorted(m["stage"] for m in data["members"]) == [0, 1, 2]
     assert len(data["loss"]) >= 5 and all(math.isfinite(v) for _, v in data["loss"])
     # Every stage's latest metrics, each field of the record by its name (pipeline/metrics.py).
@@ -186,7 +190,7 @@ def test_the_page_data_and_the_page(swarm: Any) -> None:
     last = data["loss"][-1][0]  # (at most 500 points are sent: the last step moves on)
     poll_until(lambda: json.loads(_get(f"http://{worker}/swarm.json"))["loss"][-1][0] > last, 60)
     html = _get(f"http://{worker}/").decode()
-    assert '<svg id="loss"' in html and "/swarm.json" in html
+    assert '<svg id="loss"' in html and "/swarm.json" in html and 'id="compute"' in html
     with pytest.raises(urllib.error.HTTPError) as missing:
         _get(f"http://{worker}/nothing")
     assert missing.value.code == 404

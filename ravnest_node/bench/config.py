@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from ravnest_node.bench.links import SCENARIOS
+from ravnest_node.devices import resolve_device
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
@@ -44,6 +45,10 @@ class BenchConfig:
     """Where node state and logs go (default: a new temporary directory)."""
     compute_threads: int = field(default=1, metadata={"flag": "--threads"})
     """Torch threads per node process."""
+    device: str = "auto"
+    """The device every node process and the compute-bound baseline compute on (their
+    --device): auto, cpu, cuda, cuda:N or mps. The nodes of a run share it, as they share the
+    CPU's cores without one. The torch-pipelining baseline runs on the CPU only (gloo)."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=40))
     """The training run every system performs (steps: 10 with --quick)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -59,6 +64,7 @@ class BenchConfig:
             raise ConfigError(f"model {self.train.model} has fewer than {NODES} blocks")
         if self.compute_threads < 1:
             raise ConfigError("compute_threads must be at least 1")
+        resolve_device(self.device)  # ConfigError naming the choices, before anything starts
 
     @property
     def system_list(self) -> list[str]:

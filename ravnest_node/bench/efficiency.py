@@ -45,10 +45,11 @@ def finish_scenario(records: list[Record], model: Any, train: TrainConfig) -> No
         r["slowest_stage_compute_s"] = stage_s
         r["busiest_uplink_transfer_s"] = transfer_s
         r["efficiency"] = bound / r["step_s"]
-        # The same bound for this machine, where the stages share its cores: their measured
-        # compute cannot take less than its sum over the cores.
+        # The same bound for this machine, where the stages share its cores (or its one GPU):
+        # their measured compute cannot take less than its sum over the cores.
         measured = [c / train.steps for c in r.get("stage_compute_s") or []]
         if measured:
-            shared = max(sum(measured) / min(cores(), len(measured)), max(measured))
+            lanes = min(cores(), len(measured)) if r.get("device", "cpu") == "cpu" else 1
+            shared = max(sum(measured) / lanes, max(measured))
             r["lower_bound_step_s_this_machine"] = max(shared, transfer_s)
             r["efficiency_this_machine"] = max(shared, transfer_s) / r["step_s"]

@@ -38,6 +38,7 @@ from ravnest_node.bench.links import SCENARIOS, netns_available, remove_leftover
 from ravnest_node.bench.report import Record, markdown_table, plot
 from ravnest_node.bench.scenario_links import ScenarioLinks
 from ravnest_node.bench.systems import Interrupted, SystemRunner
+from ravnest_node.devices import describe
 from ravnest_node.errors import RunFailed
 from ravnest_node.launch.signals import install_stop_handlers
 from ravnest_node.models import get_model
@@ -81,7 +82,8 @@ class Bench:
         self.cfg.jsonl.write_text("")
         self.say(
             f"ravnest-node bench: {self.train.model}, {self.train.steps} steps of "
-            f"{self.train.batch_size} samples per system; work dir {self.work_dir}"
+            f"{self.train.batch_size} samples per system on {describe(self.systems.device)}; "
+            f"work dir {self.work_dir}"
         )
         for name in self.cfg.scenario_names:
             if self.systems.stopped.is_set():

@@ -21,7 +21,8 @@ from ravnest_node.bench.config import NODES, BenchConfig, cores
 from ravnest_node.bench.links import NetnsSwarm
 from ravnest_node.bench.report import Record
 from ravnest_node.bench.scenario_links import ScenarioLinks
-from ravnest_node.errors import RunFailed
+from ravnest_node.devices import resolve_device, resolve_precision
+from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.launch.demo import Demo, DemoConfig, NodeSlot
 from ravnest_node.launch.progress import ProgressBar
 from ravnest_node.pipeline.run import TrainConfig
@@ -44,6 +45,18 @@ def _bench_swarm(work_dir: Path) -> Path:
     return out
 
 
+def on_device(cfg: DemoConfig, device: str) -> DemoConfig:
+    """`cfg` with its node processes on `device` (their --device)."""
+    # DemoConfig.device comes with GPU nodes (launch/demo.py); a demo without it computes on
+    # the CPU, which is all such a node can do.
+    if "device" in {f.name for f in dataclasses.fields(DemoConfig)}:
+        with_device: dict[str, Any] = {"device": device}
+        return dataclasses.replace(cfg, **with_device)
+    if resolve_device(device).type != "cpu":
+        raise ConfigError(f"--device {device}: these node processes compute on the CPU only")
+    return cfg
+
+
 def _steady_step_s(times: Sequence[float]) -> float:
     """Seconds per step after the first (which includes connecting and warm-up)."""
     if len(times) < 2:
@@ -61,6 +74,7 @@ class SystemRunner:
         self.train = cfg.run_train
         self.stopped = asyncio.Event()
         self._demo: Demo | None = None
+        self.device = resolve_device(cfg.device)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -96,6 +110,8 @@ class SystemRunner:
             "replicas": 1,
             "seed": t.seed,
             "threads_per_node": cores() if system == "compute-bound" else self.cfg.compute_threads,
+            "device": str(self.device),
+            "precision": resolve_precision(getattr(t, "precision", "fp32"), self.device),
         }
 
     async def run(self, system: str, scenario: str, links: ScenarioLinks) -> Record:
@@ -107,6 +123,8 @@ class SystemRunner:
                                       "pins; `bench replicas` compares our averaging traffic "
                                       "with its scheme"}  # fmt: skip
         if system == "torch-pipelining":
+            if self.device.type != "cpu":
+                return base | {"skipped": f"the gloo baseline runs on the CPU, not {self.device}"}
             if links.netns is None:
                 why = "needs network namespaces (root): gloo links peer to peer, past any relay"
                 return base | {"skipped": why}
@@ -155,12 +173,15 @@ class SystemRunner:
         transport: TransportConfig | None = None,
     ) -> Record:
         run_dir = links.work_dir / system
-        cfg = DemoConfig(
-            nodes=len(slots),
-            work_dir=run_dir,
-            compute_threads=threads,
-            train=train,
-            transport=transport or self.cfg.transport,
+        cfg = on_device(
+            DemoConfig(
+                nodes=len(slots),
+                work_dir=run_dir,
+                compute_threads=threads,
+                train=train,
+                transport=transport or self.cfg.transport,
+            ),
+            self.cfg.device,
         )
         log_path = run_dir / "progress.log"
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,8 @@ def describe(status: pb.NodeStatus) -> str:
     if s["relay_address"]:
         lines.append(f"relay on {s['relay_address']} for {len(s['relayed'])} nodes")
         lines += [f"  {n} at {a}" for n, a in sorted(s["relayed"].items())]
+    if s.get("device"):  # (NodeStatus.device: a node older than GPU nodes does not say)
+        lines.append(f"compute: {s['device']}, precision {s['precision']}")
     if s["stage"] < 0:
         lines.append("stage: none yet")
     else:
@@ -233,6 +235,7 @@ def member_dict(
             run_done=status.run_done,
             relay=status.relay,
             security=status.security,
+            device=status_dict(status).get("device", ""),
         )
     return entry
 
@@ -272,6 +275,8 @@ def describe_swarm(s: dict[str, Any]) -> str:
         answer = f"version {m['version']}" if m["reachable"] else f"no answer ({m['error']})"
         if m["uplink_bps"]:
             answer += f", link {rate_text(m['uplink_bps'])}, {m['rtt_s'] * 1e3:.1f} ms"
+        if m.get("device"):
+            answer += f", on {m['device']}"
         if m["relay"]:
             answer += f", reached through relay {m['relay']}"
         if m["checkpoint_step"]:

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
+import torch
 
+from ravnest_node import devices
 from ravnest_node.averaging import AveragingService
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.daemon.failover import Leadership
@@ -22,6 +24,7 @@ from ravnest_node.daemon.relays import Relays
 from ravnest_node.daemon.web import (
     Family,
     WebServer,
+    device_families,
     node_families,
     stage_families,
     swarm_page_data,
@@ -98,8 +101,29 @@ async def node_status(node: NodeParts, brief: bool = False) -> pb.NodeStatus:
     if leadership.mdns is not None:
         status.mdns_peers = len(leadership.mdns.records())
     if node.worker is not None:
+        _compute_status(node.worker, status)
         await _worker_status(node.worker, status, brief)
     return status
+
+
+def compute_of(worker: Worker) -> tuple[torch.device, str]:
+    """The device the worker computes on and its resolved precision (`Worker.device`,
+    `Worker.precision`); a worker that does not say computes on the CPU in fp32."""
+    device = getattr(worker, "device", None)
+    precision = getattr(worker, "precision", None)
+    return (
+        device if isinstance(device, torch.device) else torch.device("cpu"),
+        precision if isinstance(precision, str) else "fp32",
+    )
+
+
+def _compute_status(worker: Worker, status: pb.NodeStatus) -> None:
+    # NodeStatus.device and .precision are set where the proto has them (protos/, helper A1).
+    device, precision = compute_of(worker)
+    fields = status.DESCRIPTOR.fields_by_name
+    for name, value in (("device", devices.describe(device)), ("precision", precision)):
+        if name in fields:
+            setattr(status, name, value)
 
 
 def _relays_status(relays: Relays, status: pb.NodeStatus) -> None:
@@ -145,6 +169,8 @@ def node_metrics(node: NodeParts) -> list[Family]:
         calls_limited=node.limiter.calls_refused,
         banned=len(node.averaging.bans.banned),
     )
+    if worker is not None:
+        families += _device_families(worker)
     runtime = worker.runtime if worker else None
     if runtime is not None:
         families += stage_families(
@@ -155,6 +181,27 @@ def node_metrics(node: NodeParts) -> list[Family]:
             loss=runtime.last_loss,
         )
     return families
+
+
+def _device_families(worker: Worker) -> list[Family]:
+    device, precision = compute_of(worker)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return device_families(
+        str(device),
+        precision,
+        memory_in_use_bytes=devices.memory_in_use_bytes(device),
+        memory_peak_bytes=peak,
+        utilisation=devices.utilisation(device),
+    )
+
+
+def compute_page_data(worker: Worker | None) -> dict[str, Any]:
+    """What the live page says of this node's compute: {"device", "precision"} (empty
+    strings on a node without a worker)."""
+    if worker is None:
+        return {"device": "", "precision": ""}
+    device, precision = compute_of(worker)
+    return {"device": devices.describe(device), "precision": precision}
 
 
 class SwarmPage:
@@ -223,8 +270,12 @@ async def open_web(node: NodeParts, page: SwarmPage, stack: contextlib.AsyncExit
     closed too); the endpoint's HOST:PORT. StartupError if it cannot listen."""
     web_cfg = node.config.web
     assert web_cfg.metrics_port is not None
+
+    async def page_data() -> dict[str, Any]:
+        return {**await page.data(), "node": compute_page_data(node.worker)}
+
     web = WebServer(
-        web_cfg.metrics_host, web_cfg.metrics_port, lambda: node_metrics(node), page.data
+        web_cfg.metrics_host, web_cfg.metrics_port, lambda: node_metrics(node), page_data
     )
     try:
         port = await web.start()

@@ -118,6 +118,40 @@ def node_families(
     ]
 
 
+def device_families(
+    device: str,
+    precision: str,
+    *,
+    memory_in_use_bytes: int | None,
+    memory_peak_bytes: int | None,
+    utilisation: float | None,
+) -> list[Family]:
+    """The series of the device a node computes on (`device` as torch names it, e.g. "cuda:0"
+    or "cpu"; `precision` resolved: fp32, bf16 or fp16); the memory and utilisation series
+    only where the driver tells them (None: not on the CPU). Pure."""
+    labels = {"device": device}
+    families = [
+        Family(
+            "ravnest_device_info", "The device this node computes on and its precision (always 1)."
+        ).add(1, precision=precision, **labels),
+        Family("ravnest_device_memory_bytes", "Bytes torch holds in tensors on the device."),
+        Family(
+            "ravnest_device_memory_peak_bytes",
+            "The most bytes torch held in tensors on the device since the node started.",
+        ),
+        Family(
+            "ravnest_device_utilisation",
+            "Share of the driver's last sample period the device was busy (0 to 1).",
+        ),
+    ]
+    for family, value in zip(
+        families[1:], (memory_in_use_bytes, memory_peak_bytes, utilisation), strict=True
+    ):
+        if value is not None:
+            family.add(value, **labels)
+    return families
+
+
 def stage_families(
     spec: StageSpec, m: StageMetrics, *, step: int, samples: int, loss: float
 ) -> list[Family]:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from ravnest_node.errors import ConfigError
 from ravnest_node.models.base import BlockModel
 from ravnest_node.models.bytelm import PRESETS, ByteLM, ByteLMConfig
+from ravnest_node.models.llama_bench import LLAMA_300M, LlamaBench
 from ravnest_node.models.pretrained import PretrainedModel
 
 __all__ = ["MODEL_PRESETS", "get_model", "model_names", "register_model"]
@@ -56,3 +57,4 @@ def _preset(cfg: ByteLMConfig, name: str) -> Callable[[], BlockModel]:
 
 for _name, _cfg in PRESETS.items():
     register_model(_name, _preset(_cfg, _name))
+register_model("llama-300m", lambda: LlamaBench(LLAMA_300M, name="llama-300m"))  # GPU benchmark
