@@ -386,3 +386,20 @@ def test_a_local_bert_is_measured_without_reading_its_weights(
     shape = pretrained_shape(f"{name},lora=2")  # the shape before LoRA
     assert shape.params == params
     assert len(shape.blocks) == get_model(name).num_blocks()
+
+
+def test_where_the_default_batch_does_not_fit_plan_finds_one_that_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The issue's command: a 70B LoRA on an nf4 base over four 24 GB cards fits, at the
+    largest power-of-two batch below the default that does, and says so; a batch the user
+    gave is never changed."""
+    argv = ["plan", "--model", "llama-70b", "--nodes", "4x24gb", "--mode", "lora", "--base", "nf4"]
+    assert main([*argv, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["training"]["batch_size"] == 4 and record["training"]["microbatches"] == 4
+    assert record["smaller_batch"].startswith("the default batch of 16 samples does not fit")
+    assert all(s["memory_bytes"]["total"] <= s["memory_bytes"]["usable"] for s in record["stages"])
+    assert main([*argv, "--batch-size", "16", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+    assert main([*argv, "--batch-size", "8", "--microbatches", "8", "--json"]) == 1

@@ -280,8 +280,17 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="codec of the prediction (the table shows all); default auto",
     )
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--microbatches", type=int, default=defaults.microbatches)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"samples per step (default {defaults.batch_size}, or where that does not fit the "
+        "largest power of two below it that does)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        help=f"microbatches per step (default {defaults.microbatches}, at most the batch size)",
+    )
     parser.add_argument("--max-staleness", type=int, default=defaults.max_staleness)
     parser.add_argument("--pipelines", type=int, default=defaults.pipelines)
     parser.add_argument(
@@ -336,29 +345,34 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
     groups = parse_nodes(args.nodes, args.mfu)
     link = parse_link(args.link)
     mode, rank, base = _training_mode(args)
+    defaults = Training()
+    batch = args.batch_size if args.batch_size is not None else defaults.batch_size
     training = Training(
         mode=mode,
         lora_rank=rank,
         base=base,
-        batch_size=args.batch_size,
-        microbatches=args.microbatches,
+        batch_size=batch,
+        microbatches=args.microbatches or min(defaults.microbatches, batch),
         max_staleness=args.max_staleness,
         pipelines=args.pipelines,
         stages=args.stages,
         recompute=args.recompute,
         margin=args.margin,
     )
+    found, shortfall, training = _fitting(shape, groups, link, training, args)
     head = _header(shape, groups, link, training, args.mfu)
-    try:
-        found = estimate(shape, groups, link, training, codec=args.codec)
-    except DoesNotFit as exc:
+    if found is None:
         hint = _hint(training)
         if args.json:
-            print(json.dumps(head | {"fits": False, "shortfall": str(exc), "hint": hint}), file=out)
+            print(
+                json.dumps(head | {"fits": False, "shortfall": shortfall, "hint": hint}), file=out
+            )
         else:
             _print_header(head, out)
-            print(f"\n{exc}.\n{hint}", file=out)
+            print(f"\n{shortfall}.\n{hint}", file=out)
         return 1
+    if shortfall:  # the default batch did not fit; a smaller one does
+        head["smaller_batch"] = shortfall
     record = head | to_json(found)
     if args.json:
         print(json.dumps(record), file=out)
@@ -366,6 +380,30 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
         _print_header(head, out)
         _print_plan(record, out)
     return 0
+
+
+def _fitting(
+    shape: ModelShape, groups: list[NodeGroup], link: Link, t: Training, args: argparse.Namespace
+) -> tuple[Estimate | None, str, Training]:
+    """The estimate of `t`; where it does not fit and the batch size was not given, of the
+    largest power-of-two batch below it that fits (its microbatches at most as many as before,
+    at most one per sample). (estimate or None, why the first did not fit or "", the training
+    estimated)."""
+    try:
+        return estimate(shape, groups, link, t, codec=args.codec), "", t
+    except DoesNotFit as exc:
+        first = str(exc)
+    tried = t
+    while args.batch_size is None and tried.batch_size > 1:
+        batch = tried.batch_size // 2
+        tried = replace(tried, batch_size=batch, microbatches=min(tried.microbatches, batch))
+        try:
+            found = estimate(shape, groups, link, tried, codec=args.codec)
+        except DoesNotFit:
+            continue
+        why = first.removeprefix("does not fit: ")
+        return found, f"the default batch of {t.batch_size} samples does not fit ({why})", tried
+    return None, first, t
 
 
 def _hint(t: Training) -> str:
@@ -463,6 +501,8 @@ def _print_header(head: dict[str, Any], out: TextIO) -> None:
         )
     rate, rtt_ms = rate_text(link["bandwidth_bps"]), link["rtt_s"] * 1e3
     print(f"link     {rate}, round trip {rtt_ms:g} ms", file=out)
+    if "smaller_batch" in head:
+        print(f"\nbatch    {head['smaller_batch']}: {t['batch_size']} samples fit", file=out)
 
 
 def _codec_text(r: dict[str, Any]) -> str:
