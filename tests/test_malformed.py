@@ -4,7 +4,11 @@ logged at most once per peer a minute, and nothing of grpc's own traceback loggi
 from __future__ import annotations
 
 import logging
+import re
+import signal
+from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -13,6 +17,8 @@ import pytest
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.limits import PeerLimiter
 from ravnest_node.transport.malformed import LOG_EVERY_S, Malformed, MalformedRequests
+
+from .conftest import Procs, node_status
 
 SERVICE = "test.Guarded"
 GARBAGE = b"\xff\xff\xff\xff"  # a field tag with no end: not any protobuf message
@@ -147,3 +153,38 @@ async def test_without_the_guard_grpc_answers_unknown_and_logs_a_traceback(
 def test_the_marker_carries_only_the_size_and_the_error() -> None:
     marker = Malformed(4, "DecodeError: corrupt")
     assert marker.ByteSize() == 4 and not hasattr(marker, "__dict__")
+
+
+def test_a_live_node_refuses_a_thousand_undecodable_requests_with_a_line_and_a_counter(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """The issue's attack on a real node process (a coordinator waiting for its swarm): 1,000
+    requests that do not parse, to a method of each kind it serves, leave one log line per peer
+    connection and a counter, where grpc logged a traceback for each."""
+    proc, ready = procs.start_node(
+        tmp_path / "n0", "--swarm-size", "2", "--model", "tiny", "--peer-calls-per-s", "100000"
+    )  # (the per-peer call rate is not what this test is about)
+    address = ready["address"]
+    methods = ("Leave", "Heartbeat", "Join", "Report", "Drain", "Suspect")
+    with grpc.insecure_channel(address) as channel:
+        codes = Counter()
+        for i in range(1000):
+            call = channel.unary_unary(f"/ravnest.v1.Coordinator/{methods[i % len(methods)]}")
+            try:
+                call(GARBAGE, timeout=10)
+            except grpc.RpcError as exc:
+                assert isinstance(exc, grpc.Call)
+                codes[exc.code().name] += 1
+        watch = channel.unary_stream("/ravnest.v1.Coordinator/WatchPlan")(GARBAGE, timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(watch)
+        codes[refused.value.code().name] += 1
+    assert codes == {"INVALID_ARGUMENT": 1001}
+    status = node_status(address)
+    assert status.requests_malformed == 1001
+    assert sum(status.requests_malformed_by_peer.values()) == 1001
+    log = (tmp_path / "n0" / "node.log").read_text()
+    assert "Traceback" not in log and "DecodeError]" not in log
+    assert len(re.findall("malformed request", log)) <= 3, log[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0

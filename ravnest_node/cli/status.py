@@ -100,6 +100,9 @@ def describe(status: pb.NodeStatus) -> str:
     if s["calls_limited"] or s["messages_delayed"]:
         lines.append(f"per-peer limits: {s['calls_limited']} calls refused, "
                      f"{s['messages_delayed']} stream messages held back")  # fmt: skip
+    if s["requests_malformed"]:
+        peers = ", ".join(f"{p} {n}" for p, n in s["requests_malformed_by_peer"].items())
+        lines.append(f"malformed requests refused: {s['requests_malformed']} ({peers})")
     lines += [f"banned replica {n}: {why}" for n, why in sorted(s["banned_replicas"].items())]
     lines.append(
         f"frames accepted {s['frames_accepted']}, refused {s['frames_refused']}; "

@@ -53,6 +53,7 @@ from ravnest_node.state import load_or_create_member_key, load_or_create_node_id
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters
 from ravnest_node.transport.gate import TlsGate
 from ravnest_node.transport.limits import PeerLimiter
+from ravnest_node.transport.malformed import MalformedRequests
 from ravnest_node.transport.options import server_options, split_host_port
 from ravnest_node.transport.probe import ProbeServer
 
@@ -128,6 +129,8 @@ class NodeDaemon:
             inflight_bytes=transport.peer_inflight_bytes,
         )
         """The per-peer limits of this node's gRPC server (transport/limits.py)."""
+        self.malformed = MalformedRequests()
+        """Requests that did not parse, refused and counted per peer (transport/malformed.py)."""
         self.gate: TlsGate | None = None
         """A protected swarm's TLS gate in front of this node's gRPC server."""
         self.metrics_address = ""
@@ -192,7 +195,7 @@ class NodeDaemon:
         server = grpc.aio.server(
             options=server_options(cfg.transport),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-            interceptors=[self.limiter.interceptor()],
+            interceptors=[self.limiter.interceptor(), self.malformed.interceptor()],
         )
         host, port, self.gate = await listen(server, cfg.listen, cfg.transport)
         tunnel = await self.relays.start(host, port, self.leadership.coordinator_address)

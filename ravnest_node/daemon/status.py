@@ -36,6 +36,7 @@ from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.boundary import LinkCounters
 from ravnest_node.transport.gate import TlsGate
 from ravnest_node.transport.limits import PeerLimiter
+from ravnest_node.transport.malformed import MalformedRequests
 from ravnest_node.transport.options import TransportConfig, grpc_channel
 from ravnest_node.transport.tunnel import host_port
 
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 WEB_SWARM_TIMEOUT_S = 5.0
 # The page's view of the swarm is asked of the coordinator at most this often.
 WEB_SWARM_EVERY_S = 1.0
+
+
+MALFORMED_PEERS_SHOWN = 16
+"""Peers whose malformed requests `status` lists (the most recent)."""
 
 
 class NodeParts(Protocol):
@@ -66,6 +71,8 @@ class NodeParts(Protocol):
     def counters(self) -> LinkCounters: ...
     @property
     def limiter(self) -> PeerLimiter: ...
+    @property
+    def malformed(self) -> MalformedRequests: ...
     @property
     def averaging(self) -> AveragingService: ...
     @property
@@ -93,6 +100,9 @@ async def node_status(node: NodeParts, brief: bool = False) -> pb.NodeStatus:
     status.banned_replicas.update(node.averaging.bans.banned)
     status.calls_limited = node.limiter.calls_refused
     status.messages_delayed = node.limiter.messages_delayed
+    status.requests_malformed = node.malformed.total
+    recent = list(node.malformed.by_peer.items())[-MALFORMED_PEERS_SHOWN:]
+    status.requests_malformed_by_peer.update(recent)
     _relays_status(node.relays, status)
     if leadership.found is not None:
         status.coordinator_address = leadership.found.address
@@ -167,6 +177,7 @@ def node_metrics(node: NodeParts) -> list[Family]:
         plan=plan,
         link_bytes=node.counters.bytes_sent,
         calls_limited=node.limiter.calls_refused,
+        requests_malformed=node.malformed.total,
         banned=len(node.averaging.bans.banned),
     )
     if worker is not None:

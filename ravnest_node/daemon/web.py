@@ -94,6 +94,7 @@ def node_families(
     link_bytes: Mapping[str, int],
     calls_limited: int,
     banned: int,
+    requests_malformed: int = 0,
 ) -> list[Family]:
     """The series every node has, stage or not. Pure."""
     info = Family("ravnest_info", "This node: its id, swarm, role and version (always 1).")
@@ -112,6 +113,11 @@ def node_families(
         Family("ravnest_calls_limited_total", "Calls refused by per-peer limits.", "counter").add(
             calls_limited
         ),
+        Family(
+            "ravnest_requests_malformed_total",
+            "Requests that did not parse as their method's message (refused).",
+            "counter",
+        ).add(requests_malformed),
         Family("ravnest_banned_replicas", "Replicas banned from averaging for the run.").add(
             banned
         ),

@@ -507,7 +507,7 @@ class StatusRequest(_message.Message):
     def __init__(self, brief: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term", "relay", "relay_address", "relayed", "relayed_bytes", "security", "refused_connections", "certificate_expires", "calls_limited", "messages_delayed", "banned_replicas")
+    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term", "relay", "relay_address", "relayed", "relayed_bytes", "security", "refused_connections", "certificate_expires", "calls_limited", "messages_delayed", "banned_replicas", "requests_malformed", "requests_malformed_by_peer", "device", "precision")
     class RelayedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -529,6 +529,13 @@ class NodeStatus(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class RequestsMalformedByPeerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -560,6 +567,10 @@ class NodeStatus(_message.Message):
     CALLS_LIMITED_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_DELAYED_FIELD_NUMBER: _ClassVar[int]
     BANNED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MALFORMED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MALFORMED_BY_PEER_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     plan_epoch: int
@@ -591,7 +602,11 @@ class NodeStatus(_message.Message):
     calls_limited: int
     messages_delayed: int
     banned_replicas: _containers.ScalarMap[str, str]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., relayed: _Optional[_Mapping[str, str]] = ..., relayed_bytes: _Optional[_Mapping[str, int]] = ..., security: _Optional[str] = ..., refused_connections: _Optional[int] = ..., certificate_expires: _Optional[float] = ..., calls_limited: _Optional[int] = ..., messages_delayed: _Optional[int] = ..., banned_replicas: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    requests_malformed: int
+    requests_malformed_by_peer: _containers.ScalarMap[str, int]
+    device: str
+    precision: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., relayed: _Optional[_Mapping[str, str]] = ..., relayed_bytes: _Optional[_Mapping[str, int]] = ..., security: _Optional[str] = ..., refused_connections: _Optional[int] = ..., certificate_expires: _Optional[float] = ..., calls_limited: _Optional[int] = ..., messages_delayed: _Optional[int] = ..., banned_replicas: _Optional[_Mapping[str, str]] = ..., requests_malformed: _Optional[int] = ..., requests_malformed_by_peer: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class SwarmRequest(_message.Message):
     __slots__ = ()
