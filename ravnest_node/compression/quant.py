@@ -309,7 +309,10 @@ class BlockQuant:
 
     def dequantise(self, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Flat float32 q * s / L of codes [nb, block]."""
-        step = scales / self.levels
+        # A tensor divisor: CUDA divides by a Python number as a multiply by its reciprocal,
+        # which can differ from the division in the last bit, and aq-delta's sender and
+        # receiver must compute bit-identical references on any device.
+        step = scales / torch.full_like(scales, self.levels)
         return (codes.view(scales.numel(), -1).to(torch.float32) * step.unsqueeze(1)).view(-1)
 
     def pack(self, scales: torch.Tensor, codes: torch.Tensor) -> bytes:
