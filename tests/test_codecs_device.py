@@ -40,9 +40,10 @@ LIMITS = FrameLimits(max_message_bytes=1 << 24)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Relative rounding of a value cast to the frame's dtype (decoders cast to the sender's dtype).
 EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+ROLES: tuple[Role, ...] = ("activation", "gradient")
 CASES = [
     (name, role)
-    for role in ("activation", "gradient")
+    for role in ROLES
     for name in CODECS
     if not (role == "activation" and name in GRADIENT_ONLY)
     and not (role == "gradient" and name in ACTIVATION_ONLY)
@@ -221,7 +222,7 @@ def test_encoding_reads_device_memory_only_through_to_host(
     plain_state, state = codec.new_state(), codec.new_state()
     for s in (plain_state, state):  # the same rounding noise for both
         if getattr(s, "generator", None) is not None:
-            s.generator = torch.Generator().manual_seed(3)  # type: ignore[union-attr]
+            s.generator = torch.Generator().manual_seed(3)  # type: ignore[attr-defined]
     mode = _PretendOnDevice()
     for x in xs:
         expected = encode_frame(FrameKind.FORWARD, 0, 0, [Outgoing("h", x, codec, plain_state)],
@@ -265,7 +266,7 @@ def test_cpu_fp32_payloads_are_byte_for_byte_those_of_before() -> None:
         codec = encoder(name, role)
         state = codec.new_state()
         if getattr(state, "generator", None) is not None:
-            state.generator = torch.Generator().manual_seed(11)  # type: ignore[union-attr]
+            state.generator = torch.Generator().manual_seed(11)  # type: ignore[attr-defined]
         for x in _inputs(torch.float32):
             if hasattr(state, "bind"):
                 state.bind(SAMPLES)
