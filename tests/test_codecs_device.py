@@ -23,7 +23,7 @@ from ravnest_node.compression import (
     SampleReferences,
 )
 from ravnest_node.compression.codecs import Role, encoder
-from ravnest_node.compression.host import copying_with
+from ravnest_node.compression.host import copying_with, to_host
 from ravnest_node.compression.powersgd import PowerSGD
 from ravnest_node.compression.quant import BlockQuant
 from ravnest_node.compression.sparse import TopKState
@@ -253,6 +253,21 @@ def test_powersgd_encodes_bf16_within_its_projection_bound_and_only_through_to_h
     assert float((m - m_hat).norm()) <= float(m.norm()) * (1 + 1e-5)  # a projection
     bias = slice(64 * 32, 64 * 32 + 32)  # dense: bf16 values, exact for a bf16 input
     assert torch.equal(d[bias], x.float()[bias])
+
+
+def test_a_host_copy_holds_only_within_its_block() -> None:
+    calls: list[int] = []
+
+    def copy(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(len(tensors))
+        return [t.clone() for t in tensors]
+
+    x = torch.randn(64)
+    with pytest.raises(RuntimeError), copying_with(copy):
+        assert [t.tolist() for t in to_host(x, x[:3])] == [x.tolist(), x[:3].tolist()]
+        raise RuntimeError("an encode that fails")
+    assert to_host(x)[0] is x  # the default again: a CPU tensor is its own host copy
+    assert calls == [2]
 
 
 # sha256 of the fp32 CPU payloads of every codec and role (stochastic ones seeded), FRAMES frames

@@ -15,6 +15,7 @@ from ravnest_node.compression import AQState, Codec, SampleReferences
 from ravnest_node.compression.codecs import Role, encoder
 from ravnest_node.compression.host import copying_with
 from ravnest_node.compression.powersgd import PowerSGD
+from ravnest_node.compression.sparse import TopKState
 from ravnest_node.compression.transform import KLTBases, KLTState
 from ravnest_node.pipeline.encoder import SideStreamCopy
 from ravnest_node.transport.frames import (
@@ -114,6 +115,21 @@ def test_klt_keeps_its_basis_and_covariance_on_the_device() -> None:
     assert state.basis is not None and state.analysis is not None and state.covariance is not None
     assert {state.basis.device, state.analysis.device, state.covariance.device} == {DEVICE}
     assert state.basis_id >= 1
+
+
+def test_topk_residual_and_rounding_generator_stay_on_the_device() -> None:
+    x = torch.randn(4, 8, 64, device=DEVICE)
+    topk = encoder("topk-ef", "gradient")
+    topk_state = topk.new_state()
+    topk.encode(x, topk_state)
+    assert isinstance(topk_state, TopKState) and topk_state.residual is not None
+    assert topk_state.residual.device == DEVICE
+    int8 = encoder("int8-block", "gradient")
+    int8_state = int8.new_state()
+    seed = int8_state.generator.initial_seed()  # type: ignore[attr-defined]
+    int8.encode(x, int8_state)
+    generator = int8_state.generator  # type: ignore[attr-defined]
+    assert generator.device == DEVICE and generator.initial_seed() == seed
 
 
 def test_powersgd_keeps_its_state_on_the_device_and_sends_the_cpu_bytes() -> None:
