@@ -30,6 +30,7 @@ from math import prod
 
 import torch
 
+from ravnest_node.compression.host import to_host
 from ravnest_node.compression.quant import (
     MAX_BLOCK,
     MIN_BLOCK,
@@ -133,7 +134,8 @@ class AQDelta:
 
     def encode(self, tensor: torch.Tensor, state: object | None) -> tuple[dict[str, int], bytes]:
         """(params, payload) of a [samples, ...] floating tensor whose sample ids were bound to
-        `state`; updates the state's references exactly as the receiver will."""
+        `state`; updates the state's references exactly as the receiver will (the sender's
+        references stay on the tensor's device)."""
         if not isinstance(state, AQState):
             raise TypeError(f"{self.name} needs the state of new_state(), got {type(state)}")
         if state.samples is None:
@@ -146,8 +148,8 @@ class AQDelta:
         ref = state.references.lookup(samples, tuple(tensor.shape[1:]))
         if ref is None:  # warm-up: the tensor's own bytes; they become the references
             state.references.store(samples, x.clone())
-            raw = tensor.detach().contiguous().cpu()
-            return self._params(0), raw.view(torch.uint8).numpy().tobytes()
+            (raw,) = to_host(tensor.detach().contiguous().view(torch.uint8))
+            return self._params(0), raw.numpy().tobytes()
         quant = self._quant
         scales, codes = quant.quantise((x - ref).view(-1), None)
         decoded = quant.dequantise(scales, codes)[: x.numel()].view(x.shape)

@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 import torch
 
 from ravnest_node.compression.aq import AQDelta
+from ravnest_node.compression.host import to_host
 from ravnest_node.compression.quant import BlockQuant, check_payload_size, int4_block, int8_block
 from ravnest_node.compression.sparse import TopK
 from ravnest_node.compression.transform import KLT_ACTIVATION, KLT_GRADIENT
@@ -68,7 +69,10 @@ class Codec(Protocol):
         ...
 
     def encode(self, tensor: torch.Tensor, state: object | None) -> tuple[dict[str, int], bytes]:
-        """(params, payload) of a contiguous CPU tensor; updates `state`."""
+        """(params, payload) of a tensor on any device, in any dtype `applies_to` accepts;
+        updates `state` (kept on the tensor's device). The tensor work runs on that device and
+        only its small results cross to the host, through `host.to_host`; the bytes are those
+        of the same values encoded on the CPU (stochastic rounding aside: compression/host.py)."""
         ...
 
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype, params: Params) -> int:
@@ -88,10 +92,11 @@ def _no_params(codec: str, params: Params) -> None:
 
 
 def _raw_bytes(tensor: torch.Tensor) -> bytes:
-    t = tensor.detach().contiguous().cpu()
+    t = tensor.detach().contiguous()
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same bits as int16
         t = t.view(torch.int16)
-    return t.numpy().tobytes()
+    (host,) = to_host(t)
+    return host.numpy().tobytes()
 
 
 def _from_bytes(payload: memoryview, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -131,7 +136,8 @@ class RawCodec:
 
 @dataclass(frozen=True, slots=True)
 class CastCodec:
-    """`fp16` / `bf16`: floating tensors cast to 16 bits on the wire, back to their dtype after."""
+    """`fp16` / `bf16`: floating tensors cast to 16 bits on the wire (on their device, so half
+    the bytes cross to the host), back to their dtype after."""
 
     name: str
     wire: torch.dtype

@@ -66,6 +66,7 @@ from math import prod
 
 import torch
 
+from ravnest_node.compression.host import to_host
 from ravnest_node.compression.quant import (
     cast_finite,
     check_params,
@@ -153,14 +154,16 @@ def _plan(layout: Layout, rank: int) -> _Plan:
 
 @dataclass(slots=True)
 class PowerSGDState:
-    """Sender-side state of one delta stream (same layout every round; not thread-safe)."""
+    """Sender-side state of one delta stream (same layout every round; not thread-safe). The
+    residual and the warm starts live on the device of the stream's tensors."""
 
     residual: torch.Tensor | None = None
     """e, flat float32, created at the first encode (error feedback only)."""
     warm: dict[int, torch.Tensor] = field(default_factory=dict)
     """Q (n x r) of each matrix entry, by layout index: the warm start of the next round."""
     generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(_SEED))
-    """Draws the first Q of each matrix (private: the training RNG is not disturbed)."""
+    """Draws the first Q of each matrix (private: the training RNG is not disturbed). It draws
+    on the CPU whatever the tensor's device (Q is small), so every device starts alike."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +204,9 @@ class PowerSGD:
         return PowerSGDState()
 
     def encode(self, tensor: torch.Tensor, state: object | None) -> tuple[dict[str, int], bytes]:
-        """(params, payload) of the flat vector; updates the residual and warm start in `state`.
+        """(params, payload) of the flat vector on any device (the projections run there; the
+        factors and dense values cross to the host); updates the residual and warm start in
+        `state`.
         TypeError for a missing or foreign state, ValueError for a tensor of another size than
         the layout's or with non-finite values (also after adding the residual)."""
         if not isinstance(state, PowerSGDState):
@@ -215,8 +220,8 @@ class PowerSGD:
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{self.name}: the tensor has non-finite values")
         r = self.rank
-        factors = torch.empty(plan.factors, dtype=torch.float32)
-        dense = torch.empty(plan.dense, dtype=torch.bfloat16)
+        factors = torch.empty(plan.factors, dtype=torch.float32, device=x.device)
+        dense = torch.empty(plan.dense, dtype=torch.bfloat16, device=x.device)
         for i, e in enumerate(plan.entries):
             segment = x[e.start : e.start + e.numel]
             if not e.rows:
@@ -225,7 +230,7 @@ class PowerSGD:
             m = segment.view(e.rows, e.cols)
             q = state.warm.get(i)
             if q is None or not bool(q.any()):  # first round, or M was 0: nothing to follow
-                q = torch.randn(e.cols, r, generator=state.generator)
+                q = torch.randn(e.cols, r, generator=state.generator).to(x.device)
             p = torch.linalg.qr(m @ q).Q  # reduced: m x r, orthonormal columns
             q = m.T @ p
             state.warm[i] = q
@@ -237,8 +242,9 @@ class PowerSGD:
             raise ValueError(f"{self.name}: the factors overflow float32")
         if self.error_feedback:
             state.residual = x - decoded
+        factors, dense_bits = to_host(factors, dense.view(torch.int16))
         payload = factors.numpy().astype("<f4", copy=False).tobytes()
-        payload += dense.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+        payload += dense_bits.numpy().astype("<i2", copy=False).tobytes()
         return self.params, payload
 
     def payload_nbytes(
@@ -291,8 +297,9 @@ def _reconstruct(
 ) -> torch.Tensor:
     """The flat float32 vector of the factors and dense values. P Q^T is summed one outer
     product at a time (elementwise multiplies and adds, each exactly rounded), so the result
-    does not depend on the BLAS or the thread count: sender and receivers get the same bits."""
-    out = torch.empty(plan.total, dtype=torch.float32)
+    does not depend on the BLAS, the thread count or the device (a CUDA sender's separate
+    multiply and add kernels round as the CPU's do): sender and receivers get the same bits."""
+    out = torch.empty(plan.total, dtype=torch.float32, device=factors.device)
     for e in plan.entries:
         target = out[e.start : e.start + e.numel]
         if not e.rows:

@@ -42,13 +42,13 @@ Stochastic rounding, error feedback and coarse codes do not change the wire form
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
 import torch
 
+from ravnest_node.compression.host import generator_on, random_generator, to_host
 from ravnest_node.errors import ConfigError, FrameError
 
 MIN_BLOCK = 16
@@ -102,10 +102,12 @@ def check_payload_size(codec: str, payload: memoryview, expected: int) -> None:
 
 
 def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor as a flat, contiguous CPU float32 tensor (a view when it already is one)."""
+    """The tensor as a flat, contiguous float32 tensor on its own device (a view when it already
+    is one): a bf16 or fp16 tensor is converted where it lies, before anything crosses to the
+    host (compression/host.py)."""
     if not tensor.dtype.is_floating_point:
         raise TypeError(f"only floating tensors can be quantised, not {tensor.dtype}")
-    return tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
+    return tensor.detach().to(dtype=torch.float32).contiguous().reshape(-1)
 
 
 def cast_finite(codec: str, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -135,11 +137,8 @@ class QuantState:
     residual: torch.Tensor | None = None
     """e, flat float32, created at the first encode (error feedback only)."""
     generator: torch.Generator | None = None
-    """RNG for stochastic rounding, private so the training RNG is not disturbed."""
-
-
-def _new_generator() -> torch.Generator:
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+    """RNG for stochastic rounding, private so the training RNG is not disturbed; on the
+    tensor's device after the first encode (compression/host.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,11 +187,12 @@ class BlockQuant:
         """A fresh sender state, or None when the codec is stateless (no feedback, no RNG)."""
         if not (self.error_feedback or self.stochastic):
             return None
-        return QuantState(generator=_new_generator() if self.stochastic else None)
+        return QuantState(generator=random_generator() if self.stochastic else None)
 
     def encode(self, tensor: torch.Tensor, state: object | None) -> tuple[dict[str, int], bytes]:
-        """(params, payload) of a floating tensor. Raises ValueError for non-finite values (they
-        cannot be quantised) and TypeError for a state that is not this codec's."""
+        """(params, payload) of a floating tensor on any device, quantised there (only the codes
+        and scales cross to the host). Raises ValueError for non-finite values (they cannot be
+        quantised) and TypeError for a state that is not this codec's."""
         x = flat_float32(tensor)
         st = self._state(state)
         if st is not None and st.residual is not None:
@@ -203,8 +203,10 @@ class BlockQuant:
                 )
             x = x + st.residual
         generator = st.generator if st is not None else None
-        if self.stochastic and generator is None:
-            generator = _new_generator()
+        if generator is not None and st is not None:
+            generator = st.generator = generator_on(generator, x.device)
+        elif self.stochastic:
+            generator = random_generator(x.device)
         scales, codes = self.quantise(x, generator)
         if st is not None and self.error_feedback:
             numel = x.numel()
@@ -295,7 +297,7 @@ class BlockQuant:
         inv = torch.where(scales > 0, levels / scales, 0.0)
         y = blocks * inv.unsqueeze(1)  # x / s_written * L = x / s * codes
         if self.stochastic:
-            y.add_(torch.rand(y.shape, generator=generator)).floor_()
+            y.add_(torch.rand(y.shape, generator=generator, device=y.device)).floor_()
         else:
             y.round_()
         # levels / s rounds: x = s can land an ulp above the largest code
@@ -307,13 +309,19 @@ class BlockQuant:
 
     def dequantise(self, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Flat float32 q * s / L of codes [nb, block]."""
-        step = scales / self.levels
+        # A tensor divisor: CUDA divides by a Python number as a multiply by its reciprocal,
+        # which can differ from the division in the last bit, and aq-delta's sender and
+        # receiver must compute bit-identical references on any device.
+        step = scales / torch.full_like(scales, self.levels)
         return (codes.view(scales.numel(), -1).to(torch.float32) * step.unsqueeze(1)).view(-1)
 
     def pack(self, scales: torch.Tensor, codes: torch.Tensor) -> bytes:
+        """The payload of `quantise`'s results: codes packed on their device, then moved to the
+        host with the scales."""
         flat = codes.view(-1)
         if self.bits < 8:
             flat = _pack(flat, self.bits)
+        scales, flat = to_host(scales, flat)
         out = torch.empty(scales.numel() * _SCALE_BYTES + flat.numel(), dtype=torch.uint8)
         split = scales.numel() * _SCALE_BYTES
         out[:split] = scales.view(torch.uint8)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ravnest_node.compression.host import to_host
 from ravnest_node.compression.quant import (
     cast_finite,
     check_params,
@@ -87,8 +88,9 @@ class TopK:
         return TopKState()
 
     def encode(self, tensor: torch.Tensor, state: object | None) -> tuple[dict[str, int], bytes]:
-        """(params, payload); updates the residual in `state`. TypeError for a missing or foreign
-        state, ValueError for non-finite values or a tensor of another size than the state's."""
+        """(params, payload); updates the residual in `state` (on the tensor's device).
+        TypeError for a missing or foreign state, ValueError for non-finite values or a tensor
+        of another size than the state's."""
         if not isinstance(state, TopKState):
             raise TypeError(f"{self.name} needs the state of new_state(), got {type(state)}")
         x = flat_float32(tensor)
@@ -98,7 +100,7 @@ class TopK:
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{self.name}: the tensor has non-finite values")
         if state.residual is None:
-            state.residual = torch.zeros(numel, dtype=torch.float32)
+            state.residual = torch.zeros(numel, dtype=torch.float32, device=x.device)
         elif state.residual.numel() != numel:
             raise ValueError(
                 f"{self.name}: the state holds {state.residual.numel()} elements, the tensor has "
@@ -111,6 +113,7 @@ class TopK:
         values = v[idx]
         v[idx] = 0.0
         deltas = torch.diff(idx, prepend=idx.new_zeros(1))
+        values, deltas = to_host(values, deltas)
         index_bytes = 2 if int(deltas.max()) < _U16_LIMIT else 4
         payload = (
             values.numpy().astype("<f4", copy=False).tobytes()

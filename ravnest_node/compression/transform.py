@@ -50,7 +50,6 @@ params: {"basis": 0, 1 or 2, "id": the basis's number, "rows": 0 or 1, "a": larg
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -59,6 +58,7 @@ import torch
 
 import ravnest_node.compression.rans as rans
 from ravnest_node.compression.aq import Commit
+from ravnest_node.compression.host import generator_on, random_generator, to_host
 from ravnest_node.compression.quant import (
     cast_finite,
     check_params,
@@ -83,7 +83,8 @@ _PARAMS = ("basis", "id", "rows", "a", "packed")
 @dataclass(slots=True)
 class KLTState:
     """Sender side of one stream: the covariance average, the current basis and its number,
-    whether the next frame must carry it, and the rounding RNG."""
+    whether the next frame must carry it, and the rounding RNG. Its tensors live on the device
+    of the stream's tensors (the generator from the first encode on)."""
 
     covariance: torch.Tensor | None = None
     basis: torch.Tensor | None = None
@@ -139,11 +140,7 @@ class KLT:
         return dtype.is_floating_point
 
     def new_state(self) -> KLTState:
-        generator = None
-        if self.stochastic:
-            seed = int.from_bytes(os.urandom(8), "little") >> 1
-            generator = torch.Generator().manual_seed(seed)
-        return KLTState(generator=generator)
+        return KLTState(generator=random_generator() if self.stochastic else None)
 
     # ---- sender ----
 
@@ -172,12 +169,16 @@ class KLT:
                 break
             steps = torch.where(over, steps * 2, steps)
         if state.generator is not None:
-            z = z.add_(torch.rand(z.shape, generator=state.generator)).floor_()
+            state.generator = generator_on(state.generator, z.device)
+            z = z.add_(torch.rand(z.shape, generator=state.generator, device=z.device)).floor_()
         else:
             z = z.round_()
-        codes = z.to(torch.int64)
+        # Codes lie within -MAX_CODE..MAX_CODE: int16 is all that needs to cross to the host.
+        codes, step_bits = to_host(
+            z.to(torch.int16), steps.reshape(-1).to(torch.bfloat16).view(torch.int16)
+        )
         a, models, coded = rans.encode(codes.T)
-        parts = [steps.reshape(-1).to(torch.bfloat16).view(torch.int16).numpy().tobytes()]
+        parts = [step_bits.numpy().tobytes()]
         mode = 0
         if basis is not None:
             mode = 2
@@ -229,6 +230,7 @@ class KLT:
         except RuntimeError:  # (a rounded basis of orthonormal vectors is far from singular)
             return
         state.basis, state.analysis = basis, analysis
+        scales, codes = to_host(scales, codes)
         state.wire_basis = scales.numpy().tobytes() + codes.numpy().tobytes()
         state.basis_id = (state.basis_id % MAX_ID) + 1
         state.send_basis = True

@@ -1,14 +1,21 @@
 """The frames a stage sends: activations downstream and gradients upstream, each role encoded
 with its codec choice (codec_choice.py), and the float32 size of what they carry.
+
+The codecs encode a tensor on its device and move only their small results (codes, scales) to
+the host (compression/host.py). For a tensor on a CUDA device this module moves them on a side
+stream (`SideStreamCopy`), so the copies do not hold up the compute stream's next kernels; on
+the CPU nothing is copied.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ravnest_node.compression import get_codec
+from ravnest_node.compression.host import copying_with
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.pipeline.schedule import GRAD, HIDDEN, TARGETS, StageSpec
@@ -38,6 +45,7 @@ class FrameEncoder:
         thread)."""
         self.gradient_fp32_bytes = 0
         """Bytes the gradients encoded would take as float32."""
+        self._side_copies: dict[torch.device, SideStreamCopy] = {}
 
     def forward(
         self,
@@ -69,14 +77,58 @@ class FrameEncoder:
     ) -> bytes:
         """The frame, its packing told to the codec choice of its role."""
         packing: list[str] = []
-        message = encode_frame(
-            kind,
-            seq,
-            version,
-            tensors,
-            samples=samples,
-            lz4_min_ratio=self._lz4_ratio,
-            packing=packing,
-        )
+        with self._copying(tensors):
+            message = encode_frame(
+                kind,
+                seq,
+                version,
+                tensors,
+                samples=samples,
+                lz4_min_ratio=self._lz4_ratio,
+                packing=packing,
+            )
         choice.sent(packing[0])
         return message
+
+    def _copying(self, tensors: Sequence[Outgoing]) -> contextlib.AbstractContextManager[None]:
+        """Where a tensor is on a CUDA device, the codecs' results leave it by a side stream."""
+        for out in tensors:
+            device = out.tensor.device
+            if device.type == "cuda":
+                if device not in self._side_copies:
+                    self._side_copies[device] = SideStreamCopy(device)
+                return copying_with(self._side_copies[device])
+        return contextlib.nullcontext()
+
+
+class SideStreamCopy:
+    """Moves tensors off one CUDA device on a side stream of its own (a `HostCopy`,
+    compression/host.py): the copies wait, on the GPU, for the compute stream's work queued so
+    far (an event), run `non_blocking` into pinned host memory, and the caller waits for the
+    copies' own event, never for the whole device. The compute stream meanwhile runs whatever
+    is queued after the event. Pinned buffers come from torch's caching host allocator, so
+    steady frames reuse them. CPU tensors pass through. Compute thread only."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(ready)
+        hosts: list[torch.Tensor] = []
+        with torch.cuda.stream(self.stream):
+            for t in tensors:
+                if t.device.type != "cuda":
+                    hosts.append(t)
+                    continue
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                # t was made on the compute stream: keep its memory until this stream is done.
+                t.record_stream(self.stream)
+                hosts.append(host)
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copied.record(self.stream)
+        copied.synchronize()
+        return hosts

@@ -135,6 +135,7 @@ class Outgoing:
 
     name: str
     tensor: torch.Tensor
+    """On any device, in any dtype of WIRE_DTYPES: the codec encodes it where it lies."""
     codec: Codec
     state: object | None = None
     deflate: bool = False
@@ -215,7 +216,9 @@ def encode_frame(
     `none`. Each payload is lz4-compressed when that makes it at least `lz4_min_ratio` times
     smaller, or deflate-compressed where its `Outgoing` asks for deflate and that makes it at
     least DEFLATE_MIN_RATIO times smaller (`lz4_min_ratio` 0 disables both). `packing`, if
-    given, gets one entry per tensor: "deflate", "lz4" or "" (sent as the codec made it)."""
+    given, gets one entry per tensor: "deflate", "lz4" or "" (sent as the codec made it).
+    Tensors may lie on any device: the codecs encode them there and hand back bytes
+    (compression/host.py), so nothing here reads a device tensor's memory."""
     metas: list[dict[str, Any]] = []
     payloads: list[bytes] = []
     for item in tensors:
