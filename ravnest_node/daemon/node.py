@@ -36,6 +36,7 @@ from ravnest_node.daemon.relays import Relays, relay_advice
 from ravnest_node.daemon.services import CoordinatorGate, NodeService, listen, probe_node
 from ravnest_node.daemon.status import SwarmPage, node_status, open_web
 from ravnest_node.daemon.worker.worker import Worker
+from ravnest_node.devices import describe, resolve_device, resolve_precision
 from ravnest_node.discovery import Advertisement, MdnsDiscovery, TxtRecord, advertised_ips
 from ravnest_node.errors import (
     PeerError,
@@ -132,6 +133,8 @@ class NodeDaemon:
         """HOST:PORT of the HTTP endpoint (--metrics-port), once it listens."""
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ravnest-compute")
         self._ending = Ending()
+        self.device = resolve_device(config.compute.device)
+        """The device this node's stages compute on (ConfigError above if it has none such)."""
 
     @property
     def worker(self) -> Worker | None:
@@ -187,6 +190,8 @@ class NodeDaemon:
         cfg = self.config
         if cfg.compute.compute_threads:
             torch.set_num_threads(cfg.compute.compute_threads)
+        log.info("device: %s, precision: %s", describe(self.device),
+                 resolve_precision(cfg.train.precision, self.device))  # fmt: skip
         server = grpc.aio.server(
             options=server_options(cfg.transport),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
@@ -239,6 +244,7 @@ class NodeDaemon:
             compute_threads=torch.get_num_threads(),
             transport=cfg.transport,
             compute=self._compute,
+            device=self.device,
             counters=self.counters,
             coordinator_grace_s=cfg.membership.coordinator_grace_s,
             checkpoints=(
