@@ -190,8 +190,6 @@ class NodeDaemon:
         cfg = self.config
         if cfg.compute.compute_threads:
             torch.set_num_threads(cfg.compute.compute_threads)
-        log.info("device: %s, precision: %s", describe(self.device),
-                 resolve_precision(cfg.train.precision, self.device))  # fmt: skip
         server = grpc.aio.server(
             options=server_options(cfg.transport),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
@@ -218,6 +216,8 @@ class NodeDaemon:
                     self.metrics_address = await open_web(self, page, stack)
                 info = self._write_ready()
                 log.info("node %s listening on %s", self.node_id, self.address)
+                log.info("device: %s, precision: %s", describe(self.device),
+                         resolve_precision(cfg.train.precision, self.device))  # fmt: skip
                 _log_security(cfg)
                 on_ready(info)
                 await self._serve(worker, server)
