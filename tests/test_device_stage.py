@@ -100,12 +100,14 @@ def _one_microbatch(first: StageCompute, last: StageCompute, mb: dict[str, torch
     first.backward(0, mb["grad"])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["graph", "recompute"])
 @pytest.mark.parametrize("name", MODELS)
 def test_no_tensor_is_created_without_a_device(
-    pool: ThreadPoolExecutor, name: str, recompute: bool
+    pool: ThreadPoolExecutor, name: str, recompute: bool, precision: str
 ) -> None:
-    run = TrainConfig(model=name, batch_size=2, microbatches=1, codec="none", recompute=recompute)
+    run = TrainConfig(model=name, batch_size=2, microbatches=1, codec="none",
+                      recompute=recompute, precision=precision)  # fmt: skip
     first, last = _two_stages(pool, name, run)
     mb = _microbatch(name, 2)
     with FactoryWatch() as watch:
