@@ -5,6 +5,9 @@ Below both `checkpoint` and `pipeline`: a stage exports and restores block state
 (`export_blocks`, `restore_blocks`), checkpoints write and verify it, a hand-over moves it
 between plans (pipeline/handoff.py), and `check_block` is the one set of checks all of them
 pass before anything is used.
+
+Block state is always on the CPU: a stage on a GPU exports CPU copies and restores onto its own
+device, so a checkpoint or hand-over from a GPU node resumes on a CPU node and back.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ DTYPE = "float32"
 @dataclass(frozen=True, slots=True)
 class BlockWeights:
     """One block after `version` optimizer steps: its parameters and, once it has taken a step,
-    AdamW's moments; tensors are float32 copies, keyed by (role, parameter name in the block)."""
+    AdamW's moments; tensors are float32 CPU copies, keyed by (role, parameter name in the
+    block)."""
 
     block: int
     version: int
@@ -34,18 +38,19 @@ class BlockWeights:
 def export_blocks(
     blocks: torch.nn.Sequential, first_block: int, optimizer: torch.optim.Optimizer, version: int
 ) -> dict[int, BlockWeights]:
-    """Copies of each block of a stage (on the compute thread, between steps)."""
+    """CPU copies of each block of a stage, wherever its tensors are (on the compute thread,
+    between steps)."""
     out: dict[int, BlockWeights] = {}
     with torch.no_grad():
         for i, block in enumerate(blocks):
             tensors: dict[tuple[str, str], torch.Tensor] = {}
             step = 0.0
             for name, p in block.named_parameters():
-                tensors[("param", name)] = p.detach().to(torch.float32).clone()
+                tensors[("param", name)] = _cpu_copy(p.detach())
                 state = optimizer.state.get(p, {})
                 if "exp_avg" in state:
-                    tensors[("exp_avg", name)] = state["exp_avg"].to(torch.float32).clone()
-                    tensors[("exp_avg_sq", name)] = state["exp_avg_sq"].to(torch.float32).clone()
+                    tensors[("exp_avg", name)] = _cpu_copy(state["exp_avg"])
+                    tensors[("exp_avg_sq", name)] = _cpu_copy(state["exp_avg_sq"])
                     step = float(state["step"])
             out[first_block + i] = BlockWeights(first_block + i, version, step, tensors)
     return out
@@ -58,7 +63,8 @@ def restore_blocks(
     states: Mapping[int, BlockWeights],
 ) -> None:
     """Load `states` (checked by `BlockAssembler`, or exported here) into a stage's blocks and its
-    fresh optimizer; blocks without a state keep their initial weights."""
+    fresh optimizer, onto the device each parameter is on; blocks without a state keep their
+    initial weights."""
     with torch.no_grad():
         for i, block in enumerate(blocks):
             state = states.get(first_block + i)
@@ -68,10 +74,28 @@ def restore_blocks(
                 p.copy_(state.tensors[("param", name)])
                 if ("exp_avg", name) in state.tensors:
                     optimizer.state[p] = {
-                        "step": torch.tensor(state.optimizer_step, dtype=torch.float32),
-                        "exp_avg": state.tensors[("exp_avg", name)].clone(),
-                        "exp_avg_sq": state.tensors[("exp_avg_sq", name)].clone(),
+                        "step": _step_tensor(optimizer, p, state.optimizer_step),
+                        "exp_avg": _device_copy(state.tensors[("exp_avg", name)], p.device),
+                        "exp_avg_sq": _device_copy(state.tensors[("exp_avg_sq", name)], p.device),
                     }
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of `t` on the CPU (a new tensor even where `t` is one already)."""
+    return t.to(device="cpu", dtype=torch.float32, copy=True)
+
+
+def _device_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of `t` on `device` (a new tensor even where `t` is there already)."""
+    return t.to(device=device, copy=True)
+
+
+def _step_tensor(optimizer: torch.optim.Optimizer, p: torch.Tensor, step: float) -> torch.Tensor:
+    """AdamW's step count for `p` where its kernel wants it: on the parameter's device for the
+    fused and capturable kernels, a CPU scalar otherwise (as torch's own AdamW creates it)."""
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    return torch.tensor(step, dtype=torch.float32, device=p.device if on_device else "cpu")
 
 
 def block_shapes(block: torch.nn.Module) -> dict[str, tuple[int, ...]]:

@@ -2,9 +2,11 @@
 
 `--device auto|cpu|cuda|cuda:N|mps` names the device: auto is the first CUDA device torch sees,
 else Apple's MPS where torch has it, else the CPU. `--precision auto|fp32|bf16|fp16` names
-the compute precision: auto is bf16 on a CUDA device that has it, fp16 on an older one, fp32
-on the CPU and MPS. bf16 and fp16 run the forward and backward under autocast with float32
-master weights and optimizer state (pipeline/weights.py); fp16 also scales the loss.
+the compute precision: auto is bf16 on a CUDA device that has it, else fp32 (the CPU, MPS, a
+CUDA device older than Ampere). bf16 and fp16 run the forward and backward under autocast with
+float32 master weights and optimizer state (pipeline/weights.py); fp16 also scales the loss by
+a fixed scale every stage of the run must agree on (pipeline/run.py FP16_LOSS_SCALE), so it is
+only ever chosen by the run (`--precision fp16`), never by one node's auto.
 
 Everything here is a thin layer over torch's own device API (no library does this choice for
 us); it sits at the bottom of the layering so that models, the pipeline, the daemon and the
@@ -83,13 +85,14 @@ def resolve_device(spec: str) -> torch.device:
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     """The precision a run naming `precision` computes in on `device` (auto: bf16 on a CUDA
-    device that supports it, fp16 on an older CUDA device, else fp32)."""
+    device that supports it, else fp32; see the module docstring for why never fp16).
+    ConfigError for a name not in PRECISIONS."""
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision != "auto":
         return precision
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bf16"
     return "fp32"
 
 

@@ -42,6 +42,9 @@ SAMPLE = StageMetrics(
     downstream_bandwidth_bps=5e7,
     upstream_bandwidth_bps=4e7,
     frame_decode_s=0.75,
+    device="cuda:0 (NVIDIA H100, 79.1 GiB)",
+    precision="bf16",
+    steps_skipped=2,
 )
 
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ravnest_node.devices import resolve_device
 from ravnest_node.discovery import valid_swarm_name
 from ravnest_node.errors import ConfigError
 from ravnest_node.logs import LogFormat, LogLevel
@@ -128,7 +129,12 @@ class MembershipConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ComputeConfig:
-    """What this node's compute may use: threads, and the model files it may read."""
+    """What this node's compute may use: its device, threads, and the model files it may
+    read."""
+
+    device: str = "auto"
+    """The device this node's stage computes on: auto (the first CUDA device, else MPS, else
+    the CPU), cpu, cuda, cuda:N or mps. A device this machine lacks stops the node at start-up."""
 
     compute_threads: int = field(default=0, metadata={"flag": "--threads"})
     """Threads torch may use for this node's compute (0 = torch's default)."""
@@ -141,6 +147,7 @@ class ComputeConfig:
     def __post_init__(self) -> None:
         if self.compute_threads < 0:
             raise ConfigError(f"compute_threads={self.compute_threads}: must be >= 0")
+        resolve_device(self.device)  # ConfigError naming the choices, before any network
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -36,6 +36,7 @@ from ravnest_node.daemon.relays import Relays, relay_advice
 from ravnest_node.daemon.services import CoordinatorGate, NodeService, listen, probe_node
 from ravnest_node.daemon.status import SwarmPage, node_status, open_web
 from ravnest_node.daemon.worker.worker import Worker
+from ravnest_node.devices import describe, resolve_device, resolve_precision
 from ravnest_node.discovery import Advertisement, MdnsDiscovery, TxtRecord, advertised_ips
 from ravnest_node.errors import (
     PeerError,
@@ -137,6 +138,8 @@ class NodeDaemon:
         """HOST:PORT of the HTTP endpoint (--metrics-port), once it listens."""
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ravnest-compute")
         self._ending = Ending()
+        self.device = resolve_device(config.compute.device)
+        """The device this node's stages compute on (ConfigError above if it has none such)."""
 
     @property
     def worker(self) -> Worker | None:
@@ -218,6 +221,8 @@ class NodeDaemon:
                     self.metrics_address = await open_web(self, page, stack)
                 info = self._write_ready()
                 log.info("node %s listening on %s", self.node_id, self.address)
+                log.info("device: %s, precision: %s", describe(self.device),
+                         resolve_precision(cfg.train.precision, self.device))  # fmt: skip
                 _log_security(cfg)
                 on_ready(info)
                 await self._serve(worker, server)
@@ -245,6 +250,7 @@ class NodeDaemon:
             compute_threads=torch.get_num_threads(),
             transport=cfg.transport,
             compute=self._compute,
+            device=self.device,
             counters=self.counters,
             coordinator_grace_s=cfg.membership.coordinator_grace_s,
             checkpoints=(

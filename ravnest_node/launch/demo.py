@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 import grpc
 
+from ravnest_node.devices import resolve_device
 from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.launch.signals import install_stop_handlers
 from ravnest_node.logs import LogLevel
@@ -50,6 +51,9 @@ class DemoConfig:
     """Write the run summary (JSON) here when training finishes."""
     compute_threads: int = field(default=0, metadata={"flag": "--threads"})
     """Torch threads per node (0 = this machine's cores divided among the nodes)."""
+    device: str = "auto"
+    """The device every node process computes on (their --device): auto, cpu, cuda, cuda:N
+    or mps."""
     log_level: LogLevel = "info"
     """Log level of the node processes (their logs go to files in the work dir)."""
     resume: bool = False
@@ -69,6 +73,7 @@ class DemoConfig:
         if self.resume and self.work_dir is None:
             raise ConfigError("resume: give the --work-dir of the demo to resume")
         check_frame_limit(self.train, self.transport.max_message_bytes)
+        resolve_device(self.device)  # ConfigError before any node starts
 
     @property
     def threads_per_node(self) -> int:
@@ -178,6 +183,7 @@ class Demo:
             "--listen", slot.listen,
             "--state-dir", str(state_dir),
             "--threads", str(cfg.threads_per_node),
+            "--device", cfg.device,
             "--log-level", cfg.log_level,
         ]  # fmt: skip
         args += ["--advertise", slot.advertise] if slot.advertise else []

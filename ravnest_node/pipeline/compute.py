@@ -9,6 +9,15 @@ event loop only reads the counts.
 **Activation recomputation** (`recompute`): a forward then runs without a graph and keeps only
 the input of each block; its backward runs each block's forward again, last block first, and
 back-propagates through it. That trades a second forward for the activations' memory.
+
+**Device and precision**: the blocks, their snapshots and AdamW's state live on the stage's
+device; what arrives (decoded on the CPU) is moved there, through pinned memory on CUDA so the
+copy does not hold up the host, and not copied at all on the CPU. In bf16/fp16 the forward, the
+loss and the recomputation run under autocast (`devices.autocast`) with float32 weights, and the
+activations and gradients the stage sends are in that dtype; what it receives is cast to float32
+(a stage accepts any float dtype from its neighbours, whose precision may differ). fp16 runs
+scale the loss by the run's fixed `loss_scale` (run.py): gradients cross stages scaled, and
+each stage unscales its own before stepping (weights.py), skipping a non-finite step.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import torch
 
 from ravnest_node.averaging import AveragingConfig
 from ravnest_node.blocks import BlockWeights, export_blocks
+from ravnest_node.devices import autocast, autocast_dtype, describe, resolve_precision
 from ravnest_node.models import BlockModel
 from ravnest_node.pipeline.encoder import FrameEncoder
 from ravnest_node.pipeline.run import TrainConfig
@@ -67,22 +77,34 @@ class StageCompute:
         restore: Mapping[int, BlockWeights] | None = None,
         block_delay_s: float = 0.0,
         averaging: AveragingConfig | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """`executor`: the compute thread; `restore`: block states to start from;
         `block_delay_s`: test only, this node is slower by so much per block and microbatch;
-        `averaging`: the replica group's settings, if the stage averages."""
+        `averaging`: the replica group's settings, if the stage averages; `device`: where the
+        stage computes (the CPU if None; blocks elsewhere are moved there). ConfigError if the
+        run's precision is not one `devices.resolve_precision` knows."""
         self._spec = spec
         self._run = run
         self._model = model
         self._executor = executor
+        self.device = torch.device("cpu") if device is None else device
+        self.precision = resolve_precision(run.precision, self.device)
+        """The precision this stage computes in: fp32, bf16 or fp16."""
+        self.device_name = describe(self.device)
+        self._wire_dtype = autocast_dtype(self.precision)
+        """The dtype of the float tensors this stage sends (None: as computed, float32)."""
         self.block_delay_s = block_delay_s
         self.compute_s = 0.0
         """Seconds spent in `call`s (written by the compute thread only)."""
+        self.steps_skipped = 0
+        """Optimizer steps skipped for gradients that were not finite (fp16)."""
         self.encoder = FrameEncoder(spec, run, compute_s=lambda: self.compute_s)
-        self.blocks = torch.nn.Sequential(*blocks)
+        self.blocks = torch.nn.Sequential(*blocks).to(self.device)
         self.weights = StageWeights(
-            self.blocks, run, first_block=spec.first_block, restore=restore, averaging=averaging
-        )
+            self.blocks, run, first_block=spec.first_block, restore=restore, averaging=averaging,
+            device=self.device, loss_scale=run.loss_scale,
+        )  # fmt: skip
         self.in_flight: dict[int, InFlight] = {}
         """seq -> what its backward needs."""
         self.step_loss = 0.0
@@ -109,11 +131,30 @@ class StageCompute:
         return self.weights.live_versions(f.weights for f in self.in_flight.values())
 
     # ----- forward and backward ----------------------------------------------------------------
-    def _inputs(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        x = tensors[HIDDEN]
+    def _inputs(
+        self, tensors: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The received input (its gradient goes back upstream), what the blocks take in
+        (float32 on the device) and the targets (on the device)."""
+        received = self._to_device(tensors[HIDDEN])
         if not self._spec.is_first:
-            x.requires_grad_(True)  # its gradient goes back upstream
-        return x, tensors[TARGETS]
+            received.requires_grad_(True)  # its gradient goes back upstream
+        x = received.float() if received.is_floating_point() else received
+        return received, x, self._to_device(tensors[TARGETS])
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (a received CPU tensor) on the stage's device: no copy on the CPU; on CUDA
+        through pinned memory, so the host does not wait for the copy (later kernels on the
+        same stream do)."""
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _outgoing(self, t: torch.Tensor) -> torch.Tensor:
+        """A float tensor the stage sends, in the dtype of its precision."""
+        if self._wire_dtype is None or not t.is_floating_point():
+            return t
+        return t.to(self._wire_dtype)
 
     def forward(
         self,
@@ -124,7 +165,7 @@ class StageCompute:
     ) -> bytes:
         """Run microbatch `seq` forward and keep what its backward needs; its frame for the
         next stage."""
-        x, targets = self._inputs(received)
+        first, x, targets = self._inputs(received)
         used, weights = self.weights.for_forward(seq, version)
         if self._run.recompute:
             kept: list[torch.Tensor] = []
@@ -134,36 +175,43 @@ class StageCompute:
                     if i:
                         kept.append(out)
                     out = self._block_call(i, weights, out)
-            self.in_flight[seq] = InFlight(used, weights, x, kept)
+            self.in_flight[seq] = InFlight(used, weights, first, kept)
         else:
-            out = torch.func.functional_call(self.blocks, weights, (x,))
-            self.in_flight[seq] = InFlight(used, weights, x, out)
-        return self.encoder.forward(seq, used, out.detach(), targets, samples)
+            with autocast(self.device, self.precision):
+                out = torch.func.functional_call(self.blocks, weights, (x,))
+            self.in_flight[seq] = InFlight(used, weights, first, out)
+        sent = self._outgoing(out.detach())
+        return self.encoder.forward(seq, used, sent, targets, samples)
 
     def forward_loss_backward(
         self, seq: int, version: int, received: dict[str, torch.Tensor]
     ) -> bytes | None:
         """Last stage: microbatch `seq` forward, its loss (added to `step_loss`) and backward;
         its gradient frame for the previous stage (None on a single-stage pipeline)."""
-        x, targets = self._inputs(received)
+        first, x, targets = self._inputs(received)
         used, weights = self.weights.for_forward(seq, version)
-        out = torch.func.functional_call(self.blocks, weights, (x,))
-        loss = self._model.loss(out, targets) / self._run.microbatches
-        torch.autograd.backward(loss)
+        with autocast(self.device, self.precision):
+            out = torch.func.functional_call(self.blocks, weights, (x,))
+            loss = self._model.loss(out, targets) / self._run.microbatches
+        scale = self._run.loss_scale
+        torch.autograd.backward(loss * scale if scale != 1.0 else loss)
         self.weights.release(weights)
         self._slow_down()
         self.step_loss += loss.item()
-        return self._grad_frame(seq, used, x)
+        return self._grad_frame(seq, used, first)
 
     def backward(self, seq: int, grad: torch.Tensor) -> tuple[int, bytes | None]:
         """Microbatch `seq` backward from the gradient of its output; the version its forward
         used, and its gradient frame for the previous stage (None on the first stage)."""
         flight = self.in_flight.pop(seq)
+        grad = self._to_device(grad)
         if isinstance(flight.outputs, list):  # recomputation, one block at a time, last first
-            inputs = [flight.inputs, *flight.outputs]
+            first = flight.inputs
+            inputs = [first.float() if first.is_floating_point() else first, *flight.outputs]
             for i in reversed(range(len(self.blocks))):
                 x = inputs[i] if i == 0 else inputs[i].detach().requires_grad_(True)
                 out = self._block_call(i, flight.weights, x)
+                grad = grad.to(out.dtype)
                 if out.requires_grad:  # (not so in frozen blocks fed tokens)
                     torch.autograd.backward(out, grad)
                 if i:
@@ -171,24 +219,26 @@ class StageCompute:
                     grad = x.grad
                 # (block 0's input is the stage's own: its gradient goes upstream)
         elif flight.outputs.requires_grad:  # (not so in a stage of frozen blocks fed tokens)
-            torch.autograd.backward(flight.outputs, grad)
+            torch.autograd.backward(flight.outputs, grad.to(flight.outputs.dtype))
         self.weights.release(flight.weights)
         self._slow_down()
         # The gradient frame carries the version our forward used.
         return flight.version, self._grad_frame(seq, flight.version, flight.inputs)
 
     def _block_call(self, i: int, weights: Weights, x: torch.Tensor) -> torch.Tensor:
-        """Block `i` of the stage on `x` with its tensors from the snapshot `weights`."""
+        """Block `i` of the stage on `x` with its tensors from the snapshot `weights`, in the
+        stage's precision."""
         prefix = f"{i}."
         own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-        out: torch.Tensor = torch.func.functional_call(self.blocks[i], own, (x,))
+        with autocast(self.device, self.precision):
+            out: torch.Tensor = torch.func.functional_call(self.blocks[i], own, (x,))
         return out
 
     def _grad_frame(self, seq: int, version: int, x: torch.Tensor) -> bytes | None:
         if self._spec.is_first:
             return None
         assert x.grad is not None
-        return self.encoder.backward(seq, version, x.grad)
+        return self.encoder.backward(seq, version, self._outgoing(x.grad))
 
     def _slow_down(self) -> None:
         """Test only: the stage named by fault_slow_stage works fault_slow_ms longer per
@@ -204,7 +254,12 @@ class StageCompute:
         skip = self._run.fault_skip_step_stage == self._spec.index
         if skip:
             log.warning("fault injection: stage %d skips its optimizer step", self._spec.index)
-        self.weights.step(skip=skip)
+        if not self.weights.step(skip=skip) and not skip:
+            self.steps_skipped += 1
+            log.warning(
+                "stage %d skips an optimizer step: a gradient is not finite at loss scale %g "
+                "(%d skipped so far)", self._spec.index, self._run.loss_scale, self.steps_skipped,
+            )  # fmt: skip
         loss, self.step_loss = self.step_loss, 0.0
         return loss
 

@@ -7,10 +7,26 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Protocol
 
 from ravnest_node.pipeline.encoder import FrameEncoder
 from ravnest_node.pipeline.metrics import StageMetrics
 from ravnest_node.pipeline.schedule import StageSpec
+
+
+class ComputeFigures(Protocol):
+    """What the compute thread counts that a stage's metrics carry (StageCompute)."""
+
+    @property
+    def compute_s(self) -> float: ...
+    @property
+    def encoder(self) -> FrameEncoder: ...
+    @property
+    def device_name(self) -> str: ...
+    @property
+    def precision(self) -> str: ...
+    @property
+    def steps_skipped(self) -> int: ...
 
 
 class StageCounters:
@@ -34,13 +50,18 @@ class StageCounters:
         else:
             self.counts.idle_downstream_s += seconds
 
-    def record(self, spec: StageSpec, compute_s: float, encoder: FrameEncoder) -> StageMetrics:
-        """The stage's metrics now: these counts, its `compute_s` and its frames' codecs."""
+    def record(self, spec: StageSpec, compute: ComputeFigures) -> StageMetrics:
+        """The stage's metrics now: these counts, and what its compute counted (its time, its
+        device, its frames' codecs)."""
+        encoder = compute.encoder
         activation, gradient = encoder.activation, encoder.gradient
         return dataclasses.replace(
             self.counts,
             wall_s=time.monotonic() - self.started,
-            compute_s=compute_s,
+            compute_s=compute.compute_s,
+            device=compute.device_name,
+            precision=compute.precision,
+            steps_skipped=compute.steps_skipped,
             staleness_histogram=tuple(self.staleness),
             activation_fp32_bytes=encoder.activation_fp32_bytes,
             gradient_fp32_bytes=encoder.gradient_fp32_bytes,

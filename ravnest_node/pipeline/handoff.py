@@ -30,7 +30,7 @@ def to_chunks(weights: BlockWeights, chunk_bytes: int = CHUNK_BYTES) -> Iterator
     chunks of at most `chunk_bytes` (call it in a worker thread: it converts as it goes)."""
     per_chunk = max(1, chunk_bytes // 4)
     for (role, name), t in weights.tensors.items():
-        values = t.detach().contiguous().view(-1).numpy().astype("<f4", copy=False)
+        values = t.detach().cpu().contiguous().view(-1).numpy().astype("<f4", copy=False)
         for offset in range(0, values.size, per_chunk):
             yield pb.BlockChunk(
                 block=weights.block,

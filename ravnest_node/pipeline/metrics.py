@@ -144,6 +144,21 @@ class StageMetrics:
     """Seconds spent decoding the payloads of the frames this stage admitted (in a worker
     thread, beside the compute thread: klt's rANS decoding is most of it)."""
 
+    device: str = ""
+    """The device the stage computes on, as `devices.describe` tells it."""
+    precision: str = ""
+    """The precision the stage computes in: fp32, bf16 or fp16 (its node's resolution of the
+    run's --precision)."""
+    steps_skipped: int = field(
+        default=0,
+        metadata=series(
+            "ravnest_steps_skipped_total",
+            "Optimizer steps skipped because a gradient was not finite (fp16 loss scaling).",
+        ),
+    )
+    """Optimizer steps skipped because a gradient was not finite (the fixed fp16 loss scale
+    overflowed); the weights did not change in them."""
+
     @property
     def busy_fraction(self) -> float:
         """Share of the stage's time spent computing (NaN before any time passed)."""

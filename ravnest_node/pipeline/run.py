@@ -10,10 +10,13 @@ from dataclasses import dataclass
 from math import prod
 from typing import Literal
 
+import torch
+
 from ravnest_node.averaging.config import DELTA_CODECS
 from ravnest_node.compression import ACTIVATION_ONLY, CODECS, GRADIENT_ONLY
 from ravnest_node.compression.aq import reference_bytes
 from ravnest_node.compression.auto import AUTO
+from ravnest_node.devices import resolve_precision
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.proto import control_pb2 as pb
@@ -32,6 +35,13 @@ MAX_STAGES = 1024  # a plan names each stage; no model here has nearly as many b
 MAX_MICROBATCH_WITH_IDS = 512
 # aq-delta keeps a float32 reference per sample at each end of a boundary.
 MAX_REFERENCE_BYTES = 16 << 30
+FP16_LOSS_SCALE = 2.0**12
+"""The loss scale of an fp16 run: fixed, so that every stage of a pipeline agrees on it
+without talking (a dynamic scale would have to be agreed on across stages each step). The
+last stage multiplies the loss by it, the gradients cross stages scaled, and each stage
+divides its parameters' gradients by it before its optimizer step, skipping the step if any
+is not finite. 2**12 keeps small gradients off fp16's subnormals while leaving 2**4 of head
+room below its largest value (65504) for a loss of order 1-10."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -119,6 +129,13 @@ class TrainConfig:
     """Each stage writes a checkpoint (its blocks, AdamW moments and step) to its node's
     --state-dir/checkpoints after every this many steps; also when a plan or the run ends and
     when the node stops. 0: only then. `start --resume` carries on from them."""
+    precision: str = "auto"
+    """Compute precision: auto, fp32, bf16 or fp16. Each node resolves it for its own device
+    (auto: bf16 on a CUDA device that has it, fp32 elsewhere), so a swarm may mix them. bf16
+    and fp16 run forwards, the loss and backwards under autocast with float32 weights and
+    AdamW state; activations and gradients then travel in that dtype. fp16 multiplies the loss
+    by the fixed FP16_LOSS_SCALE (gradients travel scaled) and a stage skips a step whose
+    gradients are not finite."""
     recompute: bool = False
     """Activation recomputation: a stage keeps only the input of each microbatch in flight and
     runs its forward again in the backward (one more forward for far less memory: the
@@ -138,6 +155,7 @@ class TrainConfig:
         self._check_stages()
         self._check_warmup()
         self._check_faults()
+        resolve_precision(self.precision, torch.device("cpu"))  # ConfigError naming the choices
 
     def _check_batches(self) -> None:
         """Steps, and how a step's batch splits into microbatches."""
@@ -273,6 +291,12 @@ class TrainConfig:
         return self.gradient_codec or self.codec
 
     @property
+    def loss_scale(self) -> float:
+        """What the loss, and so every gradient crossing a stage, is multiplied by: the fixed
+        FP16_LOSS_SCALE in an fp16 run, 1 otherwise (one value for the whole pipeline)."""
+        return FP16_LOSS_SCALE if self.precision == "fp16" else 1.0
+
+    @property
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
@@ -314,6 +338,7 @@ class TrainConfig:
             schedule=_SCHEDULE_TO_PB[self.schedule],
             checkpoint_every=self.checkpoint_every,
             recompute=self.recompute,
+            precision=self.precision,
         )
         if self.fault_skip_step_stage is not None:
             spec.fault_skip_step_stage = self.fault_skip_step_stage
@@ -358,6 +383,7 @@ class TrainConfig:
             schedule=schedule,
             checkpoint_every=spec.checkpoint_every,
             recompute=spec.recompute,
+            precision=spec.precision or "auto",
             fault_skip_step_stage=(
                 spec.fault_skip_step_stage if spec.HasField("fault_skip_step_stage") else None
             ),

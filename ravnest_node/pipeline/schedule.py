@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ravnest_node.errors import FrameError
 from ravnest_node.models import BlockModel
 from ravnest_node.pipeline.run import TrainConfig
@@ -69,6 +71,24 @@ def expected_tensors(
         forward.insert(0, Expected(HIDDEN, hidden.shape, hidden.dtype))
     out = model.output_spec(spec.stop_block - 1, microbatch_size)
     return forward, [Expected(GRAD, out.shape, out.dtype)]
+
+
+COMPUTE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+"""The dtypes a float tensor may cross a stage boundary in: a neighbour computing in bf16 or
+fp16 sends in that dtype (pipeline/compute.py), whatever this stage computes in."""
+
+
+def _as_sent(frame: Frame, expected: Sequence[Expected]) -> list[Expected]:
+    """`expected` with each float tensor's dtype taken from the frame where it is one of
+    COMPUTE_DTYPES (the plan fixes names, shapes and integer dtypes, not float widths)."""
+    sent = {h.name: h.dtype for h in frame.headers}
+    out = []
+    for e in expected:
+        dtype = sent.get(e.name, e.dtype)
+        if e.dtype in COMPUTE_DTYPES and dtype in COMPUTE_DTYPES:
+            e = Expected(e.name, e.shape, dtype)
+        out.append(e)
+    return out
 
 
 class Schedule:
@@ -168,7 +188,7 @@ class Schedule:
         else:
             if self.spec.is_last:
                 raise FrameError("the last stage takes no gradient frames")
-            check_tensors(frame, self._backward)
+            check_tensors(frame, _as_sent(frame, self._backward))
             if frame.seq not in self.awaiting_grad:
                 raise FrameError(f"gradient for microbatch {frame.seq}, which is not in flight")
         # The sender computed microbatch seq (of step seq // m) with weights no more than
@@ -185,7 +205,7 @@ class Schedule:
     def _check_forward(self, frame: Frame) -> None:
         if self.spec.is_first:
             raise FrameError("the first stage takes no forward frames")
-        check_tensors(frame, self._forward)
+        check_tensors(frame, _as_sent(frame, self._forward))
         if frame.seq >= self.total_microbatches:
             raise FrameError(
                 f"forward seq {frame.seq} is past the plan's last microbatch "

@@ -88,7 +88,10 @@ class StageRuntime:
         restore: Mapping[int, BlockWeights] | None = None,
         block_delay_s: float = 0.0,
         checkpoint: Callable[[int, dict[int, BlockWeights]], Awaitable[None]] | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        """`device`: where the stage computes (the CPU if None), in the precision it resolves
+        the run's to (StageCompute)."""
         self.spec = spec
         self.run_config = run
         self.upstream = upstream
@@ -101,6 +104,7 @@ class StageRuntime:
         self._compute = StageCompute(
             spec=spec, model=model, blocks=blocks, run=run, executor=compute, restore=restore,
             block_delay_s=block_delay_s, averaging=averaging.config if averaging else None,
+            device=device,
         )  # fmt: skip
         self._data = _dataset(model, spec, run) if spec.is_first else None
         forward, backward = expected_tensors(model, spec, run.microbatch_size)
@@ -186,8 +190,18 @@ class StageRuntime:
         """Admitted frames waiting for the compute loop."""
         return self._inbox.queued
 
+    @property
+    def device(self) -> torch.device:
+        """The device this stage computes on."""
+        return self._compute.device
+
+    @property
+    def precision(self) -> str:
+        """The precision this stage computes in: fp32, bf16 or fp16."""
+        return self._compute.precision
+
     def metrics(self) -> StageMetrics:
-        return self._counters.record(self.spec, self.compute_s, self._compute.encoder)
+        return self._counters.record(self.spec, self._compute)
 
     # ----- decisions, on the event loop -------------------------------------------------------
     async def accept_from_upstream(self, frame: Frame) -> None:

@@ -17,6 +17,11 @@ the synchronous warm-up on bench-small it takes 40-45% off the loss that stalene
 (docs/benchmarks.md). Synchronous steps (t = v) use the weights unchanged. Without prediction a
 snapshot is the current version's, taken at its first forward and shared by the steps that
 run forward with it.
+
+**On a device** the parameters, AdamW's moments and the snapshots all live on the stage's
+device, in float32 whatever the compute precision (autocast casts in the matmuls); AdamW is
+torch's fused kernel on CUDA. **Loss scaling** (fp16, run.py's FP16_LOSS_SCALE): `step`
+divides the gradients by the run's scale and skips a step whose gradients are not finite.
 """
 
 from __future__ import annotations
@@ -31,6 +36,14 @@ from ravnest_node.blocks import BlockWeights, restore_blocks
 from ravnest_node.pipeline.run import TrainConfig
 
 Weights = dict[str, torch.Tensor]
+
+
+def _fused_adamw(device: torch.device) -> bool | None:
+    """Whether AdamW runs torch's fused kernel on `device`: yes on CUDA (one launch for all
+    parameters); elsewhere None, torch's default as always (the CPU stays bit-for-bit)."""
+    return True if device.type == "cuda" else None
+
+
 _THIS_VERSION = -1
 """Key of the snapshot of the current version in `StageWeights._step_weights` (no
 prediction)."""
@@ -49,14 +62,21 @@ class StageWeights:
         first_block: int,
         restore: Mapping[int, BlockWeights] | None = None,
         averaging: AveragingConfig | None = None,
+        device: torch.device | None = None,
+        loss_scale: float = 1.0,
     ) -> None:
         """`restore`: states to load into the blocks and their optimizer (by block index);
-        `averaging`: the replica group's settings, if the stage averages."""
+        `averaging`: the replica group's settings, if the stage averages; `device`: where the
+        blocks are (the CPU if None); `loss_scale`: what the gradients are multiplied by."""
+        device = torch.device("cpu") if device is None else device
         self.params = dict(blocks.named_parameters())
         # A stage of frozen blocks only (LoRA's embeddings) has no parameters: its optimizer
         # then holds one empty placeholder, and its steps change nothing.
-        trained = list(self.params.values()) or [torch.nn.Parameter(torch.empty(0))]
-        self.optimizer = torch.optim.AdamW(trained, lr=run.lr, weight_decay=run.weight_decay)
+        trained = list(self.params.values()) or [torch.nn.Parameter(torch.empty(0, device=device))]
+        self.optimizer = torch.optim.AdamW(
+            trained, lr=run.lr, weight_decay=run.weight_decay, fused=_fused_adamw(device)
+        )
+        self.loss_scale = loss_scale
         if restore:
             restore_blocks(blocks, first_block, self.optimizer, restore)
         self.outer = OuterOptimizer(list(self.params.values()), averaging) if averaging else None
@@ -127,13 +147,32 @@ class StageWeights:
                     p.grad += g
                 snapshot[name].grad = None
 
-    def step(self, *, skip: bool = False) -> None:
-        """Apply the gradients collected since the last step (`skip`: drop them instead, the
-        fault injection of a stage that skips its update)."""
-        if not skip:
+    def step(self, *, skip: bool = False) -> bool:
+        """Apply the gradients collected since the last step, divided by the loss scale
+        (`skip`: drop them instead, the fault injection of a stage that skips its update).
+        False if the step was not applied: skipped, or (loss scaling) a gradient is not
+        finite, which changes no weight and no optimizer state."""
+        applied = not skip and self._unscale()
+        if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._step_weights.pop(_THIS_VERSION, None)  # stale now; microbatches in flight keep it
+        return applied
+
+    def _unscale(self) -> bool:
+        """Divide the gradients by the loss scale; False if any of them is not finite. Without
+        loss scaling nothing is checked (an fp32 step is what it always was)."""
+        if self.loss_scale == 1.0:
+            return True
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        if not grads:
+            return True
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(1.0 / self.loss_scale)  # a power of 2: exact
+            # One device-to-host read for the whole stage, not one per parameter.
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        return bool(finite)
 
     def begin_round(self) -> torch.Tensor:
         """This replica's delta for an averaging round (`OuterOptimizer.begin_round`)."""
@@ -158,5 +197,5 @@ class StageWeights:
         digest = hashlib.sha256()
         with torch.no_grad():
             for p in self.params.values():
-                digest.update(p.detach().contiguous().numpy().tobytes())
+                digest.update(p.detach().cpu().contiguous().numpy().tobytes())
         return digest.hexdigest()

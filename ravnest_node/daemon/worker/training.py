@@ -36,6 +36,7 @@ from ravnest_node.daemon.worker.coordinator_client import CoordinatorClient
 from ravnest_node.daemon.worker.handover import Handover
 from ravnest_node.daemon.worker.links import LinkMeter
 from ravnest_node.daemon.worker.sessions import Session, Sessions
+from ravnest_node.devices import describe
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import BlockModel, get_model
 from ravnest_node.models.pretrained import check_allowed
@@ -147,8 +148,11 @@ class StageTrainer:
         sessions: Sessions,
         links: LinkMeter,
         changes: Changes,
+        device: torch.device | None = None,
     ) -> None:
+        """`device`: where the stages compute (the CPU if None)."""
         self.node_id = node_id
+        self.device = torch.device("cpu") if device is None else device
         self.model_dirs = model_dirs
         """Where the run's pretrained model and data may be read from (check_allowed)."""
         self._compute = compute
@@ -173,7 +177,7 @@ class StageTrainer:
         run, model, me = self._check(plan)
         spec = stage_spec(plan, me, run)
         blocks = await asyncio.get_running_loop().run_in_executor(
-            self._compute, model.build_stage, run.seed, spec.first_block, spec.stop_block
+            self._compute, self._build_blocks, model, run, spec
         )
         restore = await self._gather(plan, me, blocks)
         averaging = self._replicas(plan, me, run, blocks)
@@ -191,9 +195,12 @@ class StageTrainer:
             restore=restore,
             block_delay_s=block_delay_s,
             checkpoint=partial(self._keeper.stage_checkpoint, plan=plan, me=me),
+            device=self.device,
         )
         try:
             runtime = await self._build(plan, build)
+            log.info("stage %d computes on %s in %s", spec.index, describe(runtime.device),
+                     runtime.precision)  # fmt: skip
             stage = await self._begin(plan, me, runtime, reports)
             await self._run(stage)
         finally:
@@ -203,6 +210,14 @@ class StageTrainer:
                 await averaging.averager.close()
         log.info("stage %d is at step %d", spec.index, runtime.version)
         return runtime
+
+    def _build_blocks(
+        self, model: BlockModel, run: TrainConfig, spec: StageSpec
+    ) -> list[torch.nn.Module]:
+        """The stage's blocks, initialised from the run's seed, on this node's device."""
+        # TODO(merge): helper B's build_stage(..., device=) builds them there directly.
+        blocks = model.build_stage(run.seed, spec.first_block, spec.stop_block)
+        return [block.to(self.device) for block in blocks]
 
     def _check(self, plan: pb.Plan) -> tuple[TrainConfig, BlockModel, pb.StageAssignment]:
         """The run, model and stage of this node in `plan`; RunFailed if it cannot follow it."""

@@ -33,6 +33,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from pathlib import Path
 
+import torch
+
 from ravnest_node.averaging import AveragingService
 from ravnest_node.checkpoint import CheckpointDir
 from ravnest_node.coordination.planning.static_plan import has_node
@@ -44,6 +46,7 @@ from ravnest_node.daemon.worker.handover import Handover
 from ravnest_node.daemon.worker.links import LinkMeter
 from ravnest_node.daemon.worker.sessions import Sessions
 from ravnest_node.daemon.worker.training import StageTrainer, stopped_blocks
+from ravnest_node.devices import resolve_precision
 from ravnest_node.errors import ConfigError, PeerError, PeerRefused, PeerUnavailable, RunFailed
 from ravnest_node.models import get_model
 from ravnest_node.models.pretrained import check_allowed
@@ -93,6 +96,7 @@ class Worker:
         transport: TransportConfig,
         compute: Executor,
         counters: LinkCounters,
+        device: torch.device | None = None,
         averaging: AveragingService | None = None,
         coordinator_grace_s: float = 600.0,
         checkpoints: CheckpointDir | None = None,
@@ -103,6 +107,8 @@ class Worker:
         self.node_id = node_id
         self._transport = transport
         self._compute = compute
+        self.device = torch.device("cpu") if device is None else device
+        """The device this node's stages compute on (resolved from --device at start-up)."""
         self._changes = changes = Changes(transport.connect_timeout_s)
         join = pb.JoinRequest(node_id=node_id, address=address, compute_threads=compute_threads,
                               protocol=PROTOCOL)  # fmt: skip
@@ -121,7 +127,7 @@ class Worker:
         self._trainer = StageTrainer(
             node_id=node_id, compute=compute, transport=transport, model_dirs=model_dirs,
             averaging=averaging, client=client, keeper=self._keeper, handover=self._handover,
-            sessions=self._sessions, links=self._links, changes=changes,
+            sessions=self._sessions, links=self._links, changes=changes, device=self.device,
         )  # fmt: skip
         self.compute_scale = 1.0
         """Test only: multiplies the compute time this node measures (see NodeConfig)."""
@@ -163,6 +169,13 @@ class Worker:
     def runtime(self) -> StageRuntime | None:
         session = self._sessions.session
         return session.runtime if session else None
+
+    @property
+    def precision(self) -> str:
+        """The precision this node's stage computes in (fp32, bf16 or fp16): its runtime's, or
+        before any plan what auto resolves to on this node's device."""
+        runtime = self.runtime
+        return runtime.precision if runtime else resolve_precision("auto", self.device)
 
     @property
     def upstream_node_id(self) -> str:
