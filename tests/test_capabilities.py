@@ -76,13 +76,12 @@ def test_blocks_are_timed_in_the_nodes_precision(precision: str, dtype: torch.dt
     assert all(math.isfinite(t) and t > 0 for t in times)
 
 
-def test_a_worker_that_does_not_say_computes_on_the_cpu_in_fp32() -> None:
-    silent = cast(Worker, SimpleNamespace())
-    assert compute_of(silent) == (torch.device("cpu"), "fp32")
+def test_a_workers_device_and_precision_are_what_status_shows() -> None:
     gpu = cast(Worker, SimpleNamespace(device=torch.device("cuda", 1), precision="bf16"))
     assert compute_of(gpu) == (torch.device("cuda", 1), "bf16")
+    cpu = cast(Worker, SimpleNamespace(device=torch.device("cpu"), precision="fp32"))
     assert compute_page_data(None) == {"device": "", "precision": ""}
-    assert compute_page_data(silent) == {"device": "cpu", "precision": "fp32"}
+    assert compute_page_data(cpu) == {"device": "cpu", "precision": "fp32"}
 
 
 def test_device_series_carry_the_device_and_only_what_the_driver_tells() -> None:

@@ -22,7 +22,7 @@ from ravnest_node.bench.links import NetnsSwarm
 from ravnest_node.bench.report import Record
 from ravnest_node.bench.scenario_links import ScenarioLinks
 from ravnest_node.devices import resolve_device, resolve_precision
-from ravnest_node.errors import ConfigError, RunFailed
+from ravnest_node.errors import RunFailed
 from ravnest_node.launch.demo import Demo, DemoConfig, NodeSlot
 from ravnest_node.launch.progress import ProgressBar
 from ravnest_node.pipeline.run import TrainConfig
@@ -47,14 +47,7 @@ def _bench_swarm(work_dir: Path) -> Path:
 
 def on_device(cfg: DemoConfig, device: str) -> DemoConfig:
     """`cfg` with its node processes on `device` (their --device)."""
-    # DemoConfig.device comes with GPU nodes (launch/demo.py); a demo without it computes on
-    # the CPU, which is all such a node can do.
-    if "device" in {f.name for f in dataclasses.fields(DemoConfig)}:
-        with_device: dict[str, Any] = {"device": device}
-        return dataclasses.replace(cfg, **with_device)
-    if resolve_device(device).type != "cpu":
-        raise ConfigError(f"--device {device}: these node processes compute on the CPU only")
-    return cfg
+    return dataclasses.replace(cfg, device=device)
 
 
 def _steady_step_s(times: Sequence[float]) -> float:

@@ -81,7 +81,7 @@ def describe(status: pb.NodeStatus) -> str:
     if s["relay_address"]:
         lines.append(f"relay on {s['relay_address']} for {len(s['relayed'])} nodes")
         lines += [f"  {n} at {a}" for n, a in sorted(s["relayed"].items())]
-    if s.get("device"):  # (NodeStatus.device: a node older than GPU nodes does not say)
+    if s["device"]:  # (a node older than GPU nodes does not say)
         lines.append(f"compute: {s['device']}, precision {s['precision']}")
     if s["stage"] < 0:
         lines.append("stage: none yet")

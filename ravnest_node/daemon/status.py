@@ -117,23 +117,14 @@ async def node_status(node: NodeParts, brief: bool = False) -> pb.NodeStatus:
 
 
 def compute_of(worker: Worker) -> tuple[torch.device, str]:
-    """The device the worker computes on and its resolved precision (`Worker.device`,
-    `Worker.precision`); a worker that does not say computes on the CPU in fp32."""
-    device = getattr(worker, "device", None)
-    precision = getattr(worker, "precision", None)
-    return (
-        device if isinstance(device, torch.device) else torch.device("cpu"),
-        precision if isinstance(precision, str) else "fp32",
-    )
+    """The device the worker computes on and the precision it computes in (its stage's, or
+    before a plan what `auto` gives on its device)."""
+    return worker.device, worker.precision
 
 
 def _compute_status(worker: Worker, status: pb.NodeStatus) -> None:
-    # NodeStatus.device and .precision are set where the proto has them (protos/, helper A1).
     device, precision = compute_of(worker)
-    fields = status.DESCRIPTOR.fields_by_name
-    for name, value in (("device", devices.describe(device)), ("precision", precision)):
-        if name in fields:
-            setattr(status, name, value)
+    status.device, status.precision = devices.describe(device), precision
 
 
 def _relays_status(relays: Relays, status: pb.NodeStatus) -> None:

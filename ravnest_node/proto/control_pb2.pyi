@@ -219,7 +219,7 @@ class CheckpointOffer(_message.Message):
     def __init__(self, step: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., run_key: _Optional[str] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("swarm_id", "member_index", "swarm_size", "model", "microbatch", "lease_s", "started_epoch")
+    __slots__ = ("swarm_id", "member_index", "swarm_size", "model", "microbatch", "lease_s", "started_epoch", "precision")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_INDEX_FIELD_NUMBER: _ClassVar[int]
     SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class JoinReply(_message.Message):
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     STARTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     member_index: int
     swarm_size: int
@@ -234,7 +235,8 @@ class JoinReply(_message.Message):
     microbatch: int
     lease_s: float
     started_epoch: int
-    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ..., lease_s: _Optional[float] = ..., started_epoch: _Optional[int] = ...) -> None: ...
+    precision: str
+    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ..., lease_s: _Optional[float] = ..., started_epoch: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "checkpoints", "rtt_s", "held_epoch")

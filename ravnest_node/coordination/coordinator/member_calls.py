@@ -173,6 +173,7 @@ def _join_reply(s: SwarmState, index: int) -> pb.JoinReply:
         model=s.train.model,
         microbatch=s.train.batch_size // s.train.microbatches,
         lease_s=s.roster.leases.lease_s,
+        precision=s.train.precision,
     )
 
 

@@ -31,6 +31,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -241,13 +242,15 @@ class Worker:
             model = get_model(reply.model)
         except ConfigError as exc:
             raise PeerRefused(f"coordinator {self.coordinator_address}: {exc}") from None
+        precision = resolve_precision(reply.precision or "auto", self.device)
+        timed = partial(measure, device=self.device, precision=precision)
         caps = await asyncio.get_running_loop().run_in_executor(
-            self._compute, measure, reply.model, max(1, reply.microbatch), self.compute_scale,
+            self._compute, timed, reply.model, max(1, reply.microbatch), self.compute_scale,
             self.block_delay_s,
         )  # fmt: skip
-        log.info("measured %.1f ms a microbatch for %s over %d blocks; %.1f GiB available",
-                 sum(caps.block_s) * 1e3, reply.model, len(caps.block_s),
-                 caps.memory_bytes / 2**30)  # fmt: skip
+        log.info("measured %.1f ms a microbatch for %s over %d blocks on %s in %s; %.1f GiB "
+                 "available", sum(caps.block_s) * 1e3, reply.model, len(caps.block_s),
+                 caps.device, precision, caps.memory_bytes / 2**30)  # fmt: skip
         link = await self._links.coordinator(
             self.coordinator_address, address=self._client.node_address
         )
