@@ -295,6 +295,8 @@ def freeze(block: nn.Module, cfg: LoRAConfig, *, seed: int, index: int, keep: tu
             else:
                 frozen = FrozenLinear(child, cfg.base)
             setattr(module, attr, frozen if device is None else frozen.to(device))
+            if fill is not None:  # the list above holds `child`: let go of its values now
+                child.to("meta")
     for path, module in list(block.named_modules()):
         if isinstance(module, LoRALinear):
             continue
