@@ -57,8 +57,10 @@ from ravnest_node.coordination.planning.negotiate import STASH_BYTES_PER_PARAM
 from ravnest_node.coordination.planning.placement import Link
 from ravnest_node.coordination.planning.shapes import LlamaConfig, model_shape
 from ravnest_node.daemon.worker.capabilities import available_memory_bytes
+from ravnest_node.devices import resolve_device
 from ravnest_node.launch.demo import Demo, DemoConfig
 from ravnest_node.models import BlockModel, TensorSpec, get_model, run_blocks
+from ravnest_node.models.base import to_device
 from ravnest_node.models.lora import LoRAConfig, freeze
 from ravnest_node.models.pretrained.llama import LlamaLayer
 from ravnest_node.pipeline.run import TrainConfig
@@ -389,19 +391,36 @@ MEMORY_LLAMA = LlamaConfig(layers=3, hidden=64, heads=4, kv_heads=2, mlp_hidden=
                            seq_len=64)  # fmt: skip
 """The Llama-shaped stage of the memory check: small enough for a CPU, every matrix a
 multiple of nf4's blocks."""
+GPU_MEMORY_LLAMA = LlamaConfig(layers=3, hidden=1024, heads=16, kv_heads=4, mlp_hidden=2816,
+                               vocab=256, seq_len=256)  # fmt: skip
+"""The stage of the memory check on a GPU: three layers of llama-300m (llama_bench.py), large
+enough that the allocator's own rounding is noise."""
 MEMORY_TRAIN = Training(batch_size=4, microbatches=2, max_staleness=1, recompute="off")
 """Microbatches of 2 samples, 4 in flight."""
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _forward_backward(
+    blocks: Sequence[torch.nn.Module], inputs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Forward of every input through `blocks`, then backward of each: the outputs."""
+    outputs = []
+    for x in inputs:
+        inp = x.detach().requires_grad_(x.dtype.is_floating_point)
+        outputs.append(run_blocks(blocks, inp))
+    for out in outputs:
+        torch.autograd.backward(out, torch.ones_like(out))
+    return outputs
+
+
 def measure_stage_memory(
     blocks: Sequence[torch.nn.Module], inputs: Sequence[torch.Tensor], max_staleness: int
 ) -> dict[str, float]:
-    """Bytes a stage of `blocks` keeps with `inputs` (one per microbatch) in flight, measured
-    on the CPU: its frozen buffers (weights), its parameters with their gradients, AdamW
-    moments and `max_staleness` stashed copies (trainable), and the distinct tensors autograd
-    saves for the backward of every microbatch (activations, not counting the stage's own
-    parameters and buffers). Blocks the calling thread."""
+    """Bytes a stage of `blocks` keeps with `inputs` (one per microbatch) in flight, counted
+    tensor by tensor (on any device): its frozen buffers (weights), its parameters with their
+    gradients, AdamW moments and `max_staleness` stashed copies (trainable), and the distinct
+    tensors autograd saves for the backward of every microbatch (activations, not counting the
+    stage's own parameters and buffers). Blocks the calling thread."""
     params = [p for b in blocks for p in b.parameters()]
     own = {t.untyped_storage().data_ptr() for b in blocks for t in (*b.parameters(), *b.buffers())}
     saved: dict[int, int] = {}
@@ -412,14 +431,8 @@ def measure_stage_memory(
             saved[ptr] = t.untyped_storage().nbytes()
         return t
 
-    outputs = []
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        for x in inputs:
-            inp = x.detach().requires_grad_(x.dtype.is_floating_point)
-            outputs.append(run_blocks(blocks, inp))
-    activations = float(sum(saved.values()))
-    for out in outputs:
-        torch.autograd.backward(out, torch.ones_like(out))
+        _forward_backward(blocks, inputs)
     optimizer = torch.optim.AdamW(params)
     optimizer.step()
     moments = sum(t.nbytes for st in optimizer.state.values() for t in st.values() if t.dim())
@@ -428,58 +441,103 @@ def measure_stage_memory(
     return {
         "weights": float(sum(t.nbytes for b in blocks for t in b.buffers())),
         "trainable": float(sum(p.nbytes for p in params) + grads + moments + stash),
-        "activations": activations,
+        "activations": float(sum(saved.values())),
     }
 
 
-def _memory_case(kind: str) -> tuple[dict[str, float], dict[str, float]]:
-    """(plan, measured) bytes of one stage kind: "full" (blocks 1..3 of bench-small), or
-    "lora-BASE" (MEMORY_LLAMA's layers, adapters on every linear layer, the base as BASE)."""
+def allocator_peak_bytes(
+    blocks: Sequence[torch.nn.Module], inputs: Sequence[torch.Tensor], max_staleness: int
+) -> float:
+    """What the CUDA allocator says the same stage needs (`measure_stage_memory`'s schedule:
+    every input in flight, their backward, an AdamW step): the stage's own tensors, plus the
+    allocator's peak over that schedule above what was allocated before it (after a warm-up
+    that allocates the libraries' workspaces), plus the stash, which this does not allocate.
+    Blocks on a CUDA device only; blocks the calling thread."""
+    device = inputs[0].device
+    params = [p for b in blocks for p in b.parameters()]
+    _forward_backward(blocks, inputs[:1])  # warm-up: cuBLAS workspaces, kernels
+    for p in params:
+        p.grad = None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    outputs = _forward_backward(blocks, inputs)
+    torch.optim.AdamW(params).step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del outputs
+    own = sum(t.nbytes for b in blocks for t in (*b.parameters(), *b.buffers()))
+    stash = STASH_BYTES_PER_PARAM * max_staleness * sum(p.numel() for p in params)
+    return float(own + peak + stash)
+
+
+def memory_stage(
+    kind: str, device: torch.device | None = None, llama: LlamaConfig = MEMORY_LLAMA
+) -> tuple[dict[str, float], list[torch.nn.Module], list[torch.Tensor]]:
+    """(plan bytes, blocks on `device`, one input a microbatch in flight on `device`) of one
+    stage kind: "full" (blocks 1..3 of bench-small), or "lora-BASE" (`llama`'s layers,
+    adapters on every linear layer, the base as BASE)."""
     t, gen = MEMORY_TRAIN, torch.Generator().manual_seed(0)
     if kind == "full":
         model = get_model("bench-small")
-        blocks = model.build_stage(0, 1, 4)
+        blocks = model.build_stage(0, 1, 4, device=device)
         spec = model.output_spec(0, t.microbatch)
         shape, first, stop, train = model_shape(model), 1, 4, t
     else:
         base = kind.removeprefix("lora-")
-        c = MEMORY_LLAMA
+        c = llama
         config = {"hidden_size": c.hidden, "intermediate_size": c.mlp_hidden,
                   "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads,
                   "max_position_embeddings": c.seq_len, "rms_norm_eps": 1e-6,
                   "rope_theta": 1e4}  # fmt: skip
         lora = LoRAConfig(rank=t.lora_rank, alpha=16.0, targets=LLAMA_LINEARS, base=base)
         blocks = []
-        for i in range(c.layers):
+        for i in range(c.layers):  # one layer at a time on the host, stored as `base` says
             layer = LlamaLayer(config)
             freeze(layer, lora, seed=0, index=i + 1)
-            blocks.append(layer)
+            blocks.append(to_device(layer, device))
         shape, first, stop = c.shape("memory-llama", torch.float32), 1, 1 + c.layers
         train = dataclasses.replace(t, mode="lora", base=base)  # type: ignore[arg-type]
         spec = TensorSpec("hidden", (t.microbatch, c.seq_len, c.hidden), torch.float32)
-    size = spec.shape
-    inputs = [torch.randn(size, generator=gen) for _ in range(t.in_flight)]
-    plan = stage_memory(shape, train, first, stop)
-    return plan, measure_stage_memory(blocks, inputs, t.max_staleness)
+    inputs = [
+        torch.randn(spec.shape, generator=gen).to(device or "cpu") for _ in range(t.in_flight)
+    ]
+    return stage_memory(shape, train, first, stop), blocks, inputs
 
 
 MEMORY_KINDS = ("full", "lora-bf16", "lora-nf4")
 
 
-def run_memory_check(out: TextIO = sys.stdout) -> list[Record]:
-    """The plan's bytes against the measured ones for each stage kind; prints the table."""
+def run_memory_check(
+    out: TextIO = sys.stdout, device: torch.device | None = None, jsonl: Path | None = None
+) -> list[Record]:
+    """The plan's bytes against the measured ones for each stage kind, on `device` (default
+    the CPU; on CUDA the Llama stages have llama-300m's shape and the allocator's peak is
+    measured too); prints the table, writes JSON lines to `jsonl`."""
+    cuda = device is not None and device.type == "cuda"
+    llama = GPU_MEMORY_LLAMA if cuda else MEMORY_LLAMA
     print("| stage | plan bytes | measured bytes | plan / measured | weights | trainable | "
-          "activations (plan / measured) |", file=out)  # fmt: skip
-    print("|---|---|---|---|---|---|---|", file=out)
+          "activations (plan / measured) |" + (" allocator peak | plan / peak |" if cuda else ""),
+          file=out)  # fmt: skip
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if cuda else ""), file=out)
     records = []
     for kind in MEMORY_KINDS:
-        plan, measured = _memory_case(kind)
+        plan, blocks, inputs = memory_stage(kind, device, llama)
+        measured = measure_stage_memory(blocks, inputs, MEMORY_TRAIN.max_staleness)
         total_plan, total = sum(plan.values()), sum(measured.values())
+        record: Record = {"stage": kind, "plan": plan, "measured": measured,
+                          "ratio": total_plan / total, "device": str(device or "cpu")}  # fmt: skip
         parts = [f"{plan[k]:,.0f} / {measured[k]:,.0f}" for k in plan]
+        if cuda:
+            peak = allocator_peak_bytes(blocks, inputs, MEMORY_TRAIN.max_staleness)
+            record |= {"allocator_peak": peak, "ratio_peak": total_plan / peak}
+            parts += [f"{peak:,.0f}", f"{total_plan / peak:.3f}"]
         print(f"| {kind} | {total_plan:,.0f} | {total:,.0f} | {total_plan / total:.3f} | "
               + " | ".join(parts) + " |", file=out, flush=True)  # fmt: skip
-        records.append({"stage": kind, "plan": plan, "measured": measured,
-                        "ratio": total_plan / total})  # fmt: skip
+        records.append(record)
+    if jsonl is not None:
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
     return records
 
 
@@ -493,9 +551,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--memory", action="store_true", help="check the plan's memory per stage against a run's"
     )
+    parser.add_argument(
+        "--device", default="cpu", help="with --memory: the device the stages run on (cpu)"
+    )
     args = parser.parse_args(argv)
     if args.memory:
-        run_memory_check()
+        run_memory_check(device=resolve_device(args.device), jsonl=args.jsonl)
         return 0
     return run_plan_check(args.models, args.nodes, args.steps, args.jsonl)
 

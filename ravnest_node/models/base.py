@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["BlockModel", "TensorSpec", "run_blocks", "shapes_only"]
+__all__ = ["BlockModel", "TensorSpec", "build_seeded", "run_blocks", "shapes_only", "to_device"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,25 +121,34 @@ class BlockModel(ABC):
             num_shards=num_shards, num_samples=num_samples,
         )  # fmt: skip
 
-    def build_stage(self, seed: int, start: int, stop: int) -> list[torch.nn.Module]:
-        """Blocks ``[start, stop)`` of ``build_blocks(seed)``, the parameters a stage owns.
+    def build_stage(
+        self, seed: int, start: int, stop: int, *, device: torch.device | None = None
+    ) -> list[torch.nn.Module]:
+        """Blocks ``[start, stop)`` of ``build_blocks(seed)``, the parameters a stage owns, on
+        `device` (default: where they are built, the CPU).
 
         All blocks are built so that the RNG stream, hence every parameter, is the same as on a
-        node that keeps other blocks. Raises `ValueError` for an empty or out-of-range range.
+        node that keeps other blocks; they are moved to `device` one block at a time. Raises
+        `ValueError` for an empty or out-of-range range.
         """
+        self.check_range(start, stop)
+        return [to_device(b, device) for b in self.build_blocks(seed)[start:stop]]
+
+    def check_range(self, start: int, stop: int) -> None:
+        """Raise `ValueError` unless ``[start, stop)`` is a non-empty range of the blocks."""
         n = self.num_blocks()
         if not 0 <= start < stop <= n:
             raise ValueError(
                 f"stage range [{start}, {stop}) is not a non-empty range of the {n} blocks of "
                 f"{self.name!r}; need 0 <= start < stop <= {n}"
             )
-        return self.build_blocks(seed)[start:stop]
 
-    def timing_blocks(self) -> list[torch.nn.Module]:
+    def timing_blocks(self, *, device: torch.device | None = None) -> list[torch.nn.Module]:
         """All blocks, for timing their forward and backward (capabilities.py): the shapes and
-        the trainable parts of the real ones, their values not needed. A module listed more
-        than once (identical layers) is timed once; its output must have its input's shape."""
-        return self.build_blocks(0)
+        the trainable parts of the real ones, their values not needed, on `device` (default:
+        the CPU). A module listed more than once (identical layers) is timed once; its output
+        must have its input's shape."""
+        return [to_device(b, device) for b in self.build_blocks(0)]
 
     def num_parameters(self) -> int:
         """Total number of parameters over all blocks."""
@@ -171,6 +180,33 @@ def shapes_only() -> Iterator[None]:
     Per thread (torch's function modes are)."""
     with torch.device("meta"), _NoInit():
         yield
+
+
+def to_device(block: torch.nn.Module, device: torch.device | None) -> torch.nn.Module:
+    """`block` moved to `device` (itself, unchanged, for None or where it already is)."""
+    return block if device is None else block.to(device)
+
+
+def build_seeded(
+    seed: int,
+    make: Callable[[int], torch.nn.Module],
+    start: int,
+    stop: int,
+    device: torch.device | None = None,
+) -> list[torch.nn.Module]:
+    """Blocks ``make(start) .. make(stop - 1)``, the same as in a whole build: ``make(0),
+    make(1), ...`` called in order after ``torch.manual_seed(seed)``; each block kept is moved
+    to `device` as soon as it is made, those before `start` are made and dropped, those from
+    `stop` on never made. So the host holds one block beyond those already moved, never the
+    whole model. The caller's global RNG state is left untouched."""
+    blocks = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for i in range(stop):
+            block = make(i)
+            if i >= start:
+                blocks.append(to_device(block, device))
+    return blocks
 
 
 def run_blocks(blocks: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ravnest_node.errors import ConfigError
-from ravnest_node.models.base import BlockModel, TensorSpec
+from ravnest_node.models.base import BlockModel, TensorSpec, build_seeded
 
 __all__ = ["VOCAB_SIZE", "ByteLM", "ByteLMConfig"]
 
@@ -137,12 +137,18 @@ class ByteLM(BlockModel):
         self.name = name
 
     def build_blocks(self, seed: int) -> list[nn.Module]:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            blocks: list[nn.Module] = [Embedding(self.cfg)]
-            blocks.extend(TransformerLayer(self.cfg) for _ in range(self.cfg.n_layers))
-            blocks.append(Head(self.cfg))
-        return blocks
+        return build_seeded(seed, self._block, 0, self.num_blocks())
+
+    def build_stage(
+        self, seed: int, start: int, stop: int, *, device: torch.device | None = None
+    ) -> list[nn.Module]:
+        self.check_range(start, stop)
+        return build_seeded(seed, self._block, start, stop, device)
+
+    def _block(self, i: int) -> nn.Module:
+        if i == 0:
+            return Embedding(self.cfg)
+        return TransformerLayer(self.cfg) if i <= self.cfg.n_layers else Head(self.cfg)
 
     def num_blocks(self) -> int:
         return self.cfg.n_layers + 2

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ravnest_node.errors import ConfigError
-from ravnest_node.models.base import BlockModel, TensorSpec
+from ravnest_node.models.base import BlockModel, TensorSpec, build_seeded, to_device
 from ravnest_node.models.pretrained.llama import LlamaEmbeddings, LlamaLayer, LlamaLMHead
 
 __all__ = ["LLAMA_300M", "LlamaBench", "LlamaBenchConfig"]
@@ -80,19 +80,27 @@ class LlamaBench(BlockModel):
         self.vocab_size = BYTES
 
     def build_blocks(self, seed: int) -> list[nn.Module]:
-        c = self.cfg.hf_config()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            blocks: list[nn.Module] = [LlamaEmbeddings(c)]
-            blocks.extend(LlamaLayer(c) for _ in range(self.cfg.layers))
-            blocks.append(LlamaLMHead(c))
-        return blocks
+        return build_seeded(seed, self._block, 0, self.num_blocks())
 
-    def timing_blocks(self) -> list[nn.Module]:
+    def build_stage(
+        self, seed: int, start: int, stop: int, *, device: torch.device | None = None
+    ) -> list[nn.Module]:
+        self.check_range(start, stop)
+        return build_seeded(seed, self._block, start, stop, device)
+
+    def _block(self, i: int) -> nn.Module:
+        c = self.cfg.hf_config()
+        if i == 0:
+            return LlamaEmbeddings(c)
+        return LlamaLayer(c) if i <= self.cfg.layers else LlamaLMHead(c)
+
+    def timing_blocks(self, *, device: torch.device | None = None) -> list[nn.Module]:
         """The embedding, one layer listed for every layer, and the head: timing holds one
         layer's memory, however many there are."""
         c = self.cfg.hf_config()
-        return [LlamaEmbeddings(c), *[LlamaLayer(c)] * self.cfg.layers, LlamaLMHead(c)]
+        layer = to_device(LlamaLayer(c), device)
+        first, last = to_device(LlamaEmbeddings(c), device), to_device(LlamaLMHead(c), device)
+        return [first, *[layer] * self.cfg.layers, last]
 
     def num_blocks(self) -> int:
         return self.cfg.layers + 2

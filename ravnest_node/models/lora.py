@@ -31,7 +31,7 @@ import hashlib
 import importlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,26 +268,35 @@ class LoRALinear(nn.Module):
             return self.base.dense_weight() + self.scaling * (self.lora_b @ self.lora_a)
 
 
-def freeze(block: nn.Module, cfg: LoRAConfig, *, seed: int, index: int, keep: tuple[str, ...] = ()
-           ) -> tuple[int, int]:  # fmt: skip
+def freeze(block: nn.Module, cfg: LoRAConfig, *, seed: int, index: int, keep: tuple[str, ...] = (),
+           fill: Callable[[str, nn.Linear], None] | None = None,
+           device: torch.device | None = None) -> tuple[int, int]:  # fmt: skip
     """Turn `block` into a LoRA block in place: each `nn.Linear` whose attribute name is in
     ``cfg.targets`` becomes a `LoRALinear`, every other one a `FrozenLinear` stored as
     ``cfg.base`` says, and every other parameter becomes a frozen float32 buffer,
     except those inside the submodules or parameters named in `keep` (new heads,
     which must train). Adapters are
-    initialised from (seed, block index, module path). Returns (adapters made, parameters that
-    still train)."""
+    initialised from (seed, block index, module path). With `fill` (a loader that reads one
+    tensor at a time into a block built on the meta device), ``fill(path, linear)`` gives each
+    linear layer its values just before it is replaced, and each replacement goes to `device`
+    as soon as it is made: one linear layer's float32 weight at a time on the host. Returns
+    (adapters made, parameters that still train)."""
     made = 0
     for path, module in list(block.named_modules()):
         for attr, child in list(module.named_children()):
             full = f"{path}.{attr}" if path else attr
             if not isinstance(child, nn.Linear) or _kept(full, keep):
                 continue
+            if fill is not None:
+                fill(full, child)
             if attr in cfg.targets:
-                setattr(module, attr, LoRALinear(child, cfg, seeded_generator(seed, index, full)))
+                frozen: nn.Module = LoRALinear(child, cfg, seeded_generator(seed, index, full))
                 made += 1
             else:
-                setattr(module, attr, FrozenLinear(child, cfg.base))
+                frozen = FrozenLinear(child, cfg.base)
+            setattr(module, attr, frozen if device is None else frozen.to(device))
+            if fill is not None:  # the list above holds `child`: let go of its values now
+                child.to("meta")
     for path, module in list(block.named_modules()):
         if isinstance(module, LoRALinear):
             continue

@@ -87,10 +87,9 @@ if [ ${#fp32[@]} -gt 0 ]; then
 fi
 
 # 4. The memory of a LoRA Llama-shaped stage with an nf4 base against the plan.
-# LEAD: helper B's measurement in ravnest_node/bench/plan_check.py goes here, e.g.
-#   part memory 60 "$PY" -m ravnest_node.bench.plan_check --memory --device "$DEVICE" \
-#     --jsonl "$OUT/memory.jsonl"
-say "memory: NOT WIRED (helper B's plan_check measurement; see the LEAD line in this script)"
+part memory 90 "$PY" -m ravnest_node.bench.plan_check --memory --device "$DEVICE" \
+  --jsonl "$OUT/memory.jsonl"
+cat "$OUT/memory.log" | grep "^|" | tee -a "$OUT/results.txt"
 
 # 5. The GPU bench on the home link (network namespaces as root, else loopback relays).
 bench bench-home 150 --scenario home --model "$BIG" --steps "$BIG_STEPS" \
@@ -130,6 +129,14 @@ for system, r in home.items():
         for key in ("samples_per_s", "step_s", "efficiency", "efficiency_this_machine",
                     "final_loss", "device", "precision"):
             figures[f"home_{system}_{key}"] = r.get(key)
+memory = out / "memory.jsonl"
+for r in map(json.loads, memory.read_text().splitlines() if memory.exists() else []):
+    figures[f"memory_{r['stage']}_plan_over_measured"] = r["ratio"]
+    if "ratio_peak" in r:
+        figures[f"memory_{r['stage']}_plan_over_allocator_peak"] = r["ratio_peak"]
+        if r["stage"] == "lora-nf4":
+            verdicts["nf4 LoRA stage: plan within 15% of the allocator"] = (
+                0.85 <= r["ratio_peak"] <= 1.15)
 for key, value in figures.items():
     print(f"{key}: {value}")
 for what, ok in verdicts.items():

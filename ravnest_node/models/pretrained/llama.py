@@ -53,7 +53,10 @@ def rope_frequencies(c: Mapping[str, Any], head_dim: int) -> torch.Tensor:
     if not isinstance(params, Mapping):
         raise ConfigError(f"rope_parameters must be an object, not {params!r:.80}")
     theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    # On the CPU even where blocks are built on the meta device: a loader reads no value for
+    # this buffer and moves it with its block.
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / theta ** (steps / head_dim)
     scaling = c.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":

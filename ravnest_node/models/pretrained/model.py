@@ -11,7 +11,7 @@ builds the same one; a masked-LM or tied LM head starts from a copy of the word 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ravnest_node.errors import ConfigError
-from ravnest_node.models.base import BlockModel, TensorSpec
+from ravnest_node.models.base import BlockModel, TensorSpec, shapes_only, to_device
 from ravnest_node.models.lora import FrozenLinear, freeze, seeded_generator
 from ravnest_node.models.pretrained.bert import (
     BertClassifierHead,
@@ -64,49 +64,92 @@ class PretrainedModel(BlockModel):
     def build_blocks(self, seed: int) -> list[nn.Module]:
         return self.build_stage(seed, 0, self.num_blocks())
 
-    def timing_blocks(self) -> list[nn.Module]:
+    def timing_blocks(self, *, device: torch.device | None = None) -> list[nn.Module]:
         """The embeddings, one layer listed for every layer, and the head, with their initial
-        (random) values: timing reads no weights and holds one layer, however many there are."""
+        (random) values, on `device`: timing reads no weights and holds one layer, however
+        many there are."""
         n = self.num_blocks()
-        first, layer = self._build(0, 0, 2, load=False)
-        return [first, *[layer] * self.layers, *self._build(0, n - 1, n, load=False)]
+        first, layer = self._build(0, 0, 2)
+        blocks = [first, layer, *self._build(0, n - 1, n)]
+        first, layer, last = (to_device(b, device) for b in blocks)
+        return [first, *[layer] * self.layers, last]
 
-    def build_stage(self, seed: int, start: int, stop: int) -> list[nn.Module]:
-        """Blocks ``[start, stop)`` with their pretrained weights, reading only their tensors
-        (no reading at all when built on the meta device, to count parameters)."""
+    def build_stage(
+        self, seed: int, start: int, stop: int, *, device: torch.device | None = None
+    ) -> list[nn.Module]:
+        """Blocks ``[start, stop)`` with their pretrained weights, on `device` (default: the
+        CPU), reading only their tensors (no reading at all when built on the meta device, to
+        count parameters). Tensors are read one at a time in the checkpoint's dtype and placed
+        on `device` (a LoRA base quantised first, only its stored form placed): the host never
+        holds more than one tensor beyond what it already placed."""
         n = self.num_blocks()
         if not 0 <= start < stop <= n:
             raise ValueError(f"stage range [{start}, {stop}) is not inside 0..{n} of {self.name!r}")
-        return self._build(seed, start, stop, load=torch.empty(()).device.type != "meta")
+        if torch.empty(()).device.type == "meta":
+            return self._build(seed, start, stop)
+        entries = index_directory(self.spec.directory)
+        return [self._load_block(i, seed, entries, device) for i in range(start, stop)]
 
-    def _build(self, seed: int, start: int, stop: int, *, load: bool) -> list[nn.Module]:
-        entries = index_directory(self.spec.directory) if load else {}
+    def _build(self, seed: int, start: int, stop: int) -> list[nn.Module]:
+        """Blocks ``[start, stop)`` with their initial values, no weight read, built where
+        torch's default device says."""
         blocks = []
         for i in range(start, stop):
-            block, names, new = self._block(i)
-            if load:
-                self._load(i, block, names, new, entries, seed)
+            block, _, _ = self._block(i)
             if self.spec.lora is not None:
                 made, _ = freeze(block, self.spec.lora, seed=seed, index=i,
                                  keep=self._trainable_new(i))  # fmt: skip
-                if 0 < i <= self.layers and not made:
-                    linears = sorted({n.rpartition(".")[2] for n, m in block.named_modules()
-                                      if isinstance(m, (nn.Linear, FrozenLinear))})  # fmt: skip
-                    raise ConfigError(
-                        f"model {self.name!r}: no linear layer of block {i} is named in "
-                        f"targets={'+'.join(self.spec.lora.targets)}; its linear layers: "
-                        f"{', '.join(linears)}"
-                    )
+                self._check_adapters(i, block, made)
             blocks.append(block)
         return blocks
 
-    def _block(self, i: int) -> tuple[nn.Module, dict[str, str], dict[str, str]]:
-        """Block `i`, its tensors' checkpoint names (ours -> theirs) and the tensors the
-        checkpoint may lack, with how to initialise them ("normal", "zeros", "ones", or
-        "copy:<checkpoint name>")."""
+    def _check_adapters(self, i: int, block: nn.Module, made: int) -> None:
+        """ConfigError if layer block `i` got no adapter: its targets name none of its linears."""
+        if 0 < i <= self.layers and not made and self.spec.lora is not None:
+            linears = sorted({n.rpartition(".")[2] for n, m in block.named_modules()
+                              if isinstance(m, (nn.Linear, FrozenLinear))})  # fmt: skip
+            raise ConfigError(
+                f"model {self.name!r}: no linear layer of block {i} is named in "
+                f"targets={'+'.join(self.spec.lora.targets)}; its linear layers: "
+                f"{', '.join(linears)}"
+            )
+
+    def _load_block(
+        self, i: int, seed: int, entries: Mapping[str, Any], device: torch.device | None
+    ) -> nn.Module:
+        """Block `i` built on the meta device, then given its tensors one at a time: read (or
+        initialised), made float32 and placed on `device`; under LoRA each frozen linear layer
+        is stored as the base says before it is placed."""
+        prefix = self._prefix()
+        with shapes_only():
+            block, names, new = self._block(i, prefix)
+        source = self._sources(i, block, names, new, entries, seed)
+        placed: set[str] = set()
+
+        def fill(path: str, linear: nn.Linear) -> None:  # on the host: it is quantised next
+            for leaf in ("weight", "bias"):
+                if (k := f"{path}.{leaf}") in names:
+                    _place(linear, leaf, source(k).float())
+                    placed.add(k)
+
+        if self.spec.lora is not None:
+            made, _ = freeze(block, self.spec.lora, seed=seed, index=i,
+                             keep=self._trainable_new(i), fill=fill, device=device)  # fmt: skip
+            self._check_adapters(i, block, made)
+        for k in names:
+            if k not in placed:
+                _place(block, k, source(k).to(device or "cpu").float())
+        return to_device(block, device)  # what is not read (rotary frequencies)
+
+    def _block(
+        self, i: int, prefix: str | None = None
+    ) -> tuple[nn.Module, dict[str, str], dict[str, str]]:
+        """Block `i`, its tensors' checkpoint names (ours -> theirs, under `prefix`, default
+        the checkpoint's) and the tensors the checkpoint may lack, with how to initialise them
+        ("normal", "zeros", "ones", or "copy:<checkpoint name>")."""
         c, spec = self.spec.config, self.spec
         bert = spec.family == "bert"
-        prefix = self._prefix()
+        prefix = self._prefix() if prefix is None else prefix
         if i == 0:
             block: nn.Module = BertEmbeddings(c) if bert else LlamaEmbeddings(c)
             base = f"{prefix}embeddings." if bert else f"{prefix}embed_tokens."
@@ -177,40 +220,40 @@ class PretrainedModel(BlockModel):
             return ""
         return self._prefix_cache
 
-    def _load(self, i: int, block: nn.Module, names: Mapping[str, str], new: Mapping[str, str],
-              entries: Mapping[str, Any], seed: int) -> None:  # fmt: skip
-        """Fill block `i`'s tensors from the checkpoint, or initialise those it lacks."""
-        wanted = {k: v for k, v in names.items() if v in entries}
-        missing = [k for k in names if k not in wanted]
-        for k in missing:
-            how = new.get(k)
-            if how is None or (how.startswith("copy:") and how[5:] not in entries):
+    def _sources(self, i: int, block: nn.Module, names: Mapping[str, str],
+                 new: Mapping[str, str], entries: Mapping[str, Any], seed: int
+                 ) -> Callable[[str], torch.Tensor]:  # fmt: skip
+        """For block `i` (built on the meta device), a function of a tensor's name to its value
+        on the host, read from the checkpoint in its dtype (one tensor a call) or initialised;
+        ConfigError, before anything is read, for a tensor the checkpoint lacks, and then for
+        one whose shape is not the block's."""
+        for k in names:
+            how = new.get(k, "")
+            copy = how.startswith("copy:") and how.removeprefix("copy:") not in entries
+            if names[k] not in entries and (not how or copy):
                 raise ConfigError(
                     f"{self.spec.directory}: the checkpoint has no tensor {names[k]!r} "
                     f"(block {i}, {k})"
                 )
-        copies = {how[5:] for k in missing if (how := new[k]).startswith("copy:")}
-        loaded = load_tensors(entries, [*wanted.values(), *(copies & set(entries))])
-        tensors = dict(_tensors(block))
-        with torch.no_grad():
-            for k, t in tensors.items():
-                if k in wanted:
-                    source = loaded[wanted[k]]
-                else:
-                    how = new[k]
-                    if how.startswith("copy:"):
-                        source = loaded[how[5:]]
-                    elif how == "normal":
-                        source = torch.randn(t.shape, generator=seeded_generator(seed, i, k))
-                        source = source * _INIT_STD
-                    else:
-                        source = torch.zeros(t.shape) if how == "zeros" else torch.ones(t.shape)
-                if tuple(source.shape) != tuple(t.shape):
-                    raise ConfigError(
-                        f"{self.spec.directory}: tensor for block {i} {k} has shape "
-                        f"{tuple(source.shape)}, the config says {tuple(t.shape)}"
-                    )
-                t.copy_(source.to(t.dtype))
+        shapes = {k: tuple(t.shape) for k, t in _tensors(block)}
+
+        def source(k: str) -> torch.Tensor:
+            how, shape = new.get(k, ""), shapes[k]
+            if names[k] in entries or how.startswith("copy:"):
+                name = names[k] if names[k] in entries else how.removeprefix("copy:")
+                value = load_tensors(entries, [name])[name]
+            elif how == "normal":
+                value = torch.randn(shape, generator=seeded_generator(seed, i, k)) * _INIT_STD
+            else:
+                value = torch.zeros(shape) if how == "zeros" else torch.ones(shape)
+            if tuple(value.shape) != shape:
+                raise ConfigError(
+                    f"{self.spec.directory}: tensor for block {i} {k} has shape "
+                    f"{tuple(value.shape)}, the config says {shape}"
+                )
+            return value
+
+        return source
 
     # -- shapes --
     def block_costs(self) -> list[float]:
@@ -296,6 +339,19 @@ class PretrainedModel(BlockModel):
 
     def __repr__(self) -> str:
         return f"PretrainedModel({self.name!r})"
+
+
+def _place(block: nn.Module, path: str, value: torch.Tensor) -> None:
+    """Make `value` the parameter (trainable as the one it replaces) or buffer at `path`."""
+    module, _, leaf = path.rpartition(".")
+    owner = block.get_submodule(module)
+    if leaf in owner._parameters:
+        old = owner._parameters[leaf]
+        owner._parameters[leaf] = nn.Parameter(
+            value, requires_grad=old is None or old.requires_grad
+        )
+    else:
+        owner._buffers[leaf] = value
 
 
 def _tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
