@@ -93,11 +93,8 @@ def time_blocks(
     `device` (the CPU if None) under autocast to the resolved `precision` (fp32, bf16, fp16).
     Blocks until the device has done the work."""
     device = torch.device("cpu") if device is None else device
-    blocks = get_model(model_name).timing_blocks()
+    blocks = get_model(model_name).timing_blocks(device=device)
     first = {id(b): blocks.index(b) for b in reversed(blocks)}  # a block listed again: timed once
-    for i, block in enumerate(blocks):
-        if first[id(block)] == i:
-            block.to(device)
     x = _input(model_name, microbatch, device)
     timed = _timer(device)
     best = [float("inf")] * len(blocks)

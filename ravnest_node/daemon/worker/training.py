@@ -214,10 +214,9 @@ class StageTrainer:
     def _build_blocks(
         self, model: BlockModel, run: TrainConfig, spec: StageSpec
     ) -> list[torch.nn.Module]:
-        """The stage's blocks, initialised from the run's seed, on this node's device."""
-        # TODO(merge): helper B's build_stage(..., device=) builds them there directly.
-        blocks = model.build_stage(run.seed, spec.first_block, spec.stop_block)
-        return [block.to(self.device) for block in blocks]
+        """The stage's blocks, initialised from the run's seed (or read from the pretrained
+        weights, one tensor at a time), straight onto this node's device."""
+        return model.build_stage(run.seed, spec.first_block, spec.stop_block, device=self.device)
 
     def _check(self, plan: pb.Plan) -> tuple[TrainConfig, BlockModel, pb.StageAssignment]:
         """The run, model and stage of this node in `plan`; RunFailed if it cannot follow it."""
