@@ -3,12 +3,14 @@
 # whose python3 already has a CUDA build of torch. Under 5 minutes on one H200 with 16 cores;
 # every part has its own time limit, and a part that fails or times out does not stop the next.
 #
-# Before copying the tree there, fetch the wheels of our other dependencies into .device/wheels
-# (ignored by git), for that machine's Python (docs/bench/device-replicas.sh does the same):
-#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#     --no-deps -d .device/wheels grpcio protobuf lz4 msgpack zeroconf ifaddr safetensors \
-#     cryptography cffi numpy pytest pluggy iniconfig packaging pytest-asyncio hypothesis \
-#     sortedcontainers attrs
+# Before copying the tree there, fetch the wheels of what that machine lacks (its image has
+# torch, numpy, safetensors, pytest and hypothesis; ours need these versions of the rest) into
+# .device/wheels (ignored by git), for its Python 3.12, and carry the folder with the run:
+#   pip download --only-binary=:all: --python-version 3.12 --implementation cp --no-deps \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 -d .device/wheels \
+#     grpcio==1.85.3 protobuf==7.36.2 zeroconf ifaddr lz4 msgpack cryptography cffi pycparser \
+#     torchao==0.18.0 pytest-asyncio
 # Then, there, from the repository root:   OUT=/some/dir bash tests/gpu/check.sh
 # Here, without a GPU (the same steps on the CPU with the tiny model, about 2 minutes):
 #   DEVICE=cpu OUT=/tmp/gpu-check bash tests/gpu/check.sh
