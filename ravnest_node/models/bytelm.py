@@ -15,6 +15,7 @@ BENCHMARKS.md, about 4.9 M parameters).
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 from ravnest_node.errors import ConfigError
 from ravnest_node.models.base import BlockModel, TensorSpec, build_seeded
 
-__all__ = ["VOCAB_SIZE", "ByteLM", "ByteLMConfig"]
+__all__ = ["VOCAB_SIZE", "ByteBlocks", "ByteLM", "ByteLMConfig"]
 
 VOCAB_SIZE = 256
 """One token per byte value."""
@@ -129,12 +130,28 @@ class Head(nn.Module):
         return out
 
 
-class ByteLM(BlockModel):
-    """The byte-level LM as ``n_layers + 2`` blocks: embedding, one per layer, head."""
+class ByteBlocks(BlockModel):
+    """What every byte-level language model of blocks shares: token ids ``[B, seq_len]`` in
+    (uint8), hidden ``[B, seq_len, width]`` between blocks, logits over the 256 byte values
+    out of the last block, mean cross entropy against the next bytes; blocks built in order
+    from a seed (`build_seeded`). A subclass says its `seq_len`, `width`, `num_blocks` and
+    how block i is made (`_block`)."""
 
-    def __init__(self, cfg: ByteLMConfig, *, name: str = "bytelm") -> None:
-        self.cfg = cfg
-        self.name = name
+    vocab_size = VOCAB_SIZE
+
+    @property
+    @abstractmethod
+    def seq_len(self) -> int:
+        """Tokens (bytes) per sample."""
+
+    @property
+    @abstractmethod
+    def width(self) -> int:
+        """Elements per token of the hidden tensor between blocks."""
+
+    @abstractmethod
+    def _block(self, i: int) -> nn.Module:
+        """Block `i`, freshly initialised from the global RNG."""
 
     def build_blocks(self, seed: int) -> list[nn.Module]:
         return build_seeded(seed, self._block, 0, self.num_blocks())
@@ -144,6 +161,40 @@ class ByteLM(BlockModel):
     ) -> list[nn.Module]:
         self.check_range(start, stop)
         return build_seeded(seed, self._block, start, stop, device)
+
+    def input_spec(self, batch: int) -> TensorSpec:
+        return TensorSpec("tokens", (batch, self.seq_len), torch.uint8)
+
+    def output_spec(self, block: int, batch: int) -> TensorSpec:
+        last = self.num_blocks() - 1
+        if not 0 <= block <= last:
+            raise ValueError(f"block {block} is out of range; {self.name!r} has blocks 0..{last}")
+        if block == last:
+            return TensorSpec("logits", (batch, self.seq_len, VOCAB_SIZE), torch.float32)
+        return TensorSpec("hidden", (batch, self.seq_len, self.width), torch.float32)
+
+    def target_spec(self, batch: int) -> TensorSpec:
+        return TensorSpec("targets", (batch, self.seq_len), torch.uint8)
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over all positions; `targets` are byte values [B, T]."""
+        return F.cross_entropy(output.reshape(-1, VOCAB_SIZE).float(), targets.reshape(-1).long())
+
+
+class ByteLM(ByteBlocks):
+    """The byte-level LM as ``n_layers + 2`` blocks: embedding, one per layer, head."""
+
+    def __init__(self, cfg: ByteLMConfig, *, name: str = "bytelm") -> None:
+        self.cfg = cfg
+        self.name = name
+
+    @property
+    def seq_len(self) -> int:
+        return self.cfg.seq_len
+
+    @property
+    def width(self) -> int:
+        return self.cfg.d_model
 
     def _block(self, i: int) -> nn.Module:
         if i == 0:
@@ -172,24 +223,6 @@ class ByteLM(BlockModel):
         layer = float(2 * t * (4 + 2 * r) * d * d + 4 * t * t * d)
         head = float(2 * t * d * VOCAB_SIZE)
         return [embedding, *([layer] * self.cfg.n_layers), head]
-
-    def input_spec(self, batch: int) -> TensorSpec:
-        return TensorSpec("tokens", (batch, self.cfg.seq_len), torch.uint8)
-
-    def output_spec(self, block: int, batch: int) -> TensorSpec:
-        last = self.num_blocks() - 1
-        if not 0 <= block <= last:
-            raise ValueError(f"block {block} is out of range; {self.name!r} has blocks 0..{last}")
-        if block == last:
-            return TensorSpec("logits", (batch, self.cfg.seq_len, VOCAB_SIZE), torch.float32)
-        return TensorSpec("hidden", (batch, self.cfg.seq_len, self.cfg.d_model), torch.float32)
-
-    def target_spec(self, batch: int) -> TensorSpec:
-        return TensorSpec("targets", (batch, self.cfg.seq_len), torch.uint8)
-
-    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over all positions; `targets` are byte values [B, T]."""
-        return F.cross_entropy(output.reshape(-1, VOCAB_SIZE), targets.reshape(-1).long())
 
     def __repr__(self) -> str:
         return f"ByteLM({self.cfg!r}, name={self.name!r})"

@@ -20,17 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ravnest_node.errors import ConfigError
-from ravnest_node.models.base import BlockModel, TensorSpec, build_seeded, to_device
+from ravnest_node.models.base import to_device
+from ravnest_node.models.bytelm import VOCAB_SIZE as BYTES
+from ravnest_node.models.bytelm import ByteBlocks
 from ravnest_node.models.pretrained.llama import LlamaEmbeddings, LlamaLayer, LlamaLMHead
 
 __all__ = ["LLAMA_300M", "LlamaBench", "LlamaBenchConfig"]
-
-BYTES = 256
-"""The vocabulary: one token per byte value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,22 +69,20 @@ class LlamaBenchConfig:
 LLAMA_300M = LlamaBenchConfig(hidden=1024, layers=24, heads=16, kv_heads=4, ffn=2816, seq_len=256)
 
 
-class LlamaBench(BlockModel):
+class LlamaBench(ByteBlocks):
     """The Llama-shaped byte LM as ``layers + 2`` blocks: embedding, one per layer, head."""
 
     def __init__(self, cfg: LlamaBenchConfig, *, name: str = "llama-bench") -> None:
         self.cfg = cfg
         self.name = name
-        self.vocab_size = BYTES
 
-    def build_blocks(self, seed: int) -> list[nn.Module]:
-        return build_seeded(seed, self._block, 0, self.num_blocks())
+    @property
+    def seq_len(self) -> int:
+        return self.cfg.seq_len
 
-    def build_stage(
-        self, seed: int, start: int, stop: int, *, device: torch.device | None = None
-    ) -> list[nn.Module]:
-        self.check_range(start, stop)
-        return build_seeded(seed, self._block, start, stop, device)
+    @property
+    def width(self) -> int:
+        return self.cfg.hidden
 
     def _block(self, i: int) -> nn.Module:
         c = self.cfg.hf_config()
@@ -116,24 +112,6 @@ class LlamaBench(BlockModel):
         kv = c.kv_heads * (d // c.heads)
         layer = float(2 * t * (2 * d * d + 2 * d * kv + 3 * d * c.ffn) + 4 * t * t * d)
         return [float(t * d), *([layer] * c.layers), float(2 * t * d * BYTES)]
-
-    def input_spec(self, batch: int) -> TensorSpec:
-        return TensorSpec("tokens", (batch, self.cfg.seq_len), torch.uint8)
-
-    def output_spec(self, block: int, batch: int) -> TensorSpec:
-        last = self.num_blocks() - 1
-        if not 0 <= block <= last:
-            raise ValueError(f"block {block} is out of range; {self.name!r} has blocks 0..{last}")
-        if block == last:
-            return TensorSpec("logits", (batch, self.cfg.seq_len, BYTES), torch.float32)
-        return TensorSpec("hidden", (batch, self.cfg.seq_len, self.cfg.hidden), torch.float32)
-
-    def target_spec(self, batch: int) -> TensorSpec:
-        return TensorSpec("targets", (batch, self.cfg.seq_len), torch.uint8)
-
-    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over all positions; `targets` are byte values [B, T]."""
-        return F.cross_entropy(output.reshape(-1, BYTES).float(), targets.reshape(-1).long())
 
     def __repr__(self) -> str:
         return f"LlamaBench({self.cfg!r}, name={self.name!r})"
