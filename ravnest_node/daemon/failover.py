@@ -295,8 +295,10 @@ class Leadership:
         return max(found, key=lambda f: f.term) if found else None
 
     async def _fail_over(self, worker: Worker) -> None:
-        """The elected coordinator this node followed is lost (its plan stream unreachable, or
-        its heartbeats failing): elect another among the members of the newest plan this node
+        """The elected coordinator this node followed is lost (its address refusing the plan
+        stream for a few seconds: its process is gone; or unreachable, its heartbeats
+        failing, for `hold_s`: a cut of its link shorter than that starts no second
+        coordinator, CoordinatorClient.lost): elect another among the members of the newest plan this node
         trained, and follow it, or take the run over if this node wins. If the old coordinator
         answers after all (only this node lost it), follow it again. PeerUnavailable if no
         coordinator comes up within the connect timeout plus two leases (a spare, which cannot
