@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from ravnest_node.checkpoint import run_key
-from ravnest_node.coordination.coordinator.membership import RoundTrips
+from ravnest_node.coordination.coordinator.membership import ProbeAnswer, RoundTrips
 from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.coordination.planning.static_plan import has_node
 from ravnest_node.pipeline.run import TrainConfig
@@ -187,7 +187,7 @@ async def planned_swarm(
 def tiny_swarm(
     clock: Clock,
     size: int,
-    probe: Callable[[str, str, float], Awaitable[bool]] | None = None,
+    probe: Callable[[str, str, float], Awaitable[ProbeAnswer]] | None = None,
     **train: Any,
 ) -> CoordinatorService:
     return CoordinatorService(
@@ -521,17 +521,18 @@ async def test_a_node_lost_after_the_last_step_ends_the_run(tmp_path: Path) -> N
     assert json.loads(svc.progress.events[-1].summary_json)["crashes"][0]["node_id"] == victim
 
 
-async def test_a_suspect_that_does_not_answer_a_probe_is_lost_at_once(tmp_path: Path) -> None:
+async def test_a_suspect_whose_address_refuses_a_probe_is_lost_at_once(tmp_path: Path) -> None:
     """A stream broke: the coordinator probes the neighbours named, each within a deadline of
-    ten of its measured round trips (at least 2 s, at most a lease), and counts the one that
-    does not answer as lost without waiting for its lease; one that answers stays. Its own
-    node (a) is never probed. Heard from a lease later, a lost member may have a stage
+    ten of its measured round trips (at least 2 s, at most a lease), and counts the one whose
+    address refuses the probe as lost without waiting for its lease; one that answers stays.
+    Its own node (a) is never probed. Heard from a lease later, a lost member may have a stage
     again."""
     clock = Clock()
-    alive = {"a": True, "b": True, "c": True, "d": False}
+    alive = {"a": ProbeAnswer.ALIVE, "b": ProbeAnswer.ALIVE, "c": ProbeAnswer.ALIVE,
+             "d": ProbeAnswer.REFUSED}  # fmt: skip
     probed: list[tuple[str, float]] = []
 
-    async def probe(node_id: str, address: str, timeout_s: float) -> bool:
+    async def probe(node_id: str, address: str, timeout_s: float) -> ProbeAnswer:
         assert address == f"{node_id}:1"
         probed.append((address, timeout_s))
         return alive[node_id]
@@ -585,8 +586,8 @@ async def test_two_suspects_lost_at_once_make_one_new_plan(tmp_path: Path) -> No
     ctx: Any = FakeContext()
     neighbours: list[str] = []  # of the middle stage, once planned
 
-    async def probe(node_id: str, address: str, timeout_s: float) -> bool:
-        return node_id not in neighbours
+    async def probe(node_id: str, address: str, timeout_s: float) -> ProbeAnswer:
+        return ProbeAnswer.REFUSED if node_id in neighbours else ProbeAnswer.ALIVE
 
     svc = tiny_swarm(clock, 6, probe, steps=50, pipelines=2)
     for node in "abcdef":

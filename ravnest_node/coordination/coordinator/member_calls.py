@@ -283,7 +283,9 @@ def suspects_lost(
             others = {st.node_id for st in plan.stages if st.pipeline == me.pipeline}
             s.roster.note_broken(plan.epoch, me.pipeline, others - {request.node_id})
         return []
-    why = (f"its neighbour {request.node_id} lost its stream ({request.reason[:200]}) and "
-           "its address refused a probe (nobody listens there, or another node does)")
+    why = (
+        f"its neighbour {request.node_id} lost its stream ({request.reason[:200]}) and "
+        "its address refused a probe (nobody listens there, or another node does)"
+    )
     lose(s, plan, [st for st in plan.stages if st.node_id in dead], s.clock(), why)
     return dead

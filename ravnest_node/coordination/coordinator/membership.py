@@ -35,6 +35,7 @@ class ProbeAnswer(enum.Enum):
     """Nothing answered in time: a machine off, or a link cut, the prober's own included. No
     verdict: its silence is counted like any other (`hold_s`)."""
 
+
 PROBE_MIN_S = 2.0
 """A probe of a suspected member waits at least this long for its answer (a busy machine's
 event loop may take that long to answer; a killed process refuses the connection at once)."""

@@ -103,6 +103,7 @@ def _refused(error: BaseException) -> bool:
     """`error` says the peer's address refused the connection (nobody listens there)."""
     return "connection refused" in str(error).lower()
 
+
 T = TypeVar("T")
 
 
@@ -329,9 +330,7 @@ class CoordinatorClient:
                 )
             raise
 
-    async def _beat(
-        self, holdings: Holdings, rtt_s: float, timeout_s: float
-    ) -> tuple[float, bool]:
+    async def _beat(self, holdings: Holdings, rtt_s: float, timeout_s: float) -> tuple[float, bool]:
         """One heartbeat, carrying the round trip of the one before (`rtt_s`): its own round
         trip (0 if it failed), and whether the next one goes at once (a new hold to say)."""
         loop = asyncio.get_running_loop()
