@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
@@ -176,7 +177,7 @@ async def test_a_silent_suspect_is_no_verdict_and_a_whole_pipeline_starts_again(
         clock.now += INTERVAL_S
         for node in others:
             held[node] = await beat(svc, node, offers[node], held[node])
-    assert svc.plan.epoch == 1 and svc.book.pending is None
+    assert svc.plan is not None and svc.plan.epoch == 1 and svc.book.pending is None
     for _ in range(3):  # b's link is back before the hold window
         clock.now += INTERVAL_S
         for node in "abc":
@@ -208,7 +209,7 @@ async def test_a_suspect_that_answers_never_restarts_a_pipeline_with_a_dead_memb
     ctx: Any = FakeContext()
     await svc.Suspect(pb.SuspectRequest(node_id="c", plan_epoch=1, suspects=["b"]), ctx)
     await heartbeats(svc, clock, "bc", hold_s(LEASE_S) - INTERVAL_S)
-    assert svc.plan.epoch == 1 and svc.faults.crashes == []
+    assert svc.plan is not None and svc.plan.epoch == 1 and svc.faults.crashes == []
     assert svc.faults.unrestored is None and svc.faults.restores == []  # no restart with a
     await heartbeats(svc, clock, "bc", 2 * INTERVAL_S)
     assert [c.node_id for c in svc.faults.crashes] == ["a"]
@@ -221,12 +222,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@asynccontextmanager
 async def node_server(node_id: str) -> AsyncIterator[str]:
+    """A server of `ravnest.v1.Node` for node `node_id` on loopback: its address."""
+
     async def status(brief: bool) -> pb.NodeStatus:
         return pb.NodeStatus(node_id=node_id)
 
     server = grpc.aio.server()
-    pb_grpc.add_NodeServicer_to_server(NodeService(status, lambda: None), server)
+    pb_grpc.add_NodeServicer_to_server(NodeService(status, lambda: None), server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
@@ -238,14 +242,10 @@ async def node_server(node_id: str) -> AsyncIterator[str]:
 async def test_a_probe_tells_alive_refused_and_silent_apart() -> None:
     transport = TransportConfig()
     probe: Callable[..., Any] = probe_node
-    gen = node_server("n1")
-    address = await anext(gen)
-    try:
+    async with node_server("n1") as address:
         assert await probe("n1", address, 2.0, transport=transport) is ProbeAnswer.ALIVE
         # Another node answers there: not it.
         assert await probe("n2", address, 2.0, transport=transport) is ProbeAnswer.REFUSED
-    finally:
-        await gen.aclose()
     # Nobody listens: refused at once, not after the timeout.
     loop = asyncio.get_running_loop()
     start = loop.time()
