@@ -107,7 +107,10 @@ def check_lost(s: SwarmState) -> bool:
     take the lost blocks from a replica there; the broken pipeline's unfinished steps are
     dropped and counted. Without a replica, the run is restored from the newest step at
     which the members left hold a checkpoint (or a copy) of every block
-    (`_restore_from_checkpoints`); if they do not, say so. True if anything changed."""
+    (`_restore_from_checkpoints`); if they do not, say so. Silence counts only while this
+    coordinator hears some other member (a deaf coordinator blames nobody: Leases.deaf). A
+    pipeline whose stream broke with nobody gone goes the same way, with all its members,
+    once they are all heard from again (Roster.whole_but_broken). True if anything changed."""
     plan = s.book.current
     if plan is None or s.book.phase is Phase.TAKING_OVER:
         return False  # a takeover counts its members lost itself (takeover_ready)
