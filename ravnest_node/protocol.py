@@ -20,6 +20,7 @@ __all__ = [
     "PROTOCOL",
     "UNREACHABLE_KEY",
     "heartbeat_interval",
+    "hold_s",
     "member_key_digest",
 ]
 
@@ -53,6 +54,14 @@ def heartbeat_interval(lease_s: float) -> float:
     """How often a member sends a heartbeat for a lease of `lease_s`: two lost ones are
     forgiven."""
     return lease_s / 3
+
+
+def hold_s(lease_s: float) -> float:
+    """The hold window for a lease of `lease_s`: the one number both ends of a membership go
+    by. The coordinator counts a stage owner silent this long as lost; a worker whose
+    heartbeats have failed this long knows it is being counted lost (and counts its
+    coordinator lost). An outage shorter than this costs no member."""
+    return LOST_AFTER_LEASES * lease_s
 
 
 MEMBER_KEY_METADATA = "ravnest-member-key"

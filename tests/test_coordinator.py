@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
+from ravnest_node.coordination.coordinator.membership import ProbeAnswer
 from ravnest_node.coordination.coordinator.roster import MEASURING_S
 from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.coordination.planning.static_plan import (
@@ -381,12 +382,12 @@ async def test_a_node_the_coordinator_cannot_reach_is_refused_with_the_unreachab
     """A node's first Join is checked by reaching it at its address (not the coordinator's own
     node, nor a Join with what it measured, nor a member asking again from where it was
     reached); one that does not answer is refused, marked so that it may try a relay."""
-    answers = {"a": True, "b": False}
+    answers = {"a": ProbeAnswer.ALIVE, "b": ProbeAnswer.SILENT}
     asked: list[str] = []
 
-    async def reach(node_id: str, address: str, timeout_s: float) -> bool:
+    async def reach(node_id: str, address: str, timeout_s: float) -> ProbeAnswer:
         asked.append(node_id)
-        return answers.get(node_id, False)
+        return answers.get(node_id, ProbeAnswer.REFUSED)
 
     svc = CoordinatorService(
         train=TrainConfig(model="bench-small", steps=2, batch_size=16), swarm_size=3,

@@ -193,8 +193,9 @@ async def test_a_restarted_coordinator_remembers_who_was_lost(tmp_path: Path) ->
     ctx: Any = FakeContext()
     await _join(svc, "a")
     await _join(svc, "b")
-    clock.now += 3 * svc.roster.leases.lease_s  # b falls silent; a's heartbeat is the clock
-    await svc.Heartbeat(pb.HeartbeatRequest(node_id="a"), ctx)
+    for _ in range(9):  # b falls silent for 3 leases; a's heartbeats are the clock
+        clock.now += svc.roster.leases.lease_s / 3
+        await svc.Heartbeat(pb.HeartbeatRequest(node_id="a"), ctx)
     assert set(svc.roster.lost) == {"b"} and [c.node_id for c in svc.faults.crashes] == ["b"]
 
     again = _service(tmp_path, clock)

@@ -41,8 +41,9 @@ def test_before_the_plan_members_gone_are_evicted_with_what_they_measured() -> N
     clock = Clock()
     roster = _roster(clock)
     assert not roster.evict_gone(clock.now)
-    clock.now += 5.0
-    roster.renew("a", clock.now)
+    for _ in range(2):  # a's heartbeats (a longer gap would be the coordinator's deafness)
+        clock.now += 2.5
+        roster.renew("a", clock.now)
     roster.leave("c")
     clock.now += 2.0  # b silent for 7 s > 6 s; a for 2 s; c left
     assert roster.evict_gone(clock.now)
@@ -84,9 +85,10 @@ def test_who_stays_for_the_next_plan() -> None:
     roster = _roster(clock, "abcdef")
     del roster.capabilities["b"]  # still measuring
     roster.mark_lost(["c"], clock.now)
-    clock.now += 7.0
-    for node in "acdf":
-        roster.renew(node, clock.now)  # e's lease runs out
+    for step_s in (2.0, 2.0, 2.0, 1.0):  # heartbeats every interval; e's lease runs out
+        clock.now += step_s
+        for node in "acdf":
+            roster.renew(node, clock.now)
     roster.leave("d")
     assert [m.node_id for m in roster.staying({"f"}, clock.now)] == ["f", "a"]
 

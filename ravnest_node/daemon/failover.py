@@ -295,12 +295,14 @@ class Leadership:
         return max(found, key=lambda f: f.term) if found else None
 
     async def _fail_over(self, worker: Worker) -> None:
-        """The elected coordinator this node followed is lost (its plan stream unreachable, or
-        its heartbeats failing): elect another among the members of the newest plan this node
-        trained, and follow it, or take the run over if this node wins. If the old coordinator
-        answers after all (only this node lost it), follow it again. PeerUnavailable if no
-        coordinator comes up within the connect timeout plus two leases (a spare, which cannot
-        stand, waits as long as it takes)."""
+        """The elected coordinator this node followed is lost (its address refusing the plan
+        stream for a few seconds: its process is gone; or unreachable, its heartbeats
+        failing, for `hold_s`: a cut of its link shorter than that starts no second
+        coordinator, CoordinatorClient.lost): elect another among the members of the newest
+        plan this node trained, and follow it, or take the run over if this node wins. If the
+        old coordinator answers after all (only this node lost it), follow it again.
+        PeerUnavailable if no coordinator comes up within the connect timeout plus two leases
+        (a spare, which cannot stand, waits as long as it takes)."""
         cfg, votes, plan = self._config, self.votes, worker.started_plan
         assert votes is not None and plan is not None
         old, before = worker.coordinator_address, self.found

@@ -9,15 +9,18 @@ exactly what they are given.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 
+from ravnest_node.coordination.coordinator.membership import ProbeAnswer
 from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.daemon.worker.worker import Worker
-from ravnest_node.errors import StartupError
+from ravnest_node.errors import ConfigError, StartupError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.errors import Refusal, unanswered
@@ -76,23 +79,51 @@ class NodeService(pb_grpc.NodeServicer):
 
 async def probe_node(
     node_id: str, address: str, timeout_s: float, tries: int = 2, *, transport: TransportConfig
-) -> bool:
-    """Is node `node_id` alive at `address`? It answers a brief Node.Status (no compute)
-    within `timeout_s` with its id, on the first or a later try (Coordinator.Suspect).
-    Another node at that address is not it. (The node started again there is: its Join tells
-    the coordinator of the restart.)"""
+) -> ProbeAnswer:
+    """Is node `node_id` alive at `address` (Coordinator.Suspect, and a joining node's
+    address)? ALIVE: it answers a brief Node.Status (no compute) with its id within
+    `timeout_s`, on the first or a later try. REFUSED: its address refuses a plain TCP
+    connection (nobody listens: a killed process, found at once), or another node answers
+    there (the node started again there is not it: its Join tells the coordinator of the
+    restart). SILENT: nothing answered in time on any try (a machine off, a link cut): no
+    verdict."""
+    loop = asyncio.get_running_loop()
     for _ in range(tries):
+        deadline = loop.time() + timeout_s
+        connected = await _connect(address, timeout_s)
+        if connected is not ProbeAnswer.ALIVE:
+            if connected is ProbeAnswer.REFUSED:
+                return connected
+            continue
+        left_s = max(deadline - loop.time(), 0.1)
         async with grpc_channel(address, transport) as channel:
             try:
                 status = await pb_grpc.NodeStub(channel).Status(
-                    pb.StatusRequest(brief=True), timeout=timeout_s
+                    pb.StatusRequest(brief=True), timeout=left_s
                 )
             except grpc.aio.AioRpcError as exc:
                 if unanswered(exc.code()):
                     continue
-                return True  # it answered, if only to refuse
-            return bool(status.node_id == node_id)
-    return False
+                return ProbeAnswer.ALIVE  # it answered, if only to refuse
+            return ProbeAnswer.ALIVE if status.node_id == node_id else ProbeAnswer.REFUSED
+    return ProbeAnswer.SILENT
+
+
+async def _connect(address: str, timeout_s: float) -> ProbeAnswer:
+    """A plain TCP connection to `address`: ALIVE if it is accepted, REFUSED if the address
+    refuses it, SILENT if nothing answers within `timeout_s` (or the host cannot be reached
+    or named: a cut link looks like that too)."""
+    try:
+        host, port = split_host_port(address)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except ConnectionRefusedError:
+        return ProbeAnswer.REFUSED
+    except (OSError, TimeoutError, ConfigError):
+        return ProbeAnswer.SILENT
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return ProbeAnswer.ALIVE
 
 
 class CoordinatorGate(pb_grpc.CoordinatorServicer):

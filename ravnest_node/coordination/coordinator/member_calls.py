@@ -9,6 +9,7 @@ import logging
 
 import grpc
 
+from ravnest_node.coordination.coordinator.membership import ProbeAnswer
 from ravnest_node.coordination.coordinator.planbook import Phase
 from ravnest_node.coordination.coordinator.recovery import (
     check_lost,
@@ -24,7 +25,7 @@ from ravnest_node.coordination.planning.negotiate import check_capabilities
 from ravnest_node.coordination.planning.static_plan import Member, has_node
 from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.protocol import PROTOCOL
+from ravnest_node.protocol import PROTOCOL, hold_s
 from ravnest_node.state import MAX_NODE_ID_LEN, valid_node_id
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.options import split_host_port
@@ -257,17 +258,34 @@ def suspects_lost(
     s: SwarmState,
     plan: pb.Plan,
     request: pb.SuspectRequest,
-    answered: dict[str, bool],
+    answers: dict[str, ProbeAnswer],
     timeouts: dict[str, float],
 ) -> list[str]:
-    """The suspects of `request` probed under `plan` (`answered`: node id -> whether it
-    answered within its timeout) that did not answer are lost now, unless a newer plan came
-    meanwhile: who was counted lost."""
-    known = s.faults.lost_in(plan.epoch)
-    dead = [n for n, alive in answered.items() if not alive and n not in known]
-    if not dead or s.book.current is not plan:  # a newer plan came meanwhile
+    """The suspects of `request` probed under `plan` (`answers`: node id -> what its probe
+    found within its timeout) that refused it are lost now, unless a newer plan came
+    meanwhile: who was counted lost. A silent one is no verdict (a cut link, the
+    coordinator's own included, looks the same as a machine off): its silence counts like
+    any other's (`check_lost`). If nobody is lost, the caller's pipeline is noted broken:
+    once its other members are all heard from again (a dead one never is: it is found lost
+    another way), its plan starts again (`check_lost`)."""
+    if s.book.current is not plan:  # a newer plan came meanwhile
         return []
-    why = (f"its neighbour {request.node_id} lost its stream ({request.reason[:200]}) and it "
-           f"did not answer a probe within {max(timeouts[n] for n in dead):.2f} s")  # fmt: skip
+    known = s.faults.lost_in(plan.epoch)
+    dead = [n for n, a in answers.items() if a is ProbeAnswer.REFUSED and n not in known]
+    silent = [n for n, a in answers.items() if a is ProbeAnswer.SILENT]
+    if silent:
+        log.info("%s did not answer a probe within %.2f s: counted lost only after %g s of "
+                 "silence", ", ".join(silent), max(timeouts[n] for n in silent),
+                 hold_s(s.roster.leases.lease_s))  # fmt: skip
+    if not dead:
+        me = next((st for st in plan.stages if st.node_id == request.node_id), None)
+        if me is not None:
+            others = {st.node_id for st in plan.stages if st.pipeline == me.pipeline}
+            s.roster.note_broken(plan.epoch, me.pipeline, others - {request.node_id})
+        return []
+    why = (
+        f"its neighbour {request.node_id} lost its stream ({request.reason[:200]}) and "
+        "its address refused a probe (nobody listens there, or another node does)"
+    )
     lose(s, plan, [st for st in plan.stages if st.node_id in dead], s.clock(), why)
     return dead

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 from ravnest_node.checkpoint import run_key
 from ravnest_node.coordination.coordinator.faults import PendingRestore, Restore, Takeover
@@ -106,7 +107,10 @@ def check_lost(s: SwarmState) -> bool:
     take the lost blocks from a replica there; the broken pipeline's unfinished steps are
     dropped and counted. Without a replica, the run is restored from the newest step at
     which the members left hold a checkpoint (or a copy) of every block
-    (`_restore_from_checkpoints`); if they do not, say so. True if anything changed."""
+    (`_restore_from_checkpoints`); if they do not, say so. Silence counts only while this
+    coordinator hears some other member (a deaf coordinator blames nobody: Leases.deaf). A
+    pipeline whose stream broke with nobody gone goes the same way, with all its members,
+    once they are all heard from again (Roster.whole_but_broken). True if anything changed."""
     plan = s.book.current
     if plan is None or s.book.phase is Phase.TAKING_OVER:
         return False  # a takeover counts its members lost itself (takeover_ready)
@@ -123,15 +127,27 @@ def check_lost(s: SwarmState) -> bool:
                       ", ".join(st.node_id for st in waiting.lost))  # fmt: skip
         elif _restore_from_checkpoints(s, plan, list(waiting.lost)):
             return True
+    if s.roster.deaf(now):
+        return False  # its own link is down: nobody's silence counts (Leases.deaf)
     known = s.faults.lost_in(plan.epoch)
     lost = [
         st for st in plan.stages
         if st.node_id not in known and st.node_id not in s.roster.leases.left
         and s.roster.silent_longer(st.node_id, LOST_AFTER_LEASES, now)
     ]  # fmt: skip
-    if not lost:
+    if lost:
+        lose(s, plan, lost, now)
+        return True
+    # A stream broke, nobody is gone and everyone of its pipeline is heard from again (a
+    # link that came back): the plan cannot resume its streams, so it goes on as if a
+    # member were lost, with all of them.
+    whole = s.roster.whole_but_broken(plan.epoch)
+    if not whole:
         return False
-    lose(s, plan, lost, now)
+    log.warning("plan epoch %d: a stream of pipeline %s broke, but all its members are "
+                "alive: it starts again from their checkpoints", plan.epoch,
+                ", ".join(map(str, sorted(whole))))  # fmt: skip
+    lose(s, plan, [], now, broken_streams=whole)
     return True
 
 
@@ -147,15 +163,16 @@ def restarted(s: SwarmState, node_id: str, now: float) -> None:
 
 
 def lose(s: SwarmState, plan: pb.Plan, lost: list[pb.StageAssignment], now: float,
-         why: str = "") -> None:  # fmt: skip
+         why: str = "", broken_streams: Iterable[int] = ()) -> None:  # fmt: skip
     """The owners of `lost` stages of `plan` are gone: count them, and carry on without
-    them (see check_lost)."""
+    them (see check_lost). Pipelines whose streams broke with nobody gone, carried
+    on the same way (with all their members): `broken_streams`."""
     _count_lost(s, plan, lost, now, why)
     book = s.book
     if book.phase is Phase.LAST:  # the run ends without a newer plan: its stages not awaited
         finish_if_done(s, plan)
         return
-    broken = book.broken | {st.pipeline for st in lost}
+    broken = book.broken | {st.pipeline for st in lost} | set(broken_streams)
     if len(broken) >= s.train.pipelines:
         if s.progress.completed() >= s.train.steps:
             # Every step is trained; only final reports were missing: the run ends

@@ -42,7 +42,7 @@ class Roster:
         self.members: list[Member] = []
         self.capabilities: dict[str, pb.Capabilities] = {}
         """Node id -> what it measured (its last Join with capabilities)."""
-        self.leases = Leases(lease_s)
+        self.leases = Leases(lease_s, own_id=node_id)
         self.keys = MemberKeys()
         """The sha256 of each member's key (member_keys.py)."""
         self.rtts = RoundTrips()
@@ -51,6 +51,9 @@ class Roster:
         send a heartbeat more than a lease after (they were alive after all)."""
         self.node_id = node_id
         """This coordinator's own node: alive while it answers, never probed."""
+        self.broken: dict[int, dict[int, set[str]]] = {}
+        """Plan epoch -> pipeline -> its members not heard from since a stream of that
+        pipeline broke with nobody found gone (`note_broken`)."""
         self.relay_address = relay_address
         """The relay this coordinator's node serves ("" if none), first of its relay offers."""
         self._clock = clock
@@ -130,6 +133,31 @@ class Roster:
         if node_id not in self.leases.left:
             self.renew(node_id, now)
         self.rtts.add(node_id, rtt_s)
+        for waiting in self.broken.values():
+            for unheard in waiting.values():
+                unheard.discard(node_id)
+
+    def deaf(self, now: float) -> bool:
+        """This coordinator hears none of its other members now (`Leases.deaf`)."""
+        return self.leases.deaf(now)
+
+    def note_broken(self, epoch: int, pipeline: int, members: Iterable[str]) -> None:
+        """A stream of `pipeline` under plan `epoch` broke, and the probes found nobody gone
+        (they answered, or were silent): once all of `members` are heard from after now, the
+        pipeline is known to be whole but its plan broken (`whole_but_broken`)."""
+        self.broken = {e: w for e, w in self.broken.items() if e >= epoch}  # older plans: done
+        unheard = self.broken.setdefault(epoch, {}).setdefault(pipeline, set())
+        unheard.update(members)
+
+    def whole_but_broken(self, epoch: int) -> set[int]:
+        """The pipelines of plan `epoch` whose stream broke and whose members have all been
+        heard from since (`note_broken`): their plan cannot go on, though nobody is gone.
+        Each is told once."""
+        waiting = self.broken.get(epoch, {})
+        whole = {p for p, unheard in waiting.items() if not unheard}
+        for p in whole:
+            del waiting[p]
+        return whole
 
     def leave(self, node_id: str) -> None:
         self.leases = self.leases.leave(node_id)

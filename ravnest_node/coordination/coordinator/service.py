@@ -27,6 +27,7 @@ import grpc
 from ravnest_node.coordination.coordinator import member_calls, recovery, replan, reporting
 from ravnest_node.coordination.coordinator.faults import FaultBook
 from ravnest_node.coordination.coordinator.member_keys import key_of
+from ravnest_node.coordination.coordinator.membership import ProbeAnswer
 from ravnest_node.coordination.coordinator.planbook import PlanBook
 from ravnest_node.coordination.coordinator.progress import RunProgress
 from ravnest_node.coordination.coordinator.roster import Roster
@@ -42,7 +43,7 @@ from ravnest_node.transport.errors import Refusal
 __all__ = ["MAX_REACHING", "REACH_TIMEOUT_S", "CoordinatorService"]
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
-Ask = Callable[[str, str, float], Awaitable[bool]]
+Ask = Callable[[str, str, float], Awaitable[ProbeAnswer]]
 """Asks (node id, address) whether it answers there, within a timeout (seconds)."""
 
 REACH_TIMEOUT_S = 3.0
@@ -205,7 +206,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         ):
             return False
         async with self._reaching:
-            return not await self._reach(request.node_id, request.address, REACH_TIMEOUT_S)
+            answer = await self._reach(request.node_id, request.address, REACH_TIMEOUT_S)
+        return answer is not ProbeAnswer.ALIVE
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatReply:
         async with _answered(context):
@@ -218,9 +220,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Suspect(self, request: pb.SuspectRequest, context: Context) -> pb.SuspectReply:
         """A member's stream to a neighbour broke: probe the neighbours it names (members with
         a stage of the current plan, not yet lost or leaving, not being probed already), each
-        within a deadline from its measured round trips; count those that do not answer as
-        lost now. One that answers stays: a broken stream alone proves nothing (its own
-        neighbour may have broken it)."""
+        within a deadline from its measured round trips; count those whose address refuses
+        the probe as lost now (a killed process). One that answers stays: a broken stream
+        alone proves nothing (its own neighbour may have broken it); one that is silent is no
+        verdict either (a cut link looks like a machine off): its silence counts like any
+        other (member_calls.suspects_lost)."""
         async with _answered(context):
             self._speaks_for(request.node_id, context)
             targets = member_calls.suspect_targets(self._state, request, self._probing)

@@ -7,9 +7,14 @@ is tried again for a while (`call`) while the stage trains on; one it refuses fa
 
 The plan watch keeps the newest plan the coordinator announced (`latest_plan`) and the newest
 whose start is fixed (`started_plan`), never going back to an older one. The coordinator counts
-as lost (`lost`) once its plan stream has been unreachable for COORDINATOR_LOST_S, or its
-heartbeats have failed for LOST_AFTER_LEASES leases (a coordinator that hangs keeps its
-connections open: only keepalive, tens of seconds later, would end them).
+as lost (`lost`) once its address has refused the plan stream for COORDINATOR_LOST_S (its
+process is gone), or the plan stream has been unreachable, or its heartbeats have failed, for
+`hold_s` (a cut link, the coordinator's or this node's: no sooner than the coordinator would
+count this node lost; a coordinator that hangs keeps its connections open: only keepalive,
+tens of seconds later, would end them).
+
+While heartbeats fail they are tried again every fraction of a second (`beat_cadence`), so
+that the first one after a link comes back ends the silence the coordinator counts.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import secrets
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -32,15 +38,21 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.protocol import (
     DEFAULT_LEASE_S,
-    LOST_AFTER_LEASES,
     MEMBER_KEY_METADATA,
     UNREACHABLE_KEY,
     heartbeat_interval,
+    hold_s,
 )
 from ravnest_node.transport.errors import peer_error, peer_errors
 from ravnest_node.transport.options import TransportConfig, grpc_channel, open_channel
 
-__all__ = ["CoordinatorClient", "Holdings", "coordinator_errors"]
+__all__ = [
+    "CoordinatorClient",
+    "Holdings",
+    "beat_cadence",
+    "coordinator_errors",
+    "coordinator_lost",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +61,48 @@ LEAVE_TIMEOUT_S = 1.0
 # A report the coordinator refused at once as unavailable is tried again after this pause,
 # and a plan stream that ended is opened again after it.
 REPORT_RETRY_S = 0.5
-# The coordinator counts as lost (a leaving node stops waiting for a hand-over) once its plan
-# stream has been unreachable this long: not one dropped connection.
+# The coordinator counts as lost (a leaving node stops waiting for a hand-over, an elected
+# one's members elect another) once its address has refused the plan stream this long: its
+# process is gone, not one dropped connection. Unreachable otherwise, it waits `hold_s`.
 COORDINATOR_LOST_S = 3.0
+RETRY_PAUSE_S = (0.3, 0.7)
+"""While heartbeats fail, the next goes after a pause drawn from this range (seconds), and a
+plan stream that ended is opened again after one: many members whose link came back at
+once do not all call in step."""
+RETRY_TIMEOUT_S = 2.0
+"""... and such a heartbeat waits at most this long (or an interval, if shorter)."""
+
+
+def beat_cadence(
+    interval_s: float,
+    failing: bool,
+    draw: Callable[[float, float], float] = random.uniform,
+) -> tuple[float, float]:
+    """The pause before the next heartbeat and its timeout (seconds), for a heartbeat
+    interval of `interval_s`: an interval each while they succeed; while they fail
+    (`failing`), a short random pause (`draw` from RETRY_PAUSE_S) and a short timeout, so
+    that the first heartbeat after an outage comes within a second of the link's return."""
+    if not failing:
+        return interval_s, interval_s
+    return draw(*RETRY_PAUSE_S), min(interval_s, RETRY_TIMEOUT_S)
+
+
+def coordinator_lost(
+    now: float, unreachable_since: float | None, refused_since: float | None, lease_s: float
+) -> bool:
+    """Is the coordinator lost, its plan stream unreachable since `unreachable_since` and
+    its address refusing it since `refused_since` (None: not)? Refused for
+    COORDINATOR_LOST_S (its process is gone), or unreachable for `hold_s`: a link cut that
+    long is when the coordinator counts this node lost too."""
+    if refused_since is not None and now - refused_since >= COORDINATOR_LOST_S:
+        return True
+    return unreachable_since is not None and now - unreachable_since >= hold_s(lease_s)
+
+
+def _refused(error: BaseException) -> bool:
+    """`error` says the peer's address refused the connection (nobody listens there)."""
+    return "connection refused" in str(error).lower()
+
 
 T = TypeVar("T")
 
@@ -114,8 +165,8 @@ class CoordinatorClient:
         self.address = address
         """The coordinator's address; "" until the daemon has found it."""
         self.lost = False
-        """The coordinator's plan stream has been unreachable for COORDINATOR_LOST_S, or its
-        heartbeats have failed for LOST_AFTER_LEASES leases."""
+        """The coordinator's address has refused its plan stream for COORDINATOR_LOST_S, or
+        its plan stream has been unreachable or its heartbeats have failed for `hold_s`."""
         self.lease_s = DEFAULT_LEASE_S
         self.latest_plan: pb.Plan | None = None
         """The newest plan the coordinator announced (maybe still pending)."""
@@ -249,7 +300,7 @@ class CoordinatorClient:
         await self.call(
             lambda t: self.stub().Join(join, timeout=t),
             "the join waits",
-            grace_s=self._transport.connect_timeout_s + LOST_AFTER_LEASES * self.lease_s,
+            grace_s=self._transport.connect_timeout_s + hold_s(self.lease_s),
         )
 
     async def back(self) -> None:
@@ -261,16 +312,17 @@ class CoordinatorClient:
     async def keep_membership(self, holdings: Holdings) -> None:
         """Heartbeats to the coordinator once this node has joined, for as long as the node
         runs; when cancelled (the node stops), a last `Leave`. A missed heartbeat is logged
-        and the next one tried: the coordinator forgives two."""
+        and the next one tried at once (`beat_cadence`): the coordinator forgives two."""
         await self.joined.wait()
         interval = heartbeat_interval(self.lease_s)
         rtt_s, at_once = 0.0, False
         # No wait for a channel to be ready: a stop at any moment from here must still leave.
         try:
             while True:
+                pause_s, timeout_s = beat_cadence(interval, self._failing_since is not None)
                 if not at_once:
-                    await asyncio.sleep(interval)  # the heartbeat's period, not a wait for an event
-                rtt_s, at_once = await self._beat(holdings, rtt_s, interval)
+                    await asyncio.sleep(pause_s)  # the heartbeat's period, not a wait for an event
+                rtt_s, at_once = await self._beat(holdings, rtt_s, timeout_s)
         except asyncio.CancelledError:
             with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
                 await self.stub().Leave(
@@ -278,9 +330,7 @@ class CoordinatorClient:
                 )
             raise
 
-    async def _beat(
-        self, holdings: Holdings, rtt_s: float, interval_s: float
-    ) -> tuple[float, bool]:
+    async def _beat(self, holdings: Holdings, rtt_s: float, timeout_s: float) -> tuple[float, bool]:
         """One heartbeat, carrying the round trip of the one before (`rtt_s`): its own round
         trip (0 if it failed), and whether the next one goes at once (a new hold to say)."""
         loop = asyncio.get_running_loop()
@@ -293,7 +343,7 @@ class CoordinatorClient:
             beat = pb.HeartbeatRequest(node_id=self.node_id, rtt_s=rtt_s, held_epoch=held)
             beat.checkpoints.extend(offers)
             with coordinator_errors(coordinator):
-                reply = await self.stub().Heartbeat(beat, timeout=interval_s)
+                reply = await self.stub().Heartbeat(beat, timeout=timeout_s)
         except PeerError as exc:
             await self._beat_failed(coordinator, sent, exc)
             return 0.0, False
@@ -307,14 +357,14 @@ class CoordinatorClient:
 
     async def _beat_failed(self, coordinator: str, sent: float, exc: PeerError) -> None:
         """A heartbeat sent at `sent` failed: the coordinator counts as lost once they have
-        failed for LOST_AFTER_LEASES leases."""
+        failed for `hold_s`."""
         log.warning("heartbeat failed: %s", exc)
         if coordinator != self.address:  # a failover moved it meanwhile
             return
         if self._failing_since is None:
             self._failing_since = sent
         silent_s = asyncio.get_running_loop().time() - self._failing_since
-        if silent_s >= LOST_AFTER_LEASES * self.lease_s and not self.lost:
+        if silent_s >= hold_s(self.lease_s) and not self.lost:
             log.warning("coordinator %s has not answered a heartbeat for %.1f s: counted lost",
                         coordinator, silent_s)  # fmt: skip
             self.lost = True
@@ -377,11 +427,12 @@ class CoordinatorClient:
         epoch, or the same epoch no longer pending): an old coordinator that comes back cannot
         impose an older plan."""
         unreachable_since: float | None = None
+        refused_since: float | None = None
         while True:
             address = self.address
             error = await self._watch_once(address)
             if self.address != address:
-                unreachable_since = None
+                unreachable_since = refused_since = None
                 continue
             if isinstance(error, PeerError):
                 log.info("plan stream ended: %s", error)
@@ -390,12 +441,15 @@ class CoordinatorClient:
             if isinstance(error, PeerUnavailable):
                 now = asyncio.get_running_loop().time()
                 unreachable_since = unreachable_since or now
-                if now - unreachable_since >= COORDINATOR_LOST_S and not self.lost:
+                refused_since = (refused_since or now) if _refused(error) else None
+                lost = coordinator_lost(now, unreachable_since, refused_since, self.lease_s)
+                if lost and not self.lost:
                     self.lost = True
                     await self._changes.notify()
             elif error is None:
-                unreachable_since = None
-            await asyncio.sleep(REPORT_RETRY_S)  # a retry's pause before opening it again
+                unreachable_since = refused_since = None
+            # A retry's pause before opening it again, jittered (RETRY_PAUSE_S).
+            await asyncio.sleep(random.uniform(*RETRY_PAUSE_S))
 
     async def _watch_once(self, address: str) -> BaseException | None:
         """One plan stream from the coordinator at `address`, until it ends or `follow` moves
