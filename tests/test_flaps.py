@@ -9,12 +9,10 @@ import json
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 
 from ravnest_node.bench import links
 from ravnest_node.bench.links import LinkSpec, NetnsSwarm
@@ -31,16 +29,8 @@ CUT_STEP = 30
 DOWN_S = 60.0
 RUN = ("--model", "tiny", "--steps", str(STEPS), "--checkpoint-every", "10", "--seed", "0",
        "--batch-size", str(BATCH), "--fault-block-ms", "10")  # fmt: skip
-"""Slowed a little (10 ms a block and microbatch: a sleep, not CPU) so that the run is still going when the link
-comes back."""
-
-
-@pytest.fixture
-def netns() -> Iterator[None]:
-    require_netns()
-    links.remove_leftovers(TEST_NAME)
-    yield
-    links.remove_leftovers(TEST_NAME)
+"""Slowed (10 ms a block and microbatch, a sleep: not CPU-bound) so that the run is still going
+when the link comes back."""
 
 
 def status(address: str) -> pb.NodeStatus | None:
@@ -66,7 +56,6 @@ def start_swarm(
     return nodes, addresses
 
 
-@pytest.mark.usefixtures("netns")
 def test_a_middle_node_cut_off_for_a_minute_comes_back_and_the_run_finishes(
     procs: Procs, tmp_path: Path
 ) -> None:
@@ -75,6 +64,8 @@ def test_a_middle_node_cut_off_for_a_minute_comes_back_and_the_run_finishes(
     (no exit), and once its link is back it is heard again and gets a stage in a later plan.
     The run reaches its last step with every sample counted once, and every daemon is still
     running at the end (a SIGTERM then stops each, exit 0)."""
+    require_netns()
+    links.remove_leftovers(TEST_NAME)  # of a run killed before its teardown
     with NetnsSwarm(3, LinkSpec(50, 0), name=TEST_NAME) as net:
         nodes, addresses = start_swarm(procs, net, tmp_path)
         middle: list[int] = []

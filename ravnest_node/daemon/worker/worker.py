@@ -248,7 +248,7 @@ class Worker:
                             self.coordinator_address, exc, delay_s)  # fmt: skip
                 await self._pause(delay_s)
                 if self.stopping:
-                    raise asyncio.CancelledError from None
+                    raise
         async with asyncio.TaskGroup() as tg:
             watcher = tg.create_task(self._client.watch_plans())
             await self._follow_plans(joined)
