@@ -35,6 +35,15 @@ def test_a_node_counted_out_rejoins_once_then_follows() -> None:
                        out=True) is AfterBreak.STOP  # fmt: skip
 
 
+def test_a_break_nobody_resolves_ends_in_a_rejoin_as_a_restarted_node_once() -> None:
+    waiting = dict(stopping=False, broken_epoch=3, started_epoch=3, out=False, patience_s=54.0)
+    assert after_break(waited_s=53.9, rejoined=False, **waiting) is AfterBreak.WAIT
+    assert after_break(waited_s=54.0, rejoined=False, **waiting) is AfterBreak.RESTART
+    assert after_break(waited_s=600.0, rejoined=True, **waiting) is AfterBreak.WAIT
+    assert after_break(waited_s=600.0, rejoined=False, stopping=False, broken_epoch=3,
+                       started_epoch=4, out=False, patience_s=54.0) is AfterBreak.FOLLOW  # fmt: skip
+
+
 def test_a_refused_report_of_an_ended_plan_counts_the_node_out() -> None:
     ended = PeerRefused("coordinator h0:7070: FAILED_PRECONDITION: plan epoch 1 ended at step 40")
     assert counted_out(ended)

@@ -31,6 +31,11 @@ class AfterBreak(enum.Enum):
     REJOIN = "rejoin"
     """The coordinator counted this node out: join again as a new member would (its measured
     capabilities, fresh checkpoint offers), then follow the plans from there."""
+    RESTART = "restart"
+    """No plan came within the patience: nobody was counted lost (a stream reset by the
+    network while every member still answers heartbeats), so nobody will plan without the
+    break. Join again as a restarted node does: the coordinator counts this node's stage
+    lost and restores or re-plans the run, and this node is a newcomer from then on."""
 
 
 def counted_out(error: BaseException | str) -> bool:
@@ -40,18 +45,28 @@ def counted_out(error: BaseException | str) -> bool:
 
 
 def after_break(
-    *, stopping: bool, broken_epoch: int, started_epoch: int, out: bool, rejoined: bool
+    *,
+    stopping: bool,
+    broken_epoch: int,
+    started_epoch: int,
+    out: bool,
+    rejoined: bool,
+    waited_s: float = 0.0,
+    patience_s: float = float("inf"),
 ) -> AfterBreak:
     """What to do after plan `broken_epoch` broke: `started_epoch` is the newest started plan
     this node knows (0: none), `out` whether the coordinator counted this node out (see
-    `counted_out`), `rejoined` whether it has joined again since. Never gives up: there is no
-    deadline, a node waits for the coordinator as long as it runs."""
+    `counted_out`), `rejoined` whether it has joined again since, `waited_s` how long it has
+    waited for a newer plan. Never gives up: a node waits for the coordinator as long as it
+    runs; past `patience_s` with no newer plan it joins again as a restarted node (once)."""
     if stopping:
         return AfterBreak.STOP
     if out and not rejoined:
         return AfterBreak.REJOIN
     if started_epoch > broken_epoch:
         return AfterBreak.FOLLOW
+    if waited_s >= patience_s and not rejoined:
+        return AfterBreak.RESTART
     return AfterBreak.WAIT
 
 

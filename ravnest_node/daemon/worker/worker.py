@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from functools import partial
@@ -71,6 +72,11 @@ from ravnest_node.transport.probe import LinkEstimate
 __all__ = ["Worker"]
 
 log = logging.getLogger(__name__)
+
+# A node whose plan broke waits this many leases (plus the connect timeout, plus up to a lease
+# of jitter) for the coordinator's next plan before it joins again as a restarted node
+# (reconnect.AfterBreak.RESTART): then nobody was counted lost, and nobody would plan.
+BREAK_PATIENCE_LEASES = 4
 
 
 def _peer_fault(exc: BaseException) -> PeerUnavailable | PeerRefused | None:
@@ -410,8 +416,11 @@ class Worker:
         it restores the run from checkpoints once the members hold them (the plan says
         `restore`). Wait for that plan (True) with this stage's state discarded, as its
         pipeline's steps from here on are dropped, as long as it takes: a network fault never
-        ends the node's run. If the coordinator counted this node out, join again first
-        (reconnect.after_break). False only when the node stops."""
+        ends the node's run. If the coordinator counted this node out, join again first; if
+        no plan comes within BREAK_PATIENCE_LEASES leases (nobody was counted lost: the
+        break was the network's alone), join again as a restarted node, so that the
+        coordinator restores or re-plans the run (reconnect.after_break). False only when
+        the node stops."""
         if self.stopping:
             return False
         out = counted_out(error)
@@ -427,10 +436,15 @@ class Worker:
             started = self.started_plan
             return started.epoch if started is not None else 0
 
+        loop = asyncio.get_running_loop()
+        since, lease_s = loop.time(), self._client.lease_s
+        patience_s = (BREAK_PATIENCE_LEASES * lease_s + self._transport.connect_timeout_s
+                      + random.uniform(0, lease_s))  # fmt: skip
         rejoined = False
         while True:
             step = after_break(stopping=self.stopping, broken_epoch=plan.epoch,
-                               started_epoch=newer(), out=out, rejoined=rejoined)  # fmt: skip
+                               started_epoch=newer(), out=out, rejoined=rejoined,
+                               waited_s=loop.time() - since, patience_s=patience_s)  # fmt: skip
             if step is AfterBreak.STOP:
                 return False
             if step is AfterBreak.FOLLOW:
@@ -440,7 +454,15 @@ class Worker:
                                    "this node", restarted=False)  # fmt: skip
                 rejoined = True
                 continue
-            await self._changes.wait_for(lambda: self.stopping or newer() > plan.epoch)
+            if step is AfterBreak.RESTART:
+                await self._rejoin(f"no plan has come {loop.time() - since:.0f} s after plan "
+                                   f"epoch {plan.epoch} broke", restarted=True)  # fmt: skip
+                rejoined = True
+                continue
+            remaining_s = None if rejoined else max(0.0, since + patience_s - loop.time())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining_s):
+                    await self._changes.wait_for(lambda: self.stopping or newer() > plan.epoch)
 
     # ----- membership -------------------------------------------------------------------------
     async def keep_membership(self) -> None:
