@@ -40,8 +40,8 @@ def test_a_break_nobody_resolves_ends_in_a_rejoin_as_a_restarted_node_once() -> 
     assert after_break(waited_s=53.9, rejoined=False, **waiting) is AfterBreak.WAIT
     assert after_break(waited_s=54.0, rejoined=False, **waiting) is AfterBreak.RESTART
     assert after_break(waited_s=600.0, rejoined=True, **waiting) is AfterBreak.WAIT
-    assert after_break(waited_s=600.0, rejoined=False, stopping=False, broken_epoch=3,
-                       started_epoch=4, out=False, patience_s=54.0) is AfterBreak.FOLLOW  # fmt: skip
+    newer = {**waiting, "started_epoch": 4}
+    assert after_break(waited_s=600.0, rejoined=False, **newer) is AfterBreak.FOLLOW
 
 
 def test_a_refused_report_of_an_ended_plan_counts_the_node_out() -> None:
