@@ -18,7 +18,7 @@ from .test_chaos import beat, offer, planned_swarm
 
 # ----- the worker's decisions -----------------------------------------------------------------
 def test_after_a_break_a_node_waits_for_a_newer_plan_however_long() -> None:
-    decide = dict(broken_epoch=3, out=False, rejoined=False)
+    decide: dict[str, Any] = dict(broken_epoch=3, out=False, rejoined=False)
     assert after_break(stopping=False, started_epoch=3, **decide) is AfterBreak.WAIT
     assert after_break(stopping=False, started_epoch=0, **decide) is AfterBreak.WAIT
     assert after_break(stopping=False, started_epoch=4, **decide) is AfterBreak.FOLLOW
@@ -26,7 +26,7 @@ def test_after_a_break_a_node_waits_for_a_newer_plan_however_long() -> None:
 
 
 def test_a_node_counted_out_rejoins_once_then_follows() -> None:
-    out = dict(stopping=False, broken_epoch=3, out=True)
+    out: dict[str, Any] = dict(stopping=False, broken_epoch=3, out=True)
     assert after_break(started_epoch=3, rejoined=False, **out) is AfterBreak.REJOIN
     assert after_break(started_epoch=4, rejoined=False, **out) is AfterBreak.REJOIN
     assert after_break(started_epoch=3, rejoined=True, **out) is AfterBreak.WAIT
@@ -36,11 +36,11 @@ def test_a_node_counted_out_rejoins_once_then_follows() -> None:
 
 
 def test_a_break_nobody_resolves_ends_in_a_rejoin_as_a_restarted_node_once() -> None:
-    waiting = dict(stopping=False, broken_epoch=3, started_epoch=3, out=False, patience_s=54.0)
+    waiting: dict[str, Any] = dict(stopping=False, broken_epoch=3, started_epoch=3, out=False, patience_s=54.0)
     assert after_break(waited_s=53.9, rejoined=False, **waiting) is AfterBreak.WAIT
     assert after_break(waited_s=54.0, rejoined=False, **waiting) is AfterBreak.RESTART
     assert after_break(waited_s=600.0, rejoined=True, **waiting) is AfterBreak.WAIT
-    newer = {**waiting, "started_epoch": 4}
+    newer: dict[str, Any] = {**waiting, "started_epoch": 4}
     assert after_break(waited_s=600.0, rejoined=False, **newer) is AfterBreak.FOLLOW
 
 
