@@ -36,7 +36,9 @@ def test_a_node_counted_out_rejoins_once_then_follows() -> None:
 
 
 def test_a_break_nobody_resolves_ends_in_a_rejoin_as_a_restarted_node_once() -> None:
-    waiting: dict[str, Any] = dict(stopping=False, broken_epoch=3, started_epoch=3, out=False, patience_s=54.0)
+    waiting: dict[str, Any] = dict(
+        stopping=False, broken_epoch=3, started_epoch=3, out=False, patience_s=54.0
+    )
     assert after_break(waited_s=53.9, rejoined=False, **waiting) is AfterBreak.WAIT
     assert after_break(waited_s=54.0, rejoined=False, **waiting) is AfterBreak.RESTART
     assert after_break(waited_s=600.0, rejoined=True, **waiting) is AfterBreak.WAIT
