@@ -273,22 +273,36 @@ class Worker:
             await self._client.tell(self._caps)
             return reply.started_epoch
 
-    async def _rejoin(self, why: str, *, restarted: bool) -> None:
+    async def _rejoin(self, why: str, *, restarted_in: int | None = None) -> None:
         """The coordinator counted this node out (or this node lost the state its plan
         counts on): join again as a new member would, with the capabilities measured before
         and the checkpoint offers it holds now, until the coordinator answers or the node
-        stops. `restarted`: a plain Join first, which makes the coordinator count this
-        node's stage in its current plan lost (what a restarted node does)."""
+        stops. `restarted_in`: a plain Join first, which makes the coordinator count this
+        node's stage in that plan lost (what a restarted node does); not once a newer plan
+        has started (here or at the coordinator: the break is resolved, and the node may
+        have a stage in it)."""
         assert self._caps is not None
         log.warning("%s: this node joins the coordinator again as a new member", why)
+
+        def resolved() -> bool:
+            started = self.started_plan
+            return (
+                restarted_in is not None and started is not None and (started.epoch > restarted_in)
+            )
+
         backoff = Backoff()
-        while not self.stopping:
+        while not self.stopping and not resolved():
             caps = pb.Capabilities()
             caps.CopyFrom(self._caps)
             del caps.checkpoints[:]
             caps.checkpoints.extend(await asyncio.to_thread(self._keeper.rejoin_offers))
             try:
-                if restarted:
+                if restarted_in is not None:
+                    view = await self._client.swarm()
+                    if view.HasField("plan") and view.plan.epoch > restarted_in:
+                        log.info("plan epoch %d has started meanwhile: no need to join again",
+                                 view.plan.epoch)  # fmt: skip
+                        return
                     await self._client.join()
                 await self._client.tell(caps)
                 return
@@ -296,13 +310,14 @@ class Worker:
                 delay_s = backoff.next_s()
                 log.warning("cannot join coordinator %s again: %s; trying again in %.1f s",
                             self.coordinator_address, exc, delay_s)  # fmt: skip
-                await self._pause(delay_s)
+                await self._pause(delay_s, resolved)
 
-    async def _pause(self, delay_s: float) -> None:
-        """Wait `delay_s` before a retry, or less if the node stops meanwhile."""
+    async def _pause(self, delay_s: float, done: Callable[[], bool] = lambda: False) -> None:
+        """Wait `delay_s` before a retry, or less if the node stops or `done` holds
+        meanwhile."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(delay_s):
-                await self._changes.wait_for(lambda: self.stopping)
+                await self._changes.wait_for(lambda: self.stopping or done())
 
     async def _capabilities(self, reply: pb.JoinReply) -> pb.Capabilities:
         """What this node measured for the swarm's model (`reply`): its compute, its links,
@@ -374,7 +389,7 @@ class Worker:
                 await self._rejoin(
                     f"plan epoch {plan.epoch} starts at step {plan.start_step}, but this "
                     f"node's last plan ended at step {held_step}",
-                    restarted=True,
+                    restarted_in=plan.epoch,
                 )
                 continue
             try:
@@ -451,12 +466,13 @@ class Worker:
                 return True
             if step is AfterBreak.REJOIN:
                 await self._rejoin(f"the coordinator ended plan epoch {plan.epoch} without "
-                                   "this node", restarted=False)  # fmt: skip
+                                   "this node")  # fmt: skip
                 rejoined = True
                 continue
             if step is AfterBreak.RESTART:
-                await self._rejoin(f"no plan has come {loop.time() - since:.0f} s after plan "
-                                   f"epoch {plan.epoch} broke", restarted=True)  # fmt: skip
+                waited_s = loop.time() - since
+                await self._rejoin(f"no plan has come {waited_s:.0f} s after plan epoch "
+                                   f"{plan.epoch} broke", restarted_in=plan.epoch)  # fmt: skip
                 rejoined = True
                 continue
             remaining_s = None if rejoined else max(0.0, since + patience_s - loop.time())
