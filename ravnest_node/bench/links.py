@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,29 @@ def netns_available() -> tuple[bool, str]:
     finally:
         _run(["ip", "netns", "del", ns], check=False)
     return True, ""
+
+
+def iptables_available() -> tuple[bool, str]:
+    """(True, "") if `NetnsSwarm.lossy` can drop packets here (namespaces usable, iptables
+    installed with its statistic match), else (False, why not). Takes tens of milliseconds."""
+    ok, why = netns_available()
+    if not ok:
+        return ok, why
+    if shutil.which("iptables") is None:
+        return False, "`iptables` is not installed or not on PATH (apt-get install iptables)"
+    ns = f"{_PROBE_NAME}0-{os.getpid()}-probe"
+    try:
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "netns", "exec", ns, "iptables", "-A", "OUTPUT", *_loss_rule(0.5)])
+    except (CommandFailed, OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"cannot drop packets with iptables' statistic match: {exc}"
+    finally:
+        _run(["ip", "netns", "del", ns], check=False)
+    return True, ""
+
+
+def _loss_rule(share: float) -> list[str]:
+    return ["-m", "statistic", "--mode", "random", "--probability", f"{share:.6f}", "-j", "DROP"]
 
 
 def _netns_names() -> list[str]:
@@ -305,6 +329,8 @@ class NetnsSwarm:
         self._hub = ""
         self._control_if = ""
         self._created_ns: list[str] = []
+        self._loss: dict[int, float] = {}
+        """Host -> the share of packets `lossy` drops there."""
 
     @property
     def link(self) -> LinkSpec:
@@ -342,6 +368,45 @@ class NetnsSwarm:
         host = self.hosts[i]
         out = _run(["ip", "-n", host.ns, "-s", "-j", "link", "show", "dev", host.ifname]).stdout
         return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+    # ----- faults (tests and the bench: issue #34, "Home networks flap") ---------------------
+    def link_down(self, i: int) -> None:
+        """Cut host i off: its link goes down (`ip link set eth0 down` in its namespace), as a
+        home router's does. Its connected route goes with it: connects fail at once with
+        "Network is unreachable", sockets in flight see silence."""
+        host = self.hosts[i]
+        _run(["ip", "-n", host.ns, "link", "set", host.ifname, "down"])
+
+    def link_up(self, i: int) -> None:
+        """Host i's link comes back (its address and route with it)."""
+        host = self.hosts[i]
+        _run(["ip", "-n", host.ns, "link", "set", host.ifname, "up"])
+
+    def flap(self, i: int, seconds: float) -> None:
+        """Host i's link down for `seconds`, then up again (blocking; up even if interrupted)."""
+        self.link_down(i)
+        try:
+            time.sleep(seconds)  # the outage itself: nothing to wait for
+        finally:
+            self.link_up(i)
+
+    def lossy(self, i: int, share: float) -> None:
+        """Host i drops `share` (0 to 1) of its packets each way, at random (iptables'
+        statistic match on OUTPUT and INPUT in its namespace; this kernel has no netem). Needs
+        `iptables_available`; `clear_loss` ends it, and the namespace's teardown would too."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        for chain in ("OUTPUT", "INPUT"):
+            _run([*self.exec_prefix(i), "iptables", "-A", chain, *_loss_rule(share)])
+        self._loss[i] = share
+
+    def clear_loss(self, i: int) -> None:
+        """Host i loses no packets any more (the rules `lossy` added are deleted)."""
+        share = self._loss.pop(i, None)
+        if share is None:
+            return
+        for chain in ("OUTPUT", "INPUT"):
+            _run([*self.exec_prefix(i), "iptables", "-D", chain, *_loss_rule(share)])
 
     def _require_up(self) -> None:
         if self._k is None:
@@ -440,5 +505,6 @@ class NetnsSwarm:
             except Exception as exc:  # teardown must go on: log, do not raise
                 log.error("could not delete namespace %s: %s", ns, exc)
         self._created_ns.clear()
+        self._loss.clear()
         self._hosts.clear()
         self._k = None

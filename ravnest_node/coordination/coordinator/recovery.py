@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 from ravnest_node.checkpoint import run_key
 from ravnest_node.coordination.coordinator.faults import PendingRestore, Restore, Takeover
@@ -27,6 +28,7 @@ __all__ = [
     "lose",
     "raise_floor",
     "restarted",
+    "retry_restore",
     "take_over",
     "takeover_ready",
 ]
@@ -35,7 +37,8 @@ log = logging.getLogger(__name__)
 
 RESTORE_RETRY_LEASES = 3
 """A restore from checkpoints that finds no step at once is tried again on each heartbeat for
-this many leases (a member's offers may come with its next heartbeat)."""
+as long as it takes (members cut off may come back with the missing blocks); every this many
+leases the log says again what it waits for."""
 
 
 # ----- a failover's takeover ------------------------------------------------------------------
@@ -115,18 +118,8 @@ def check_lost(s: SwarmState) -> bool:
     if plan is None or s.book.phase is Phase.TAKING_OVER:
         return False  # a takeover counts its members lost itself (takeover_ready)
     now = s.clock()
-    waiting = s.faults.unrestored
-    if waiting is not None and waiting.plan_epoch == plan.epoch:
-        # A restore that found no step yet (offers not in): try again on every heartbeat
-        # while the stages wait for it (they give up after 4 leases).
-        if now - waiting.since > RESTORE_RETRY_LEASES * s.roster.leases.lease_s:
-            s.faults.unrestored = None
-            log.error("no replica holds the blocks of %s and no checkpoints restore them: "
-                      "the run cannot go on; restart the swarm with --resume to carry on "
-                      "from its checkpoints",
-                      ", ".join(st.node_id for st in waiting.lost))  # fmt: skip
-        elif _restore_from_checkpoints(s, plan, list(waiting.lost)):
-            return True
+    if retry_restore(s):
+        return True
     if s.roster.deaf(now):
         return False  # its own link is down: nobody's silence counts (Leases.deaf)
     known = s.faults.lost_in(plan.epoch)
@@ -214,7 +207,7 @@ def _restore_or_wait(
     s: SwarmState, plan: pb.Plan, lost: list[pb.StageAssignment], now: float
 ) -> None:
     """Restore from checkpoints, or if the members' offers do not make a step yet, try
-    again on each heartbeat (`check_lost`).
+    again on each heartbeat, as long as it takes (`retry_restore`).
 
     Offers lag: a member lists its checkpoints in its heartbeats, and by the time a
     restore plan reaches it, a newer write may have pruned the step the plan names. So a
@@ -230,9 +223,45 @@ def _restore_or_wait(
         log.info("restoring the blocks of %s from checkpoints: first %d members keep "
                  "theirs (their next heartbeat)", names, len(unheld))  # fmt: skip
     else:
-        log.warning("no replica holds the blocks of %s and the members' checkpoints do not "
-                    "restore them yet: tried again on each heartbeat for %g s", names,
-                    RESTORE_RETRY_LEASES * s.roster.leases.lease_s)  # fmt: skip
+        _log_waiting(s, plan, lost)
+
+
+def retry_restore(s: SwarmState) -> bool:
+    """A restore from checkpoints that found no step yet (`FaultBook.unrestored`): try it
+    again (on every heartbeat; a member that joins again with offers sends one at once).
+    Never given up: the members keep holding their checkpoints, and when members that come
+    back bring the missing blocks, the restore plan starts by itself. Every
+    RESTORE_RETRY_LEASES leases the log says again what is missing. True if it started."""
+    plan, waiting = s.book.current, s.faults.unrestored
+    if plan is None or waiting is None or waiting.plan_epoch != plan.epoch:
+        return False
+    if _restore_from_checkpoints(s, plan, list(waiting.lost)):
+        return True
+    now = s.clock()
+    if now - waiting.since >= RESTORE_RETRY_LEASES * s.roster.leases.lease_s:
+        s.faults.unrestored = replace(waiting, since=now)  # the log's cadence
+        _log_waiting(s, plan, list(waiting.lost))
+    return False
+
+
+def _log_waiting(s: SwarmState, plan: pb.Plan, lost: list[pb.StageAssignment]) -> None:
+    """Say what a waiting restore lacks: who holds what, and which members are not holding
+    their checkpoints yet."""
+    staying = s.plan_members(plan)
+    offered = s.faults.offered()
+    key = run_key(plan.run)
+    holds = []
+    for m in staying:
+        spans = sorted({(o.first_block, o.stop_block, o.step) for o in offered.get(m.node_id, ())
+                        if o.run_key == key})  # fmt: skip
+        text = ", ".join(f"[{a}, {b}) at {st}" for a, b, st in spans) or "nothing"
+        holds.append(f"{m.node_id} holds {text}")
+    unheld = s.faults.unheld(plan.epoch, staying)
+    log.warning("no replica holds the blocks of %s and the members' checkpoints do not "
+                "restore them yet (no step at which every block is held): waiting for members "
+                "to come back with them, tried again on each heartbeat; %s%s",
+                ", ".join(st.node_id for st in lost), "; ".join(holds) or "no members left",
+                f"; not holding yet: {', '.join(unheld)}" if unheld else "")  # fmt: skip
 
 
 def _restore_from_checkpoints(s: SwarmState, plan: pb.Plan, lost: list[pb.StageAssignment]) -> bool:

@@ -75,6 +75,9 @@ class CheckpointKeeper:
         """Heartbeats carry this node's checkpoints once its first plan has set aside those
         that are not of the run."""
         self._offers: list[pb.CheckpointOffer] = []
+        self._run_key = ""
+        """The run this node's plans have been of (its first plan's `run_key`): a node that
+        joins again in-process offers that run's checkpoints (`rejoin_offers`)."""
         self._writing: asyncio.Task[None] | None = None
         """The checkpoint being written (one at a time, in a worker thread)."""
         self._write_lock = asyncio.Lock()
@@ -136,6 +139,22 @@ class CheckpointKeeper:
                  [m.step for m in found] or "(none)")  # fmt: skip
         return [m.offer() for m in found[:MAX_OFFERS]]
 
+    def rejoin_offers(self) -> list[pb.CheckpointOffer]:
+        """For a node that joins again without a restart (the coordinator counted it out
+        while it was cut off): every checkpoint and copy here of the run its plans were of
+        (same `run_key`) that loads, newest first (at most MAX_OFFERS), without --resume;
+        none before its first plan. Blocking."""
+        if self.store is None or self.copies is None or not self._run_key:
+            return []
+        model = get_model(self.model_name)
+        found = self.store.verified(model)
+        found += [m for d in self.copies.dirs() for m in d.verified(model)]
+        found = [m for m in found if m.run_key == self._run_key]
+        found.sort(key=lambda m: m.step, reverse=True)
+        log.info("joining again: offering checkpoints at steps %s",
+                 [m.step for m in found] or "(none)")  # fmt: skip
+        return [m.offer() for m in found[:MAX_OFFERS]]
+
     # ----- a plan's start ---------------------------------------------------------------------
     async def start_plan(self, plan: pb.Plan) -> dict[int, BlockWeights] | None:
         """The first plan this node gets, or a plan that restores the run from checkpoints:
@@ -147,6 +166,7 @@ class CheckpointKeeper:
         if store is None or copies is None:
             self._offering = True
             return None
+        self._run_key = run_key(plan.run)
         step = plan.start_step
         # What this node keeps from before: with --resume or on a restore, its timeline up to
         # the plan's start; otherwise nothing (another run's checkpoints may share this run's

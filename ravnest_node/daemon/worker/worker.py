@@ -28,7 +28,9 @@ break leaves) and the face the daemon (node.py) sees. The rest are parts of thei
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import random
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from functools import partial
@@ -45,10 +47,18 @@ from ravnest_node.daemon.worker.checkpoints import CheckpointKeeper
 from ravnest_node.daemon.worker.coordinator_client import CoordinatorClient
 from ravnest_node.daemon.worker.handover import Handover
 from ravnest_node.daemon.worker.links import LinkMeter
+from ravnest_node.daemon.worker.reconnect import AfterBreak, Backoff, after_break, counted_out
 from ravnest_node.daemon.worker.sessions import Sessions
 from ravnest_node.daemon.worker.training import StageTrainer, stopped_blocks
 from ravnest_node.devices import resolve_precision
-from ravnest_node.errors import ConfigError, PeerError, PeerRefused, PeerUnavailable, RunFailed
+from ravnest_node.errors import (
+    ConfigError,
+    PeerError,
+    PeerRefused,
+    PeerUnavailable,
+    RunFailed,
+    Unreachable,
+)
 from ravnest_node.models import get_model
 from ravnest_node.models.pretrained import check_allowed
 from ravnest_node.pipeline.stage import StageRuntime
@@ -63,9 +73,10 @@ __all__ = ["Worker"]
 
 log = logging.getLogger(__name__)
 
-# A node whose plan a lost neighbour broke waits this many leases (plus the connect timeout)
-# for the coordinator's plan without that neighbour.
-BREAK_WAIT_LEASES = 4
+# A node whose plan broke waits this many leases (plus the connect timeout, plus up to a lease
+# of jitter) for the coordinator's next plan before it joins again as a restarted node
+# (reconnect.AfterBreak.RESTART): then nobody was counted lost, and nobody would plan.
+BREAK_PATIENCE_LEASES = 4
 
 
 def _peer_fault(exc: BaseException) -> PeerUnavailable | PeerRefused | None:
@@ -140,6 +151,9 @@ class Worker:
         """The relay this node serves (--relay-listen), offered to the coordinator."""
         self.run_finished = False
         """This node's stage trained the run's last step."""
+        self._caps: pb.Capabilities | None = None
+        """What this node measured for the swarm's model (kept for a rejoin: not measured
+        again)."""
 
     # ----- what the daemon reads --------------------------------------------------------------
     @property
@@ -220,28 +234,100 @@ class Worker:
     async def run(self) -> None:
         """Join, wait for the plan, train the stage; returns when this stage's run is done.
         Unreachable if the coordinator cannot reach this node at its address (nothing has
-        changed then: the daemon may go through a relay and call this again)."""
+        changed then: the daemon may go through a relay and call this again). A network fault
+        on the way (the coordinator does not answer the join, or the first channel fails)
+        is logged and the join tried again after a backoff, for as long as the node runs."""
         if not self.coordinator_address:
             raise RuntimeError("Worker.run() before the coordinator's address is known")
+        backoff = Backoff()
+        while True:
+            try:
+                joined = await self._join_measured()
+                break
+            except Unreachable:
+                raise
+            except PeerError as exc:
+                if self.stopping:
+                    raise
+                delay_s = backoff.next_s()
+                log.warning("cannot join coordinator %s: %s; trying again in %.1f s",
+                            self.coordinator_address, exc, delay_s)  # fmt: skip
+                await self._pause(delay_s)
+                if self.stopping:
+                    raise
+        async with asyncio.TaskGroup() as tg:
+            watcher = tg.create_task(self._client.watch_plans())
+            await self._follow_plans(joined)
+            watcher.cancel()
+
+    async def _join_measured(self) -> int:
+        """Join the coordinator and tell it what this node measured (measured once per
+        daemon); the epoch of the plan started when it joined."""
         # The coordinator answers within the timeout.
         async with open_channel(self.coordinator_address, self._transport):
             reply = await self._client.join()
             self._keeper.model_name = reply.model
-            # Then measure this node for the swarm's model, and tell the coordinator.
-            await self._client.tell(await self._capabilities(reply))
-            async with asyncio.TaskGroup() as tg:
-                watcher = tg.create_task(self._client.watch_plans())
-                await self._follow_plans(reply.started_epoch)
-                watcher.cancel()
+            if self._caps is None:
+                # Then measure this node for the swarm's model, and tell the coordinator.
+                self._caps = await self._capabilities(reply)
+            await self._client.tell(self._caps)
+            return reply.started_epoch
+
+    async def _rejoin(self, why: str, *, restarted_in: int | None = None) -> None:
+        """The coordinator counted this node out (or this node lost the state its plan
+        counts on): join again as a new member would, with the capabilities measured before
+        and the checkpoint offers it holds now, until the coordinator answers or the node
+        stops. `restarted_in`: a plain Join first, which makes the coordinator count this
+        node's stage in that plan lost (what a restarted node does); not once a newer plan
+        has started (here or at the coordinator: the break is resolved, and the node may
+        have a stage in it)."""
+        assert self._caps is not None
+        log.warning("%s: this node joins the coordinator again as a new member", why)
+
+        def resolved() -> bool:
+            started = self.started_plan
+            return (
+                restarted_in is not None and started is not None and (started.epoch > restarted_in)
+            )
+
+        backoff = Backoff()
+        while not self.stopping and not resolved():
+            caps = pb.Capabilities()
+            caps.CopyFrom(self._caps)
+            del caps.checkpoints[:]
+            caps.checkpoints.extend(await asyncio.to_thread(self._keeper.rejoin_offers))
+            try:
+                if restarted_in is not None:
+                    view = await self._client.swarm()
+                    if view.HasField("plan") and view.plan.epoch > restarted_in:
+                        log.info("plan epoch %d has started meanwhile: no need to join again",
+                                 view.plan.epoch)  # fmt: skip
+                        return
+                    await self._client.join()
+                await self._client.tell(caps)
+                return
+            except PeerError as exc:
+                delay_s = backoff.next_s()
+                log.warning("cannot join coordinator %s again: %s; trying again in %.1f s",
+                            self.coordinator_address, exc, delay_s)  # fmt: skip
+                await self._pause(delay_s, resolved)
+
+    async def _pause(self, delay_s: float, done: Callable[[], bool] = lambda: False) -> None:
+        """Wait `delay_s` before a retry, or less if the node stops or `done` holds
+        meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay_s):
+                await self._changes.wait_for(lambda: self.stopping or done())
 
     async def _capabilities(self, reply: pb.JoinReply) -> pb.Capabilities:
         """What this node measured for the swarm's model (`reply`): its compute, its links,
-        and with --resume its checkpoints. PeerRefused if it may not run that model."""
+        and with --resume its checkpoints. RunFailed if it may not run that model (no retry
+        helps)."""
         try:
             check_allowed(reply.model, self._trainer.model_dirs)
             model = get_model(reply.model)
         except ConfigError as exc:
-            raise PeerRefused(f"coordinator {self.coordinator_address}: {exc}") from None
+            raise RunFailed(f"coordinator {self.coordinator_address}: {exc}") from None
         precision = resolve_precision(reply.precision or "auto", self.device)
         timed = partial(measure, device=self.device, precision=precision)
         caps = await asyncio.get_running_loop().run_in_executor(
@@ -297,10 +383,15 @@ class Worker:
                 continue
             held_step = self._handover.held_step
             if has_node(plan.previous, self.node_id) and plan.start_step != held_step:
-                raise RunFailed(
-                    f"plan epoch {plan.epoch} starts at step {plan.start_step}, but this node's "
-                    f"last plan ended at step {held_step}"
+                # This node missed what happened since (it was cut off): what it holds is of
+                # no use to the plan, which counts on blocks it does not have.
+                await self._handover.keep({}, plan.start_step)
+                await self._rejoin(
+                    f"plan epoch {plan.epoch} starts at step {plan.start_step}, but this "
+                    f"node's last plan ended at step {held_step}",
+                    restarted_in=plan.epoch,
                 )
+                continue
             try:
                 runtime = await self._trainer.train(plan, block_delay_s=self.block_delay_s)
             except BaseException as exc:
@@ -336,31 +427,58 @@ class Worker:
     async def _after_break(self, plan: pb.Plan, error: BaseException) -> bool:
         """A neighbour of this stage broke `plan` (its stream ended, or the coordinator refused
         what the stage reported after counting its pipeline out). With replicas, the
-        coordinator plans without the lost member once its lease runs out: wait for that plan
-        (True) with this stage's state discarded, as its pipeline's steps from here on are
-        dropped. Without replicas, the coordinator restores the run from checkpoints if the
-        members left hold them (the plan says `restore`). False (the run fails) when the run is
-        over or stopping, or if no newer plan comes within a few leases."""
+        coordinator plans without the lost member once its lease runs out; without replicas,
+        it restores the run from checkpoints once the members hold them (the plan says
+        `restore`). Wait for that plan (True) with this stage's state discarded, as its
+        pipeline's steps from here on are dropped, as long as it takes: a network fault never
+        ends the node's run. If the coordinator counted this node out, join again first; if
+        no plan comes within BREAK_PATIENCE_LEASES leases (nobody was counted lost: the
+        break was the network's alone), join again as a restarted node, so that the
+        coordinator restores or re-plans the run (reconnect.after_break). False only when
+        the node stops."""
         if self.stopping:
             return False
-        log.warning("plan epoch %d broke: %s; this node waits for the coordinator's plan "
-                    "without the lost member", plan.epoch, error)  # fmt: skip
-        self._client.suspect(plan, error)
+        out = counted_out(error)
+        log.warning("plan epoch %d broke: %s; this node waits for the coordinator's next "
+                    "plan", plan.epoch, error)  # fmt: skip
+        if not out:
+            self._client.suspect(plan, error)
         # Blocks kept from the plan before stay: a slow member of this plan may still fetch
         # them.
         await self._sessions.end(f"plan epoch {plan.epoch} broke here: {error}")
-        wait_s = BREAK_WAIT_LEASES * self._client.lease_s + self._transport.connect_timeout_s
-        try:
-            async with asyncio.timeout(wait_s):
-                await self._changes.wait_for(
-                    lambda: (
-                        self.stopping
-                        or ((p := self.started_plan) is not None and p.epoch > plan.epoch)
-                    )
-                )
-        except TimeoutError:
-            return False
-        return not self.stopping
+
+        def newer() -> int:
+            started = self.started_plan
+            return started.epoch if started is not None else 0
+
+        loop = asyncio.get_running_loop()
+        since, lease_s = loop.time(), self._client.lease_s
+        patience_s = (BREAK_PATIENCE_LEASES * lease_s + self._transport.connect_timeout_s
+                      + random.uniform(0, lease_s))  # fmt: skip
+        rejoined = False
+        while True:
+            step = after_break(stopping=self.stopping, broken_epoch=plan.epoch,
+                               started_epoch=newer(), out=out, rejoined=rejoined,
+                               waited_s=loop.time() - since, patience_s=patience_s)  # fmt: skip
+            if step is AfterBreak.STOP:
+                return False
+            if step is AfterBreak.FOLLOW:
+                return True
+            if step is AfterBreak.REJOIN:
+                await self._rejoin(f"the coordinator ended plan epoch {plan.epoch} without "
+                                   "this node")  # fmt: skip
+                rejoined = True
+                continue
+            if step is AfterBreak.RESTART:
+                waited_s = loop.time() - since
+                await self._rejoin(f"no plan has come {waited_s:.0f} s after plan epoch "
+                                   f"{plan.epoch} broke", restarted_in=plan.epoch)  # fmt: skip
+                rejoined = True
+                continue
+            remaining_s = None if rejoined else max(0.0, since + patience_s - loop.time())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining_s):
+                    await self._changes.wait_for(lambda: self.stopping or newer() > plan.epoch)
 
     # ----- membership -------------------------------------------------------------------------
     async def keep_membership(self) -> None:
