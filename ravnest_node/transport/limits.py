@@ -100,7 +100,7 @@ class PeerLimiter:
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         """The interceptor to give `grpc.aio.server(interceptors=[...])`."""
-        return _Interceptor(self)
+        return WrappingInterceptor(lambda handler, method: _limited(self, handler, method))
 
     # ---- the budgets ----
 
@@ -231,11 +231,14 @@ class _Context:
         return getattr(self._call.context, name)
 
 
-class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # untyped in grpc
-    def __init__(self, limiter: PeerLimiter) -> None:
-        self._limiter = limiter
+class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # untyped in grpc
+    """A server interceptor that serves each method's handler as `wrap(handler, method)` makes
+    it (made once per handler and kept), or the handler itself where `wrap` returns None."""
+
+    def __init__(self, wrap: Callable[[Any, str], Any | None]) -> None:
+        self._wrap = wrap
         self._wrapped: dict[str, tuple[Any, Any]] = {}
-        """method -> (its handler, that handler within the budgets)."""
+        """method -> (its handler, that handler wrapped)."""
 
     async def intercept_service(
         self,
@@ -248,7 +251,7 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # untyped
         method = handler_call_details.method
         known = self._wrapped.get(method)
         if known is None or known[0] is not handler:
-            known = self._wrapped[method] = (handler, _limited(self._limiter, handler, method))
+            known = self._wrapped[method] = (handler, self._wrap(handler, method) or handler)
         return known[1]
 
 

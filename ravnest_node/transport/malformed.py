@@ -19,12 +19,12 @@ import inspect
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from ravnest_node.transport.limits import peer_key
+from ravnest_node.transport.limits import WrappingInterceptor, peer_key
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,13 @@ class MalformedRequests:
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         """The interceptor to give `grpc.aio.server(interceptors=[...])`; put it after the
         per-peer limiter so that malformed calls spend the caller's budgets too."""
-        return _Interceptor(self)
+
+        def guard(handler: Any, method: str) -> Any | None:
+            if handler.request_deserializer is None:
+                return None  # (a raw-bytes method parses nothing here: its handler checks)
+            return _guarded(self, handler, method)
+
+        return WrappingInterceptor(guard)
 
     def refuse_reason(self, peer: str, method: str, request: Malformed) -> str:
         """Count a malformed request from `peer` to `method`, log it if this peer's last line
@@ -153,24 +159,3 @@ def _guarded(counts: MalformedRequests, handler: Any, method: str) -> Any:
         request_deserializer=_tolerant(handler.request_deserializer),
         response_serializer=handler.response_serializer,
     )
-
-
-class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # untyped in grpc
-    def __init__(self, counts: MalformedRequests) -> None:
-        self._counts = counts
-        self._wrapped: dict[str, tuple[Any, Any]] = {}
-        """method -> (its handler, that handler guarded)."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
-            return handler  # (a raw-bytes method parses nothing here: its handler checks)
-        method = handler_call_details.method
-        known = self._wrapped.get(method)
-        if known is None or known[0] is not handler:
-            known = self._wrapped[method] = (handler, _guarded(self._counts, handler, method))
-        return known[1]

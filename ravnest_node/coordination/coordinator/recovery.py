@@ -217,7 +217,7 @@ def _restore_or_wait(
     if _restore_from_checkpoints(s, plan, lost):
         return
     s.faults.unrestored = PendingRestore(plan.epoch, tuple(lost), now)
-    names = ", ".join(st.node_id for st in lost)
+    names = ", ".join(st.node_id for st in lost) or "pipeline(s) whose streams broke"
     unheld = s.faults.unheld(plan.epoch, s.plan_members(plan))
     if unheld:
         log.info("restoring the blocks of %s from checkpoints: first %d members keep "
