@@ -236,7 +236,9 @@ class Worker:
         Unreachable if the coordinator cannot reach this node at its address (nothing has
         changed then: the daemon may go through a relay and call this again). A network fault
         on the way (the coordinator does not answer the join, or the first channel fails)
-        is logged and the join tried again after a backoff, for as long as the node runs."""
+        is logged and the join tried again after a backoff, for as long as the node runs,
+        once this node has been answered by a coordinator; before that it is raised (a wrong
+        address or missing credentials end the node with the error, not a silent retry)."""
         if not self.coordinator_address:
             raise RuntimeError("Worker.run() before the coordinator's address is known")
         backoff = Backoff()
@@ -247,7 +249,7 @@ class Worker:
             except Unreachable:
                 raise
             except PeerError as exc:
-                if self.stopping:
+                if self.stopping or self._caps is None:
                     raise
                 delay_s = backoff.next_s()
                 log.warning("cannot join coordinator %s: %s; trying again in %.1f s",
