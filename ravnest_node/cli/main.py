@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 from ravnest_node import settings
 from ravnest_node.bench.codecs import run_codec_bench
 from ravnest_node.bench.config import BenchConfig
+from ravnest_node.bench.flaps import run_flaps_bench
 from ravnest_node.bench.planner import run_planner_bench
 from ravnest_node.bench.replan import run_replan_bench
 from ravnest_node.bench.replicas import run_replicas_bench
@@ -213,12 +214,19 @@ def _add_bench_parser(commands: Any) -> None:
     bench.add_argument(
         "suite",
         nargs="?",
-        choices=["links", "codecs", "replicas", "planner", "replan"],
+        choices=["links", "codecs", "replicas", "planner", "replan", "flaps"],
         default="links",
         help="links (default): the systems over emulated links; codecs: bits, speed and "
         "convergence of every codec; replicas: two pipelines that average against one; "
         "planner: solve times and placements against the static plan; replan: a fourth node "
-        "joins a running swarm",
+        "joins a running swarm; flaps: links that drop or lose packets mid-run (root, "
+        "namespaces, iptables; --model small for 600 steps, 200 with --quick, unless given)",
+    )
+    bench.add_argument(
+        "--only",
+        default="",
+        help="bench flaps only: comma-separated scenarios to run, of clean, flap3, flap10, "
+        "flap60, flap300, loss5, coord10 (default: all; --quick leaves out flap300)",
     )
     bench.add_argument("--config", type=Path, help="TOML file with settings (see docs)")
     settings.add_arguments(bench, BenchConfig)
@@ -378,13 +386,16 @@ def _run_bench(args: argparse.Namespace) -> int:
     bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
     if args.suite == "planner":
         return run_planner_bench(bench_cfg.jsonl, quick=bench_cfg.quick)
-    if args.suite in ("codecs", "replicas", "replan"):
+    if args.suite in ("codecs", "replicas", "replan", "flaps"):
         prefix = f"ravnest-{args.suite}-"
         work_dir = bench_cfg.work_dir or Path(tempfile.mkdtemp(prefix=prefix))
-        run_suite = {
+        run_suite: Callable[[Suite], int] = {
             "codecs": run_codec_bench,
             "replicas": run_replicas_bench,
             "replan": run_replan_bench,
+            "flaps": lambda suite: run_flaps_bench(
+                suite, args.only, getattr(args, "model", None), getattr(args, "steps", None)
+            ),
         }[args.suite]
         suite = Suite(
             train=bench_cfg.train,
