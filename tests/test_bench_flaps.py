@@ -80,12 +80,15 @@ def test_without_namespaces_the_suite_says_why_and_measures_nothing(
     assert not suite.jsonl.exists()
 
 
-def test_a_clean_run_through_the_suite_fills_its_record(tmp_path: Path) -> None:
+def test_a_clean_run_through_the_suite_fills_its_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`clean` on tiny for 40 steps: three daemons in namespaces, the record in the jsonl and
     a row in the table; every daemon ran to the end and stopped with 0 on SIGTERM."""
     ok, why = iptables_available()
     if not ok:
         missing(why)
+    monkeypatch.setattr(flaps, "NET_NAME", "rvtbflap")  # not a running `bench flaps`'s
     out = io.StringIO()
     suite = Suite(train=TrainConfig(batch_size=8), jsonl=tmp_path / "flaps.jsonl",
                   work_dir=tmp_path / "work", quick=True, out=out)  # fmt: skip
@@ -100,3 +103,14 @@ def test_a_clean_run_through_the_suite_fills_its_record(tmp_path: Path) -> None:
     assert r["lost_s"] == 0.0 and r["rate_vs_clean"] == 1.0 and r["loss_diff_pct"] == 0.0
     assert r["wall_s"] > 0 and r["final_loss"] > 0 and len(r["warning_lines"]) == 3
     assert "| clean |" in out.getvalue() and suite.jsonl.with_suffix(".md").exists()
+
+
+def test_the_table_has_one_row_per_record_and_dashes_for_what_was_not_measured() -> None:
+    gone = flaps_report.summary_figures(None, 10, 16) | flaps_report.against_clean({}, None)
+    gone |= {"scenario": "flap300", "outage_s": 300.0, "run_ended_during_outage": True,
+             "longest_stall_s": 12.0, "running_at_end": [True, False, True],
+             "exit_codes": [0, 1, 0], "warning_lines": [1, 9, 2]}  # fmt: skip
+    rows = flaps_report.table([gone]).splitlines()
+    assert len(rows) == 3 and rows[0].count("|") == rows[1].count("|") == rows[2].count("|")
+    assert rows[2].startswith("| flap300 | - | - | 300.0 (run ended in it) | - | 12.0 |")
+    assert "- != 160" in rows[2] and "| 2/3 | [0, 1, 0] |" in rows[2]

@@ -218,6 +218,9 @@ class _Fault:
         self.scenario, self.net, self.target = scenario, net, target
         self.down_at: float | None = None
         self.up_at: float | None = None
+        self.run_ended_during = False
+        """The run ended while the link was still down: the cut node could not rejoin it (a
+        run too short for the outage, or one that went on without the node)."""
 
     def start(self) -> None:
         if self.scenario.fault == "flap":
@@ -277,6 +280,8 @@ def _drive(swarm: _Swarm, scenario: Scenario, fault: _Fault | None, deadline: fl
                 fault.start()
         if fault is not None and fault.due(ended):
             fault.end()
+        if fault is not None and ended and fault.down_at is not None and fault.up_at is None:
+            fault.run_ended_during = scenario.fault == "flap"
         fault_over = fault is None or fault.up_at is not None or (ended and fault.down_at is None)
         if ended and fault_over:
             return True
@@ -287,9 +292,11 @@ def _drive(swarm: _Swarm, scenario: Scenario, fault: _Fault | None, deadline: fl
 
 
 def run_scenario(
-    scenario: Scenario, run: RunSettings, work_dir: Path, net_name: str = NET_NAME
+    scenario: Scenario, run: RunSettings, work_dir: Path, net_name: str | None = None
 ) -> dict[str, Any]:
-    """One scenario, start to cleanup; its record (without the figures against clean)."""
+    """One scenario, start to cleanup; its record (without the figures against clean). Its
+    namespaces are named after `net_name` (NET_NAME by default)."""
+    net_name = net_name or NET_NAME
     remove_leftovers(net_name)  # of a run killed before its teardown
     work_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -323,6 +330,7 @@ def run_scenario(
         "target_host": fault.target if fault else None,
         "fault_started": fault is not None and fault.down_at is not None,
         "outage_s": fault.outage_s if fault else 0.0,
+        "run_ended_during_outage": fault.run_ended_during if fault else False,
         "loss_share": scenario.loss_share,
         "run_finished": finished,
         "harness_s": time.monotonic() - started,

@@ -109,9 +109,12 @@ def table(records: Sequence[dict[str, Any]]) -> str:
             f"{_f(r['samples'], 'd')} {'=' if r['samples_ok'] else '!='} {r['samples_expected']}"
         )
         alive = sum(r["running_at_end"])
+        outage = f"{r['outage_s']:.1f}" + (
+            " (run ended in it)" if r["run_ended_during_outage"] else ""
+        )
         rows.append(
             f"| {r['scenario']} | {_f(r['wall_s'], '.1f')} | {_f(r['lost_s'], '+.1f')} "
-            f"| {r['outage_s']:.1f} | {_f(r['lost_minus_outage_s'], '+.1f')} "
+            f"| {outage} | {_f(r['lost_minus_outage_s'], '+.1f')} "
             f"| {r['longest_stall_s']:.1f} | {plans} | {_f(r['redone_microbatches'], 'd')} "
             f"| {samples} | {_f(r['final_loss'], '.4f')} ({_f(r['loss_diff_pct'], '+.2f')}%) "
             f"| {_f(r['samples_per_s'], '.1f')} (x{_f(r['rate_vs_clean'], '.2f')}) "
