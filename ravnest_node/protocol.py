@@ -31,7 +31,7 @@ UNREACHABLE_KEY = "ravnest-unreachable"
 """Trailing metadata of a Join refused because the coordinator cannot reach the node at its
 address: the node may then go through a relay (SwarmView.relays) and join again."""
 
-DEFAULT_LEASE_S = 6.0
+DEFAULT_LEASE_S = 8.0
 """Seconds a member stays a member without a heartbeat, unless the coordinator says otherwise
 (JoinReply.lease_s)."""
 

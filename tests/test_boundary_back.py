@@ -58,7 +58,7 @@ class Upstream:
     async def train(self, frames: list[bytes]) -> None:
         """Send `frames`, and end once every gradient is in (as a stage whose run is done)."""
         for message in frames:
-            await self.link.send(message)
+            await self.link.send(message, 0)
         await self.all_gradients.wait()
         await self.link.close()
 
@@ -91,7 +91,7 @@ async def _downstream(address: str, node_id: str = "down", *, refuse: bool = Fal
         if refuse:
             raise FrameError("refused for the test")
         got.append(frame.seq)
-        await link.send(_frame(FrameKind.BACKWARD, frame.seq))
+        await link.send(_frame(FrameKind.BACKWARD, frame.seq), frame.seq)
 
     async with grpc.aio.insecure_channel(address) as channel:
         await run_back_stream(channel, link, node_id=node_id, epoch=3, limits=LIMITS,
@@ -122,7 +122,7 @@ async def test_a_refused_activation_ends_the_stream_on_both_sides(
     upstream: tuple[str, Upstream],
 ) -> None:
     address, up = upstream
-    await up.link.send(_frame(FrameKind.FORWARD, 0))
+    await up.link.send(_frame(FrameKind.FORWARD, 0), 0)
     with pytest.raises(FrameError, match="refused for the test"):
         await _downstream(address, refuse=True)
     assert await up.ended is not None  # the upstream learns its stream broke
@@ -132,11 +132,11 @@ async def test_a_bad_gradient_is_refused_by_the_upstream(upstream: tuple[str, Up
     """The downstream sends an activation where a gradient belongs: the upstream refuses it,
     ends the stream with INVALID_ARGUMENT, and is told why."""
     address, up = upstream
-    await up.link.send(_frame(FrameKind.FORWARD, 0))
+    await up.link.send(_frame(FrameKind.FORWARD, 0), 0)
     link = BoundaryLink("up", LinkCounters(), outbox_size=8)
 
     async def accept(frame: Frame) -> None:
-        await link.send(_frame(FrameKind.FORWARD, frame.seq))  # wrong kind
+        await link.send(_frame(FrameKind.FORWARD, frame.seq), frame.seq)  # wrong kind
 
     async with grpc.aio.insecure_channel(address) as channel:
         with pytest.raises(PeerRefused, match="INVALID_ARGUMENT"):

@@ -185,6 +185,10 @@ async def planned_swarm(
     return svc, svc.plan
 
 
+LEASE_S = 6.0
+"""The leases of these tests' coordinators (their clock steps are in units of it)."""
+
+
 def tiny_swarm(
     clock: Clock,
     size: int,
@@ -194,6 +198,7 @@ def tiny_swarm(
     return CoordinatorService(
         train=TrainConfig(model="tiny", batch_size=16, **train), swarm_size=size,
         swarm_id="test/tiny", summary_path=None, clock=clock, probe=probe, node_id="a",
+        lease_s=LEASE_S,
     )  # fmt: skip
 
 

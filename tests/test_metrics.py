@@ -45,6 +45,8 @@ SAMPLE = StageMetrics(
     device="cuda:0 (NVIDIA H100, 79.1 GiB)",
     precision="bf16",
     steps_skipped=2,
+    stream_resumes=3,
+    frames_resent=11,
 )
 
 

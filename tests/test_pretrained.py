@@ -191,10 +191,10 @@ def llama_reference(
         out = []
         for head in range(heads):
             g = head // (heads // kv)  # its key/value head
-            qh, kh = rope(q[:, head * hd:(head + 1) * hd]), rope(k[:, g * hd:(g + 1) * hd])
+            qh, kh = rope(q[:, head * hd : (head + 1) * hd]), rope(k[:, g * hd : (g + 1) * hd])
             s = qh @ kh.T / math.sqrt(hd)
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-            out.append(torch.softmax(s, -1) @ v[:, g * hd:(g + 1) * hd])
+            out.append(torch.softmax(s, -1) @ v[:, g * hd : (g + 1) * hd])
         x = x + torch.cat(out, -1) @ t[p + "self_attn.o_proj.weight"].T
         h = rms(x, t[p + "post_attention_layernorm.weight"])
         gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T

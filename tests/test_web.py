@@ -148,8 +148,11 @@ def test_metrics_of_a_training_swarm_move(swarm: Any) -> None:
         assert value(b, "ravnest_step") > value(a, "ravnest_step")
         assert value(b, "ravnest_samples_per_second") > 0
         assert 0 < value(b, "ravnest_stage_busy_fraction") <= 1
-        names = ("ravnest_link_bytes_sent_total", "ravnest_staleness_microbatches_total",
-                 "ravnest_frame_decode_seconds_total")  # (every stage receives frames)
+        names = (
+            "ravnest_link_bytes_sent_total",
+            "ravnest_staleness_microbatches_total",
+            "ravnest_frame_decode_seconds_total",
+        )  # (every stage receives frames)
         for name in names:
             assert _sum(b, name) > _sum(a, name), name
         roles = (["activation"] if stage[i] < 2 else []) + (["gradient"] if stage[i] else [])

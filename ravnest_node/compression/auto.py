@@ -61,9 +61,7 @@ def transfer_s(nbytes: int, bandwidth_bps: float) -> float:
     return nbytes * 8 / bandwidth_bps
 
 
-def _fits(
-    nbytes: int, bandwidth_bps: float, compute_s: float, share: float, margin: float
-) -> bool:
+def _fits(nbytes: int, bandwidth_bps: float, compute_s: float, share: float, margin: float) -> bool:
     """Whether `nbytes` moves over `bandwidth_bps` within `share` of `compute_s`, less a
     `margin` (0, or the hysteresis). ValueError for non-positive measurements."""
     if not bandwidth_bps > 0 or not compute_s > 0:

@@ -158,6 +158,24 @@ class StageMetrics:
     )
     """Optimizer steps skipped because a gradient was not finite (the fixed fp16 loss scale
     overflowed); the weights did not change in them."""
+    stream_resumes: int = field(
+        default=0,
+        metadata=series(
+            "ravnest_stream_resumes_total",
+            "Boundary streams of this stage opened again after a network break.",
+        ),
+    )
+    """Times this stage's boundary streams (either side) were opened again after breaking on
+    the network, the plan holding (transport/resume.py)."""
+    frames_resent: int = field(
+        default=0,
+        metadata=series(
+            "ravnest_frames_resent_total",
+            "Frames this stage wrote again on resumed boundary streams.",
+        ),
+    )
+    """Frames written again on resumed streams: those the peer had not admitted when the stream
+    broke. Their bytes count in the bytes sent too."""
 
     @property
     def busy_fraction(self) -> float:

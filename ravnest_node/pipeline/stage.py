@@ -26,6 +26,7 @@ neighbour applies backpressure.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -54,6 +55,7 @@ from ravnest_node.pipeline.schedule import (
 )
 from ravnest_node.transport.boundary import BoundaryLink
 from ravnest_node.transport.frames import Frame, FrameKind
+from ravnest_node.transport.resume import ResumeState
 
 __all__ = ["GRAD", "HIDDEN", "TARGETS", "Averaging", "StageRuntime", "StageSpec"]
 
@@ -200,8 +202,27 @@ class StageRuntime:
         """The precision this stage computes in: fp32, bf16 or fp16."""
         return self._compute.precision
 
+    @property
+    def first_seq(self) -> int:
+        """The first microbatch of this plan."""
+        return self._schedule.start_step * self.run_config.microbatches
+
+    def admitted_forwards(self) -> ResumeState:
+        """What this stage has admitted from its upstream (for a resumed stream)."""
+        return ResumeState(next_forward=self._schedule.next_forward_seq)
+
+    def admitted_gradients(self) -> ResumeState:
+        """Which gradients this stage still awaits from its downstream (for a resumed
+        stream)."""
+        return ResumeState(awaiting=tuple(sorted(self._schedule.awaiting_grad)))
+
     def metrics(self) -> StageMetrics:
-        return self._counters.record(self.spec, self._compute)
+        links = [link for link in (self.upstream, self.downstream) if link is not None]
+        return dataclasses.replace(
+            self._counters.record(self.spec, self._compute),
+            stream_resumes=sum(link.resumes for link in links),
+            frames_resent=sum(link.frames_resent for link in links),
+        )
 
     # ----- decisions, on the event loop -------------------------------------------------------
     async def accept_from_upstream(self, frame: Frame) -> None:
@@ -209,6 +230,12 @@ class StageRuntime:
         if frame.kind is not FrameKind.FORWARD:
             raise FrameError("only forward frames travel downstream")
         await self._inbox.admit(frame)
+        if self.upstream is not None:
+            # The upstream computed this forward at a version >= its step - max_staleness:
+            # it has admitted every gradient of the steps before that (resume.py).
+            m = self.run_config.microbatches
+            oldest = frame.seq // m - self.run_config.max_staleness
+            self.upstream.log.ack_below(oldest * m)
 
     async def check_from_upstream(self, frame: Frame) -> None:
         """Test only (a node's fault_fuzz_upstream): FrameError where `accept_from_upstream`
@@ -222,6 +249,8 @@ class StageRuntime:
         if frame.kind is not FrameKind.BACKWARD:
             raise FrameError("only gradient frames travel upstream")
         await self._inbox.admit(frame)
+        if self.downstream is not None:  # its forward can no longer be needed
+            self.downstream.log.ack(frame.seq)
 
     def drain_step(self) -> int:
         """First stage, when a new plan is coming: feed no microbatch of a step not yet
@@ -359,7 +388,7 @@ class StageRuntime:
             counters.max_weight_versions = max(counters.max_weight_versions, compute.live_versions)
             self._record_staleness(0)
             if message is not None:
-                await self._send_upstream(message)
+                await self._send_upstream(message, seq)
             await self._microbatch_done(seq)
         else:
             message = await compute.call(compute.forward, seq, self.version, received, samples)
@@ -368,7 +397,7 @@ class StageRuntime:
             counters.max_weight_versions = max(counters.max_weight_versions, compute.live_versions)
             assert self.downstream is not None
             counters.activation_bytes_sent += len(message)
-            await self._send(self.downstream, message)
+            await self._send(self.downstream, message, seq)
 
     async def _on_backward(self, frame: Received) -> None:
         compute = self._compute
@@ -377,22 +406,24 @@ class StageRuntime:
         )
         self._record_staleness(self.version - forward_version)
         if message is not None:
-            await self._send_upstream(message)
+            await self._send_upstream(message, frame.seq)
         await self._microbatch_done(frame.seq)
 
     def _record_staleness(self, staleness: int) -> None:
         self._schedule.check_staleness(staleness)
         self._counters.staleness[staleness] += 1
 
-    async def _send_upstream(self, message: bytes) -> None:
+    async def _send_upstream(self, message: bytes, seq: int) -> None:
         assert self.upstream is not None
         self._counters.counts.gradient_bytes_sent += len(message)
-        await self._send(self.upstream, message)
+        await self._send(self.upstream, message, seq)
 
-    async def _send(self, link: BoundaryLink, message: bytes) -> None:
-        """Queue a frame on a link; time spent waiting for room counts as idle on that side."""
+    async def _send(self, link: BoundaryLink, message: bytes, seq: int) -> None:
+        """Queue microbatch `seq`'s frame on a link; time spent waiting for room (a slow
+        neighbour, or one unreachable while its stream is resumed) counts as idle on that
+        side."""
         started = time.monotonic()
-        await link.send(message)
+        await link.send(message, seq)
         self._counters.idle(time.monotonic() - started, upstream=link is not self.downstream)
 
     async def _microbatch_done(self, seq: int) -> None:

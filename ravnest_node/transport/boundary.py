@@ -17,6 +17,14 @@ every received message and hands it to an `accept` callback, which validates it 
 A frame refused by `accept` ends the stream with INVALID_ARGUMENT and a reason, and nothing
 else changes. Bytes written are counted here, in the transport: that counter is what benchmarks
 report as bytes on wire.
+
+**Resuming** (issue #34, resume.py). A `BoundaryLink` outlives the gRPC calls that carry it:
+when a `Boundary` stream breaks on the network, its opener opens it again with the next
+generation (`GENERATION_KEY`) and what it has admitted (`RESUME_KEY`); the server ends the older
+call's handler if it still runs (it may not have noticed the break), answers with what it has
+admitted in its initial metadata, and each side writes again the frames the other lacks from
+its `SentLog`, then carries on. `BoundaryBack` streams are not resumed: they end the plan as
+before.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from ravnest_node.errors import FrameError, PeerRefused, PeerUnavailable
 from ravnest_node.transport.errors import Refusal, unanswered
 from ravnest_node.transport.frames import Frame, FrameLimits, parse_frame
 from ravnest_node.transport.gate import peer_address
+from ravnest_node.transport.resume import ResumeGap, ResumeState, SentLog
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +52,18 @@ PATH = f"/{SERVICE}/{METHOD}"
 BACK_METHOD = "BoundaryBack"
 BACK_PATH = f"/{SERVICE}/{BACK_METHOD}"
 END_OF_STREAM = b""
-"""On `BoundaryBack`, the upstream stage's last message: no more activations."""
+"""The last message of a stream's half that sends activations (frames are never empty): on
+`BoundaryBack`, the upstream stage's, as it cannot end a server's half and read on; on
+`Boundary`, the opener's, before it ends its half, so that a dropped connection (which ends a
+server's half with no error) is not taken for the upstream's end."""
 # Initial metadata of a boundary stream: who is sending, under which plan epoch.
 NODE_ID_KEY = "ravnest-node-id"
 EPOCH_KEY = "ravnest-plan-epoch"
+GENERATION_KEY = "ravnest-stream-gen"
+"""Which opening of the stream this is (0, then 1, 2, ... for each resume)."""
+RESUME_KEY = "ravnest-resume"
+"""What the side sending it has admitted (`ResumeState.encode`): the opener's in its
+invocation metadata, the server's in its initial metadata."""
 
 
 @dataclass(slots=True)
@@ -80,23 +97,63 @@ def caller(context: Any) -> tuple[str, int]:
     return peer_id, epoch
 
 
+def resumed_from(context: Any) -> tuple[int, ResumeState | None]:
+    """(generation, the opener's state) a `Boundary` call's metadata gives: (0, None) for a
+    first opening. FrameError if either is malformed."""
+    metadata = dict(context.invocation_metadata() or ())
+    text = str(metadata.get(GENERATION_KEY, "0"))[:12]
+    if not text.isdigit():
+        raise FrameError(f"malformed stream generation {text!r}")
+    generation = int(text)
+    state = metadata.get(RESUME_KEY)
+    if generation == 0 or state is None:
+        return generation, None
+    return generation, ResumeState.decode(str(state))
+
+
 class BoundaryLink:
-    """One side of a boundary stream, as the stage runtime sees it."""
+    """One side of a boundary stream, as the stage runtime sees it: outlives the gRPC calls
+    that carry it (a resumed stream is a new call on the same link)."""
 
     def __init__(
-        self, peer: str, counters: LinkCounters, outbox_size: int, *, pace_bps: float = 0.0
+        self,
+        peer: str,
+        counters: LinkCounters,
+        outbox_size: int,
+        *,
+        pace_bps: float = 0.0,
+        first_seq: int = 0,
     ) -> None:
+        """`first_seq`: the first microbatch of the plan (what a peer that has admitted
+        nothing from this side yet expects)."""
         self.peer = peer
         self._counters = counters
         # Test only: hold each message as long as a link of this rate would (0 = no pacing).
         self._pace_bps = pace_bps
-        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=outbox_size)
+        self._outbox: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue(maxsize=outbox_size)
+        self.log = SentLog(2 * outbox_size, first_seq)
+        """Frames written, until the peer cannot need them again (resume.py)."""
         self.closing = False
         self.abort_reason: str | None = None
+        self._ended = False
+        """The end of this side's frames has been taken from the outbox."""
+        self.generation = -1
+        """The newest stream generation that carried this link (server side)."""
+        self._running: _Attached | None = None
+        self.resumes = 0
+        """Times a stream carrying this link was opened again after a break."""
+        self.frames_resent = 0
+        """Frames written again on a resumed stream."""
 
-    async def send(self, message: bytes) -> None:
-        """Queue one frame; waits while the outbox is full (the peer or the link is slow)."""
-        await self._outbox.put(message)
+    @property
+    def attached(self) -> bool:
+        """Server side: a call carries this link now."""
+        return self._running is not None
+
+    async def send(self, message: bytes, seq: int) -> None:
+        """Queue the frame of microbatch `seq`; waits while the outbox is full (the peer or
+        the link is slow, or the stream is being resumed)."""
+        await self._outbox.put((seq, message))
 
     async def close(self) -> None:
         """No more frames from this side; the writer ends the stream after the queued ones."""
@@ -111,16 +168,69 @@ class BoundaryLink:
             self._outbox.get_nowait()
         self._outbox.put_nowait(None)
 
-    async def pump_writes(self, write: Callable[[bytes], Awaitable[Any]]) -> None:
-        """Write queued frames until `close`; counts each message's bytes once written.
+    async def pump_writes(
+        self,
+        write: Callable[[bytes], Awaitable[Any]],
+        resend: list[tuple[int, bytes]] = (),  # type: ignore[assignment]
+    ) -> None:
+        """Write `resend` (frames the peer of a resumed stream lacks), then queued frames
+        until `close`; counts each message's bytes once written. Each frame is kept in the log
+        before its write, so a write the stream breaks under is sent again on resume.
         LinkAborted after `abort`."""
-        while (message := await self._outbox.get()) is not None:
-            if self._pace_bps > 0:
-                await asyncio.sleep(len(message) * 8 / self._pace_bps)
-            await write(message)
-            self._counters.add(self.peer, len(message))
+        for _, message in resend:
+            await self._write(write, message)
+            self.frames_resent += 1
+        while not self._ended and (item := await self._outbox.get()) is not None:
+            seq, message = item
+            self.log.record(seq, message)
+            await self._write(write, message)
+        self._ended = True
         if self.abort_reason is not None:
             raise LinkAborted(self.abort_reason)
+
+    async def _write(self, write: Callable[[bytes], Awaitable[Any]], message: bytes) -> None:
+        if self._pace_bps > 0:
+            await asyncio.sleep(len(message) * 8 / self._pace_bps)
+        await write(message)
+        self._counters.add(self.peer, len(message))
+
+    async def take(self, generation: int) -> _Attached:
+        """Server side: a stream of `generation` carries this link from now on. The call of
+        an older generation still running (its handler may not have noticed the break) is
+        ended first, and waited for. Refusal(ALREADY_EXISTS) unless `generation` is newer
+        than every stream before it, or this side has written its last frame (a call then
+        changes nothing: every frame it sends is refused)."""
+        if generation <= self.generation and not self._ended:
+            raise Refusal(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"the upstream stream is already open (generation {self.generation})",
+            )
+        self.generation = max(self.generation, generation)
+        old, self._running = self._running, _Attached(generation)
+        if old is not None:
+            old.superseded = True
+            if old.task is not None:
+                old.task.cancel()
+                await asyncio.wait([old.task])
+        if generation > 0:
+            self.resumes += 1
+        return self._running
+
+    def release(self, attached: _Attached) -> None:
+        """Server side: the call `attached` has ended."""
+        if self._running is attached:
+            self._running = None
+
+
+@dataclass(slots=True)
+class _Attached:
+    """The call that carries a link now (server side), while it runs."""
+
+    generation: int
+    task: asyncio.Future[None] | None = None
+    """Its frames moving both ways, once they do."""
+    superseded: bool = False
+    """A newer call took the link over (`BoundaryLink.take`): this one changes nothing more."""
 
 
 class LinkAborted(Exception):
@@ -164,20 +274,27 @@ async def _both(first: Coroutine[Any, Any, None], second: Coroutine[Any, Any, No
         raise group.exceptions[0] from None
 
 
+class StreamBroken(PeerUnavailable):
+    """A boundary stream broke on the network (no answer, reset, timed out): its opener may
+    open it again while the plan holds (`run_client_stream` with the next generation)."""
+
+
 @contextmanager
 def _call_faults(call: Any, peer: str) -> Iterator[None]:
-    """A boundary call's failures as PeerUnavailable / PeerRefused; the call is cancelled on
+    """A boundary call's failures as StreamBroken / PeerRefused; the call is cancelled on
     the way out (a no-op once it has ended)."""
     try:
         yield
     except grpc.aio.AioRpcError as exc:
-        if unanswered(exc.code()):
-            raise PeerUnavailable(f"stream to {peer} broke: {exc.details()}") from None
+        # INTERNAL too: gRPC core answers a write on a connection that was reset under the
+        # call with it ("Internal error from Core"); the opener's retries are bounded.
+        if unanswered(exc.code()) or exc.code() == grpc.StatusCode.INTERNAL:
+            raise StreamBroken(f"stream to {peer} broke: {exc.details()}") from None
         raise PeerRefused(
             f"{peer} refused the boundary stream: {exc.code().name}: {exc.details()}"
         ) from None
     except asyncio.InvalidStateError:  # a write after the call ended
-        raise PeerUnavailable(f"{peer} ended the boundary stream early") from None
+        raise StreamBroken(f"{peer} ended the boundary stream early") from None
     finally:
         call.cancel()
 
@@ -191,23 +308,44 @@ async def run_client_stream(
     limits: FrameLimits,
     accept: Accept,
     on_refused: Callable[[str], None],
+    generation: int = 0,
+    admitted: Callable[[], ResumeState] | None = None,
 ) -> None:
-    """Open the boundary stream to the downstream stage and move frames both ways until both
-    sides have finished. Raises PeerRefused / PeerUnavailable for gRPC failures or a stream the
-    downstream ends before we do, and FrameError for a frame it sent that `accept` refused."""
-    call = channel.stream_stream(PATH)(
-        metadata=((NODE_ID_KEY, node_id), (EPOCH_KEY, str(epoch))),
-    )
+    """Open the boundary stream to the downstream stage (its `generation`-th opening; from 1
+    on a resume, `admitted` saying which gradients this side still awaits) and move frames
+    both ways until both sides have finished. Raises StreamBroken when it breaks on the
+    network (open it again with the next generation), PeerRefused when the downstream
+    refuses it (or cannot resume it), and FrameError for a frame it sent that `accept`
+    refused."""
+    metadata = [(NODE_ID_KEY, node_id), (EPOCH_KEY, str(epoch)),
+                (GENERATION_KEY, str(generation))]  # fmt: skip
+    if generation > 0 and admitted is not None:
+        metadata.append((RESUME_KEY, admitted().encode()))
+    call = channel.stream_stream(PATH)(metadata=tuple(metadata))
 
     async def write_all() -> None:
-        await link.pump_writes(call.write)
+        answer = dict(await call.initial_metadata() or ())
+        if RESUME_KEY not in answer:  # refused before it answered: the status says why
+            await call.read()
+            raise StreamBroken(f"{link.peer} answered the boundary stream without its state")
+        try:
+            state = ResumeState.decode(str(answer[RESUME_KEY]))
+            if state.next_forward is None:
+                raise FrameError("a downstream stage's state names its next forward")
+            resend = link.log.forwards_from(state.next_forward)
+        except (FrameError, ResumeGap) as exc:
+            raise PeerRefused(f"cannot resume the boundary stream to {link.peer}: {exc}") from None
+        if generation > 0:
+            link.resumes += 1
+        await link.pump_writes(call.write, resend)
+        await call.write(END_OF_STREAM)  # a connection that drops must not look like this end
         await call.done_writing()
 
     async def read_all() -> None:
         await pump_reads(call.read, limits, accept, on_refused)
         # The downstream ends its half only after we end ours; earlier is a fault.
         if not link.closing:
-            raise PeerUnavailable(f"{link.peer} ended the boundary stream before the run did")
+            raise StreamBroken(f"{link.peer} ended the boundary stream before the run did")
 
     with _call_faults(call, link.peer):
         await _both(write_all(), read_all())
@@ -256,15 +394,19 @@ Finish = Callable[[BaseException | None], None]
 class BoundaryServer:
     """The server half: a generic raw-bytes handler for `PATH`.
 
-    `open_session(peer_node_id, epoch)` returns (link, accept) for the stage that owns this
-    boundary, or raises Refusal; `close_session(link, error)` is told how the stream ended;
+    `open_session(peer_node_id, epoch)` returns (link, accept, admitted) for the stage that
+    owns this boundary (`admitted`: what it has admitted, for a resume), or raises Refusal;
+    the link is the same for every call of the stream under one plan (a resumed stream takes
+    it over, `BoundaryLink.take`); `close_session(link, error)` is told how a call ended;
     `on_refused(reason)` records why a frame was refused. `BoundaryBack` (the downstream stage
     opens it): `dial_in(peer_node_id, epoch)` returns (link, accept, finish) of the stage whose
     downstream that peer is, or raises Refusal; `finish(error)` is told how it ended."""
 
     def __init__(
         self,
-        open_session: Callable[[str, int], Awaitable[tuple[BoundaryLink, Accept]]],
+        open_session: Callable[
+            [str, int], Awaitable[tuple[BoundaryLink, Accept, Callable[[], ResumeState]]]
+        ],
         close_session: Callable[[BoundaryLink, BaseException | None], None],
         on_refused: Callable[[str], None],
         limits: FrameLimits,
@@ -326,22 +468,38 @@ class BoundaryServer:
     async def _serve(self, _requests: object, context: Any) -> None:
         peer_id, epoch = caller(context)
         try:
-            link, accept = await self._open_session(peer_id, epoch)
-        except Refusal as refusal:
-            log.warning(
-                "refused boundary stream from %s: %s", peer_address(context.peer()), refusal.reason
-            )
-            await context.abort(refusal.code, refusal.reason)
+            generation, opener = resumed_from(context)
+            link, accept, admitted = await self._open_session(peer_id, epoch)
+            attached = await link.take(generation)
+            resend = link.log.gradients_for(opener.awaiting or ()) if opener is not None else []
+        except FrameError as exc:
+            await self._refuse(context, Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             return
+        except ResumeGap as exc:
+            await self._refuse(context, Refusal(grpc.StatusCode.DATA_LOSS,
+                                                f"cannot resume the stream: {exc}"))  # fmt: skip
+            return
+        except Refusal as refusal:
+            await self._refuse(context, refusal)
+            return
+        # What this side has admitted, now that no older call of the stream admits any more.
+        await context.send_initial_metadata(((RESUME_KEY, admitted().encode()),))
+        if attached.superseded:  # an even newer call came meanwhile
+            await context.abort(grpc.StatusCode.ABORTED, "superseded by a resumed stream")
 
         async def read_all() -> None:
-            await pump_reads(context.read, self._limits, accept, self._on_refused)
+            if not await pump_reads(context.read, self._limits, accept, self._on_refused,
+                                    until_end=True):  # fmt: skip
+                # The half ended without its last message: the connection dropped.
+                raise StreamBroken(f"the stream from {link.peer} broke")
             # The upstream finished sending; the writer ends once our queued frames are out.
             await link.close()
 
+        task = asyncio.ensure_future(_both(read_all(), link.pump_writes(context.write, resend)))
+        attached.task = task
         error: BaseException | None = None
         try:
-            await _both(read_all(), link.pump_writes(context.write))
+            await task
         except FrameError as exc:
             error = exc
             reason = f"frame refused: {exc}"
@@ -349,9 +507,26 @@ class BoundaryServer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
         except LinkAborted as exc:
             error = exc
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this stage gave up: {exc}")
+            await context.abort(grpc.StatusCode.ABORTED, f"this stage gave up: {exc}")
+        except StreamBroken as exc:  # nobody to answer
+            error = exc
+        except asyncio.CancelledError as exc:
+            if attached.superseded:  # a newer call of the stream carries the link now
+                await context.abort(grpc.StatusCode.ABORTED, "superseded by a resumed stream")
+            error = exc
+            raise
         except BaseException as exc:
             error = exc
             raise
         finally:
-            self._close_session(link, error)
+            if not task.done():  # the call ended under it: nothing of it is admitted from now
+                task.cancel()
+            link.release(attached)
+            if not attached.superseded:
+                self._close_session(link, error)
+
+    async def _refuse(self, context: Any, refusal: Refusal) -> None:
+        log.warning(
+            "refused boundary stream from %s: %s", peer_address(context.peer()), refusal.reason
+        )
+        await context.abort(refusal.code, refusal.reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -100,6 +101,23 @@ def split_host_port(address: str) -> tuple[str, int]:
     ):
         raise ConfigError(f"{address[:80]!r} is not HOST:PORT (e.g. 127.0.0.1:7070, port 0 = any)")
     return host.strip("[]"), int(port)
+
+
+async def refuses_connections(address: str, timeout_s: float) -> bool:
+    """Does `address` refuse a plain TCP connection now (nobody listens there: a stopped
+    process)? False if it accepts one, or nothing answers within `timeout_s` (a machine off,
+    a link cut: no verdict), or it cannot be named."""
+    try:
+        host, port = split_host_port(address)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError, ConfigError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
 
 
 def is_loopback(address: str) -> bool:

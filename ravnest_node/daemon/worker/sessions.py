@@ -8,6 +8,12 @@ stream attaches to the session of the plan this node trains now (`Session`), and
 plan's neighbours may attach. A neighbour may have the plan a moment before this node: a call
 waits for it, within the connect timeout.
 
+A `Boundary` stream that breaks on the network is opened again by the upstream stage while
+the plan holds (training.py, transport/resume.py): its link stays the session's, and a resumed
+call takes it over. Meanwhile this side watches (`_watch_upstream`): the plan breaks here as
+before if the upstream's address refuses connections (its process is gone) or a newer plan has
+started without the stream coming back (the coordinator counted a member lost).
+
 Link probes are admitted here too (`admit_probe`): under a plan, from the stage's neighbours
 within PROBE_BUDGET_BYTES each; under epoch 0 (before a plan, or a newcomer measuring its
 links), from members measuring their links as the coordinator lists them (`MemberProbes`).
@@ -16,6 +22,7 @@ links), from members measuring their links as the coordinator lists them (`Membe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,8 +46,9 @@ from ravnest_node.transport.boundary import (
 )
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.frames import FrameLimits
-from ravnest_node.transport.options import TransportConfig, open_channel
+from ravnest_node.transport.options import TransportConfig, open_channel, refuses_connections
 from ravnest_node.transport.probe import MIN_PROBE_COST, PROBE_BUDGET_BYTES, ProbeTurns
+from ravnest_node.transport.resume import ResumeState
 
 __all__ = ["Coordinator", "DialIn", "MemberProbes", "Session", "Sessions"]
 
@@ -52,6 +60,10 @@ MEMBERS_ASK_S = 0.5
 MEMBERS_KEEP_S = 10.0
 # Seconds the streams this node opened itself get to end when the node closes.
 CLOSE_WAIT_S = 0.5
+# While a broken upstream stream is not resumed: how often this side looks again whether the
+# upstream's address refuses connections, and how long one look waits for an answer.
+WATCH_S = 0.5
+REFUSED_TIMEOUT_S = 1.0
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -71,6 +83,11 @@ class Coordinator(Protocol):
     @property
     def latest_plan(self) -> pb.Plan | None:
         """The newest plan it announced."""
+        ...
+
+    @property
+    def started_plan(self) -> pb.Plan | None:
+        """The newest plan that has started."""
         ...
 
     async def swarm(self) -> pb.SwarmView:
@@ -99,6 +116,8 @@ class Session:
     upstream_failed: asyncio.Future[None]
     """Fails (PeerUnavailable) when the upstream stream ends before the run does."""
     downstream_node_id: str = ""
+    upstream_address: str = ""
+    """Where the upstream stage's node listens ("" if it is reached through a relay)."""
     probe_bytes: dict[str, int] = field(default_factory=dict)
     """Probe bytes received per neighbour under this plan (bounded by PROBE_BUDGET_BYTES)."""
     opens_upstream: bool = False
@@ -108,6 +127,11 @@ class Session:
     """Its downstream stage opens their stream (BoundaryBack); this stage waits for it."""
     dial_in: DialIn | None = None
     """That stream, once this stage waits for it (`Sessions.await_dial_in`)."""
+
+    @property
+    def broken(self) -> bool:
+        """The upstream stream broke mid-run (`fail_upstream`)."""
+        return self.upstream_failed.done() and not self.upstream_failed.cancelled()
 
     def fail_upstream(self, error: PeerUnavailable) -> None:
         """The upstream stream broke mid-run: the stage's plan breaks (once)."""
@@ -227,6 +251,10 @@ class Sessions:
         self._members = MemberProbes(coordinator)
         self._dials = Tasks("upstream streams opened from this side")
         """Upstream streams this node opened itself (BoundaryBack), while they run."""
+        self._watches = Tasks("broken upstream streams")
+        """`_watch_upstream` of a broken upstream stream, until it is resumed."""
+        self._ended_epoch = 0
+        """The newest plan whose session ended here on a break (`end`)."""
 
     async def start(self, plan: pb.Plan, session: Session) -> None:
         """This node trains `session` of `plan` from now on: neighbours may attach."""
@@ -240,6 +268,8 @@ class Sessions:
         session = self.session
         if session is not None and session.runtime.upstream is not None:
             session.runtime.upstream.abort(reason)
+        if self.plan is not None:
+            self._ended_epoch = max(self._ended_epoch, self.plan.epoch)
         self.session = None
         await self._changes.notify()
 
@@ -250,6 +280,9 @@ class Sessions:
         has heard of (a hostile caller must not hold the handler for the whole wait)."""
         latest = self._coordinator.latest_plan
         newest = latest.epoch if latest is not None else 0
+        if 0 < epoch <= self._ended_epoch and self.session is None:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"plan epoch {epoch} broke here")  # fmt: skip
         if epoch > newest + MAX_EPOCH_AHEAD:
             raise Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -272,15 +305,19 @@ class Sessions:
     # ----- the upstream stream ----------------------------------------------------------------
     async def open_session(
         self, peer_node_id: str, epoch: int, *, back: bool = False
-    ) -> tuple[BoundaryLink, Accept]:
+    ) -> tuple[BoundaryLink, Accept, Callable[[], ResumeState]]:
         """Called by the gRPC server when the previous stage opens its boundary stream (or,
-        `back`, by `dial_upstream` when this stage opens it). The previous stage may have the
-        plan a moment before this node: wait for it, within the connect timeout."""
+        `back`, by `dial_upstream` when this stage opens it): the session's upstream link (the
+        same one for a resumed stream), how to admit frames, and what the stage has admitted.
+        The previous stage may have the plan a moment before this node: wait for it, within
+        the connect timeout."""
         session = await self._session_at(epoch, "stream")
-        if session.runtime.spec.is_first:
+        runtime = session.runtime
+        if runtime.spec.is_first:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the first stage has no upstream")
         if peer_node_id and peer_node_id == self._fuzz_upstream and not back:  # test only
-            return BoundaryLink(peer_node_id, self.counters, 1), session.runtime.check_from_upstream
+            return (BoundaryLink(peer_node_id, self.counters, 1), runtime.check_from_upstream,
+                    runtime.admitted_forwards)  # fmt: skip
         if session.opens_upstream != back:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           "this stage opens the stream to its upstream itself (BoundaryBack)"
@@ -290,34 +327,75 @@ class Sessions:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"unknown peer {peer_node_id!r}: the plan's upstream is {session.upstream_node_id}",
             )
-        if session.runtime.upstream is not None:
-            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, "the upstream stream is already open")
+        if session.broken:
+            raise Refusal(grpc.StatusCode.ABORTED, "the upstream stream broke here")
+        if runtime.upstream is not None:
+            if back:  # BoundaryBack streams are not resumed
+                raise Refusal(grpc.StatusCode.ALREADY_EXISTS, "the upstream stream is already open")
+            return runtime.upstream, runtime.accept_from_upstream, runtime.admitted_forwards
         link = BoundaryLink(
             peer_node_id,
             self.counters,
-            outbox_size=session.runtime.window,
-            pace_bps=session.runtime.run_config.link_pace_bps(session.runtime.spec.index - 1),
+            outbox_size=runtime.window,
+            pace_bps=runtime.run_config.link_pace_bps(runtime.spec.index - 1),
+            first_seq=runtime.first_seq,
         )
-        session.runtime.upstream = link
-        return link, session.runtime.accept_from_upstream
+        runtime.upstream = link
+        return link, runtime.accept_from_upstream, runtime.admitted_forwards
 
     def close_session(self, link: BoundaryLink, error: BaseException | None) -> None:
-        """The upstream stream `link` ended (`error`: how, None if cleanly)."""
+        """A call carrying the upstream link `link` ended (`error`: how, None if cleanly)."""
         session = self.session
         if session is None or session.runtime.upstream is not link:
             return
-        session.runtime.upstream = None
+        runtime = session.runtime
         # A clean end is the upstream's way of saying it is done (with the run, or with its
-        # plan: then at a step boundary, where this stage's plan ends too); anything else
-        # mid-run is a fault.
-        finished = error is None and (
-            session.runtime.received_all_forwards or session.runtime.upstream_ended()
-        )
-        if not finished:
+        # plan: then at a step boundary, where this stage's plan ends too). The link stays the
+        # session's: if the last gradients did not get through, the upstream resumes for them.
+        if error is None and (runtime.received_all_forwards or runtime.upstream_ended()):
+            return
+        if error is None or isinstance(error, (FrameError, LinkAborted)) or session.opens_upstream:
+            # Ended early, a frame refused, this stage gave up, or a BoundaryBack stream: the
+            # plan breaks here (as it does for a stream the stage gave up on).
             reason = f"upstream stream from {link.peer} ended before the run did"
             if error is not None:
                 reason += f": {error or type(error).__name__}"
             session.fail_upstream(PeerUnavailable(reason))
+            return
+        # Broken on the network: the upstream opens it again while the plan holds.
+        log.warning("upstream stream from %s broke (%s); waiting for it to resume", link.peer,
+                    str(error) or type(error).__name__)  # fmt: skip
+        self._watches.start(self._watch_upstream(session, link), name="watch upstream")
+
+    async def _watch_upstream(self, session: Session, link: BoundaryLink) -> None:
+        """The upstream stream `link` broke on the network: until a resumed call carries it
+        again, break the plan here if the upstream's address refuses connections (its process
+        is gone: found within a second, as a crash was before streams resumed) or a newer plan
+        has started (the coordinator counted a member lost and planned without this one)."""
+        plan = self.plan
+        assert plan is not None
+        epoch = plan.epoch
+
+        def over() -> bool:
+            return (link.attached or self.session is not session or session.runtime.done
+                    or session.broken)  # fmt: skip
+
+        while not over():
+            started = self._coordinator.started_plan
+            if started is not None and started.epoch > epoch:
+                session.fail_upstream(PeerUnavailable(
+                    f"upstream stream from {link.peer} did not resume before plan epoch "
+                    f"{started.epoch} started"))  # fmt: skip
+                return
+            address = session.upstream_address
+            if address and await refuses_connections(address, REFUSED_TIMEOUT_S) and not over():
+                session.fail_upstream(PeerUnavailable(
+                    f"upstream stream from {link.peer} broke and {address} refuses "
+                    "connections"))  # fmt: skip
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(WATCH_S):
+                    await self._changes.wait_for(over)
 
     def on_refused(self, reason: str) -> None:
         """A frame from a neighbour was refused (counted for the node's status)."""
@@ -338,7 +416,7 @@ class Sessions:
                  upstream.node_id, upstream.address)  # fmt: skip
         try:
             async with open_channel(upstream.address, self._transport) as channel:
-                link, accept = await self.open_session(upstream.node_id, plan.epoch, back=True)
+                link, accept, _ = await self.open_session(upstream.node_id, plan.epoch, back=True)
                 error: BaseException | None = None
                 try:
                     await run_back_stream(channel, link, node_id=self.node_id,
@@ -453,7 +531,9 @@ class Sessions:
     def stop(self) -> None:
         """The node stops: end the streams this node opened itself."""
         self._dials.cancel()
+        self._watches.cancel()
 
     async def close(self) -> None:
         """Wait (a moment) for the streams this node opened itself to end."""
         await self._dials.close(CLOSE_WAIT_S)
+        await self._watches.close(CLOSE_WAIT_S)

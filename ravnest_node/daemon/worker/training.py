@@ -8,18 +8,29 @@ stage beside its streams and its reports to the coordinator until the plan or th
 first stage also drains when a newer plan is announced: it feeds no new step, and agrees with
 the coordinator on the step its plan ends at; the stages behind it learn that step from their
 upstream stream's clean end.
+
+A downstream stream that breaks on the network is opened again (`_stream_downstream`, with
+backoff and jitter) while the plan holds: each side sends again what the other lacks
+(transport/resume.py) and the stage trains on. Meanwhile it keeps computing what the schedule
+allows (backwards from the healthy side, forwards up to the staleness bound); its frames wait
+in the link's bounded outbox, and then the stage waits, counted as idle on that neighbour. The
+plan breaks instead, as before resuming, when the downstream's address refuses connections
+(its process is gone), it refuses the stream (its plan broke, or it cannot resume), or a newer
+plan has started (the coordinator counted a member lost).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import grpc
 import torch
 
 from ravnest_node.averaging import AveragingConfig, AveragingService, Replica, ReplicaAverager
@@ -35,6 +46,7 @@ from ravnest_node.daemon.worker.checkpoints import CheckpointKeeper
 from ravnest_node.daemon.worker.coordinator_client import CoordinatorClient
 from ravnest_node.daemon.worker.handover import Handover
 from ravnest_node.daemon.worker.links import LinkMeter
+from ravnest_node.daemon.worker.reconnect import Backoff
 from ravnest_node.daemon.worker.sessions import Session, Sessions
 from ravnest_node.devices import describe
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable, RunFailed
@@ -44,14 +56,31 @@ from ravnest_node.pipeline.metrics import StepReport, to_report
 from ravnest_node.pipeline.run import TrainConfig, check_frame_limit
 from ravnest_node.pipeline.stage import Averaging, StageRuntime, StageSpec
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.transport.boundary import BoundaryLink, LinkCounters, run_client_stream
-from ravnest_node.transport.options import TransportConfig, open_channel
+from ravnest_node.transport.boundary import (
+    BoundaryLink,
+    LinkCounters,
+    StreamBroken,
+    run_client_stream,
+)
+from ravnest_node.transport.options import TransportConfig, open_channel, refuses_connections
 
 __all__ = ["StageTrainer", "stage_spec", "stopped_blocks"]
 
 log = logging.getLogger(__name__)
 
 POISON_SCALE = 1e4
+RESUME_CONNECT_S = 3.0
+"""Seconds one attempt to open a broken downstream stream again waits for a connection: short,
+so that a connection attempt made while the link was down does not hold the resume long after
+it is back."""
+RESUME_BACKOFF_S = (0.2, 2.0)
+"""The first and the longest delay between those attempts (with jitter: reconnect.Backoff)."""
+RESUME_RESET_S = 10.0
+"""A resumed stream that carried frames this long resets the backoff."""
+REFUSED_TIMEOUT_S = 1.0
+MAX_QUICK_FAILURES = 5
+"""Resumed streams that break again within RESUME_RESET_S of connecting, in a row, before the
+plan breaks instead (a peer that answers, yet cannot carry the stream)."""
 """Test only (TrainConfig.fault_poison_pipeline): how much larger a poisoning replica's pushed
 deltas are than its real ones."""
 
@@ -269,6 +298,7 @@ class StageTrainer:
             "" if upstream is None else upstream.node_id,
             asyncio.get_running_loop().create_future(),
             downstream_node_id="" if downstream is None else downstream.node_id,
+            upstream_address="" if upstream is None or upstream.relayed else upstream.address,
             opens_upstream=upstream is not None and dials_back(upstream, me),
             downstream_opens=downstream is not None and dials_back(me, downstream),
         )
@@ -314,6 +344,7 @@ class StageTrainer:
             self._counters,
             runtime.window,
             pace_bps=runtime.run_config.link_pace_bps(runtime.spec.index),
+            first_seq=runtime.first_seq,
         )
         runtime.downstream = link
         if stage.session.downstream_opens:
@@ -322,15 +353,84 @@ class StageTrainer:
             return
         async with open_channel(downstream.address, self._transport) as channel:
             tg.create_task(self._train_stage(stage))
-            await run_client_stream(
-                channel,
-                link,
-                node_id=self.node_id,
-                epoch=stage.plan.epoch,
-                limits=self._sessions.limits,
-                accept=runtime.accept_from_downstream,
-                on_refused=self._sessions.on_refused,
-            )
+            try:
+                await self._open_downstream(stage, link, channel, 0)
+                return
+            except StreamBroken as exc:
+                if not await self._may_resume(stage, link, exc):
+                    raise
+        await self._stream_downstream(stage, link)
+
+    async def _open_downstream(
+        self, stage: _Stage, link: BoundaryLink, channel: grpc.aio.Channel, generation: int
+    ) -> None:
+        runtime = stage.runtime
+        await run_client_stream(
+            channel,
+            link,
+            node_id=self.node_id,
+            epoch=stage.plan.epoch,
+            limits=self._sessions.limits,
+            accept=runtime.accept_from_downstream,
+            on_refused=self._sessions.on_refused,
+            generation=generation,
+            admitted=runtime.admitted_gradients,
+        )
+
+    async def _stream_downstream(self, stage: _Stage, link: BoundaryLink) -> None:
+        """The downstream stream broke on the network: open it again, with backoff and
+        jitter, until it ends as a stream does, or the plan breaks (`_may_resume`)."""
+        assert stage.downstream is not None
+        address, epoch = stage.downstream.address, stage.plan.epoch
+        attempt = dataclasses.replace(self._transport, connect_timeout_s=RESUME_CONNECT_S)
+        backoff = Backoff(*RESUME_BACKOFF_S)
+        loop = asyncio.get_running_loop()
+        broken_at = loop.time()
+        log.warning("stream to %s broke; resuming it while plan epoch %d holds", link.peer, epoch)
+        generation, failed = 1, 0
+        while True:
+            await self._pause_unless_replanned(epoch, backoff.next_s())
+            started = self._client.started_plan
+            if started is not None and started.epoch > epoch:
+                raise PeerUnavailable(f"stream to {link.peer} did not resume before plan "
+                                      f"epoch {started.epoch} started")  # fmt: skip
+            connected_at = None
+            try:
+                async with open_channel(address, attempt) as channel:
+                    connected_at = loop.time()
+                    log.info("stream to %s resumes (try %d, %.1f s after it broke)", link.peer,
+                             generation, connected_at - broken_at)  # fmt: skip
+                    await self._open_downstream(stage, link, channel, generation)
+                return
+            except (StreamBroken, PeerUnavailable) as exc:
+                if connected_at is not None and loop.time() - connected_at > RESUME_RESET_S:
+                    backoff.reset()  # it carried frames a while: a new break
+                    broken_at, failed = loop.time(), 0
+                elif connected_at is not None:
+                    failed += 1  # the peer is there, and the stream broke again at once
+                if failed > MAX_QUICK_FAILURES or not await self._may_resume(stage, link, exc):
+                    raise
+            generation += 1
+
+    async def _may_resume(self, stage: _Stage, link: BoundaryLink, error: BaseException) -> bool:
+        """Whether the downstream stream, broken with `error`, may be opened again: not if
+        this stage gave up on it, a newer plan has started, or the downstream's address
+        refuses connections (its process is gone: the plan breaks at once, as a crash did
+        before streams resumed)."""
+        started = self._client.started_plan
+        if link.abort_reason is not None or (started is not None
+                                             and started.epoch > stage.plan.epoch):  # fmt: skip
+            return False
+        assert stage.downstream is not None
+        return not await refuses_connections(stage.downstream.address, REFUSED_TIMEOUT_S)
+
+    async def _pause_unless_replanned(self, epoch: int, delay_s: float) -> None:
+        """Wait `delay_s` (a backoff), less if a plan newer than `epoch` starts meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay_s):
+                await self._changes.wait_for(
+                    lambda: (p := self._client.started_plan) is not None and p.epoch > epoch
+                )
 
     async def _train_stage(self, stage: _Stage) -> None:
         await stage.runtime.run()

@@ -68,6 +68,7 @@ from ravnest_node.transport.boundary import Accept, BoundaryLink, LinkCounters
 from ravnest_node.transport.frames import FrameLimits
 from ravnest_node.transport.options import TransportConfig, open_channel
 from ravnest_node.transport.probe import LinkEstimate
+from ravnest_node.transport.resume import ResumeState
 
 __all__ = ["Worker"]
 
@@ -527,7 +528,7 @@ class Worker:
     # ----- what the daemon's gRPC server hands over -------------------------------------------
     async def open_session(
         self, peer_node_id: str, epoch: int, *, back: bool = False
-    ) -> tuple[BoundaryLink, Accept]:
+    ) -> tuple[BoundaryLink, Accept, Callable[[], ResumeState]]:
         """The previous stage opens its boundary stream (Sessions.open_session)."""
         return await self._sessions.open_session(peer_node_id, epoch, back=back)
 

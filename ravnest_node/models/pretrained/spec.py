@@ -86,7 +86,7 @@ def parse_spec(name: str) -> PretrainedSpec:
     part at fault, for a malformed name, a missing directory or an unsupported model."""
     if not name.startswith(PREFIX):
         raise ConfigError(f"not a pretrained model name (no {PREFIX!r} prefix): {name!r}")
-    directory, *options = name[len(PREFIX):].split(",")
+    directory, *options = name[len(PREFIX) :].split(",")
     path = Path(directory).expanduser()
     config = read_config(path)
     family = _family(path, config)
@@ -206,9 +206,9 @@ def local_paths(name: str) -> list[Path]:
     its data file); [] for other names. Parses nothing beyond the name."""
     if not name.startswith(PREFIX):
         return []
-    directory, *options = name[len(PREFIX):].split(",")
+    directory, *options = name[len(PREFIX) :].split(",")
     paths = [Path(directory).expanduser()]
-    paths += [Path(o[len("data="):]).expanduser() for o in options if o.startswith("data=")]
+    paths += [Path(o[len("data=") :]).expanduser() for o in options if o.startswith("data=")]
     return paths
 
 
