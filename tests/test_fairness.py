@@ -26,13 +26,12 @@ from ravnest_node.daemon.worker.coordinator_client import (
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.protocol import DEFAULT_LEASE_S, LOST_AFTER_LEASES, heartbeat_interval, hold_s
+from ravnest_node.protocol import LOST_AFTER_LEASES, heartbeat_interval, hold_s
 from ravnest_node.transport.options import TransportConfig
 
 from .fakes import Clock, FakeContext, capabilities, join
-from .test_chaos import beat, ring_offers, tiny_swarm
+from .test_chaos import LEASE_S, beat, ring_offers, tiny_swarm
 
-LEASE_S = DEFAULT_LEASE_S
 INTERVAL_S = heartbeat_interval(LEASE_S)
 
 
@@ -201,6 +200,7 @@ async def test_a_suspect_that_answers_never_restarts_a_pipeline_with_a_dead_memb
     svc = CoordinatorService(  # its own node (z) holds no stage: a may die
         train=TrainConfig(model="tiny", batch_size=16, steps=50), swarm_size=3,
         swarm_id="test/tiny", summary_path=None, clock=clock, probe=probe, node_id="z",
+        lease_s=LEASE_S,
     )  # fmt: skip
     for node in "abc":
         await join(svc, node, caps=capabilities(blocks=4))
