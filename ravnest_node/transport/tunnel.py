@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import ssl
 from typing import Any
 
@@ -146,8 +147,8 @@ class TunnelClient:
 
     async def run(self) -> None:
         """Answer the relay's `open` requests until cancelled; after a lost control connection,
-        register again for the same address (PeerUnavailable if that fails for the connect
-        timeout)."""
+        register again for the same address (`_reconnect`: PeerRefused if the relay refuses it
+        for the connect timeout)."""
         try:
             while True:
                 assert self._control is not None
@@ -171,20 +172,31 @@ class TunnelClient:
             self.close()
 
     async def _reconnect(self) -> None:
+        """Register again with the relay, as long as it takes while it does not answer (a link
+        down for minutes costs minutes, never the node: issue #34); a refusal (the relay still
+        holds the old control connection) is retried for the connect timeout, then raised."""
         if self._control is not None:
             self._control[1].close()
             self._control = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._connect_timeout_s
-        wait_s = RECONNECT_FIRST_S
+        wait_s, warned = RECONNECT_FIRST_S, False
         while True:
             try:
                 await self.open()
+                if warned:
+                    log.warning("registered with relay %s again", self._relay)
                 return
-            except (PeerUnavailable, PeerRefused):  # refused: the relay still holds the old one
+            except PeerUnavailable as exc:
+                if not warned and loop.time() > deadline:
+                    log.warning("relay %s does not answer (%s): still trying", self._relay, exc)
+                    warned = True
+            except PeerRefused:
                 if loop.time() + wait_s > deadline:
                     raise
-            await asyncio.sleep(wait_s)  # a back-off between attempts, not a wait for an event
+            # A back-off between attempts (jittered: nodes cut off together do not come back
+            # in step), not a wait for an event.
+            await asyncio.sleep(random.uniform(wait_s / 2, wait_s))
             wait_s = min(2 * wait_s, RECONNECT_MAX_S)
 
     async def _carry(self, conn_id: int) -> None:
