@@ -61,6 +61,8 @@ LEAVE_TIMEOUT_S = 1.0
 # A report the coordinator refused at once as unavailable is tried again after this pause,
 # and a plan stream that ended is opened again after it.
 REPORT_RETRY_S = 0.5
+BEAT_LOG_EVERY_S = 60.0
+"""While heartbeats keep failing, a warning at most this often."""
 # The coordinator counts as lost (a leaving node stops waiting for a hand-over, an elected
 # one's members elect another) once its address has refused the plan stream this long: its
 # process is gone, not one dropped connection. Unreachable otherwise, it waits `hold_s`.
@@ -185,6 +187,8 @@ class CoordinatorClient:
         """Set when `follow` moves this node to another coordinator (the plan stream moves)."""
         self._failing_since: float | None = None
         """When heartbeats to the coordinator followed now began to fail (None: they do not)."""
+        self._beat_logged_at = -float("inf")
+        """When a failed heartbeat was last logged."""
         self._tasks = Tasks("calls to the coordinator")
         """Suspect calls in flight, and plan streams from a coordinator left behind that did
         not end at once when cancelled."""
@@ -358,9 +362,20 @@ class CoordinatorClient:
     async def _beat_failed(self, coordinator: str, sent: float, exc: PeerError) -> None:
         """A heartbeat sent at `sent` failed: the coordinator counts as lost once they have
         failed for `hold_s`."""
-        log.warning("heartbeat failed: %s", exc)
         if coordinator != self.address:  # a failover moved it meanwhile
+            log.warning("heartbeat failed: %s", exc)
             return
+        now = asyncio.get_running_loop().time()
+        if self._failing_since is None or now - self._beat_logged_at >= BEAT_LOG_EVERY_S:
+            # Retried every 0.3 to 0.7 s while failing: one line when they start failing, then
+            # one a minute (a link down for 5 minutes wrote 580 lines before).
+            since = (
+                ""
+                if self._failing_since is None
+                else f" (failing for {now - self._failing_since:.0f} s)"
+            )
+            log.warning("heartbeat failed%s: %s", since, exc)
+            self._beat_logged_at = now
         if self._failing_since is None:
             self._failing_since = sent
         silent_s = asyncio.get_running_loop().time() - self._failing_since
