@@ -27,7 +27,7 @@ from ravnest_node.coordination.locate import (
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.daemon.worker.worker import Worker
 from ravnest_node.discovery import MdnsDiscovery
-from ravnest_node.errors import PeerError, PeerUnavailable
+from ravnest_node.errors import PeerError, PeerUnavailable, RunFailed
 from ravnest_node.proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -237,8 +237,7 @@ class Leadership:
             elif self.led_term:
                 successor = await self._successor(worker, self.led_term, {self._node_id})
                 if successor is not None or self._votes_for_later_term():
-                    await self._step_down(worker, successor)
-                    continue
+                    self._step_down(successor)
                 # Each new mDNS record ends the wait (a successor's, say); otherwise a lease.
                 lease_s = self._config.membership.lease_s
                 if self.mdns is not None:
@@ -252,27 +251,18 @@ class Leadership:
         """This coordinator voted in a term after the one it leads: another node won it."""
         return self.votes is not None and self.votes.state.term > self.led_term
 
-    async def _step_down(self, worker: Worker, successor: Found | None) -> None:
-        """A coordinator of a later term leads the swarm (this one was cut off, or hung, long
-        enough for the others to elect it): stop acting as one at once (its calls are refused
-        from now on) and follow the successor as a worker, as a member that lost its
-        coordinator does: its stage's plan is one the swarm has left, so it waits for the
-        successor's plans, and joins them as a newcomer (issue #34: a network fault never ends
-        a daemon). With the successor's address not known yet, the failover path finds it
-        (`_fail_over`, once this node counts its coordinator, itself, lost)."""
+    def _step_down(self, successor: Found | None) -> None:
+        """A coordinator of a later term leads the swarm: stop acting as one (its calls are
+        refused from now on) and fail the run (RunFailed): this node's stage is of a run the
+        swarm has left."""
         voted = self.votes.state.term if self.votes is not None else 0
         who = (f"node at {successor.address} leads term {successor.term}" if successor
                else f"this node voted in term {voted}")  # fmt: skip
-        log.warning("this node led term %d as coordinator, but the swarm has elected another "
-                    "(%s): it steps down and follows it as a worker", self.led_term,
-                    who)  # fmt: skip
-        self.service, self.led_term, self.found = None, 0, successor
-        if successor is None:
-            return
-        try:
-            await worker.follow(successor.address)
-        except PeerError as exc:  # the failover path finds a coordinator
-            log.warning("cannot join coordinator %s yet: %s", successor.address, exc)
+        self.service = None
+        raise RunFailed(
+            f"this node led term {self.led_term} as coordinator, but the swarm has elected "
+            f"another ({who}): it steps down and stops; start it again to rejoin the swarm"
+        )
 
     async def _successor(
         self, worker: Worker, above_term: int, lost: set[str], ask: AskStatus | None = None
