@@ -56,6 +56,22 @@ def start_swarm(
     return nodes, addresses
 
 
+def middle_at_cut_step(addresses: list[str]) -> int:
+    """Which node owns the middle stage of the first plan, once that stage reaches CUT_STEP."""
+    middle: list[int] = []
+
+    def reached() -> bool:
+        for i, address in enumerate(addresses):
+            s = status(address)
+            if s is not None and s.plan_epoch == 1 and s.stage == 1:
+                middle[:] = [i]
+                return s.version >= CUT_STEP
+        return False
+
+    poll_until(reached, 120)
+    return middle[0]
+
+
 def test_a_middle_node_cut_off_for_a_minute_comes_back_and_the_run_finishes(
     procs: Procs, tmp_path: Path
 ) -> None:
@@ -68,18 +84,7 @@ def test_a_middle_node_cut_off_for_a_minute_comes_back_and_the_run_finishes(
     links.remove_leftovers(TEST_NAME)  # of a run killed before its teardown
     with NetnsSwarm(3, LinkSpec(50, 0), name=TEST_NAME) as net:
         nodes, addresses = start_swarm(procs, net, tmp_path)
-        middle: list[int] = []
-
-        def middle_at_cut_step() -> bool:
-            for i, address in enumerate(addresses):
-                s = status(address)
-                if s is not None and s.plan_epoch == 1 and s.stage == 1:
-                    middle[:] = [i]
-                    return s.version >= CUT_STEP
-            return False
-
-        poll_until(middle_at_cut_step, 120)
-        cut = middle[0]
+        cut = middle_at_cut_step(addresses)
         net.link_down(cut)
         down_at = time.monotonic()
         try:
@@ -126,18 +131,7 @@ def test_a_middle_node_cut_off_for_ten_seconds_resumes_its_streams(
     links.remove_leftovers(TEST_NAME)
     with NetnsSwarm(3, LinkSpec(50, 0), name=TEST_NAME) as net:
         nodes, addresses = start_swarm(procs, net, tmp_path)
-        middle: list[int] = []
-
-        def middle_at_cut_step() -> bool:
-            for i, address in enumerate(addresses):
-                s = status(address)
-                if s is not None and s.plan_epoch == 1 and s.stage == 1:
-                    middle[:] = [i]
-                    return s.version >= CUT_STEP
-            return False
-
-        poll_until(middle_at_cut_step, 120)
-        cut = middle[0]
+        cut = middle_at_cut_step(addresses)
         net.flap(cut, 10.0)
         summary_path = tmp_path / "n0" / "summary.json"
         poll_until(lambda: summary_path.exists() or any(p.poll() is not None for p in nodes), 150)

@@ -146,15 +146,21 @@ class Downstream:
         return self.link, self.accept, lambda: ResumeState(next_forward=self.next_forward)
 
 
-async def test_a_stream_cut_mid_run_resumes_and_every_frame_is_admitted_once() -> None:
-    n, window = 40, 4
-    down = Downstream()
+async def serve(down: Downstream) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server on loopback whose boundary streams go to `down`; and its port."""
     server = grpc.aio.server()
     boundary = BoundaryServer(down.open_session, lambda link, error: None,  # type: ignore[arg-type]
                               lambda reason: None, LIMITS)  # fmt: skip
     server.add_generic_rpc_handlers((boundary.handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    return server, port
+
+
+async def test_a_stream_cut_mid_run_resumes_and_every_frame_is_admitted_once() -> None:
+    n, window = 40, 4
+    down = Downstream()
+    server, port = await serve(down)
     cutter = Cutter(port)
     proxy_port = await cutter.start()
     link = BoundaryLink("down", LinkCounters(), outbox_size=window)
@@ -231,12 +237,7 @@ async def test_a_resume_the_server_cannot_serve_is_refused() -> None:
     down = Downstream()
     for seq in range(12):  # more than its log keeps (twice the outbox)
         down.link.log.record(seq, b"x")
-    server = grpc.aio.server()
-    boundary = BoundaryServer(down.open_session, lambda link, error: None,  # type: ignore[arg-type]
-                              lambda reason: None, LIMITS)  # fmt: skip
-    server.add_generic_rpc_handlers((boundary.handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await serve(down)
     link = BoundaryLink("down", LinkCounters(), outbox_size=4)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

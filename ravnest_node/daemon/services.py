@@ -10,7 +10,6 @@ exactly what they are given.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -20,12 +19,17 @@ import grpc
 from ravnest_node.coordination.coordinator.membership import ProbeAnswer
 from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.daemon.worker.worker import Worker
-from ravnest_node.errors import ConfigError, StartupError
+from ravnest_node.errors import StartupError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.transport.errors import Refusal, unanswered
 from ravnest_node.transport.gate import TlsGate
-from ravnest_node.transport.options import TransportConfig, grpc_channel, split_host_port
+from ravnest_node.transport.options import (
+    TransportConfig,
+    grpc_channel,
+    split_host_port,
+    tcp_answer,
+)
 
 T = TypeVar("T")
 
@@ -110,20 +114,14 @@ async def probe_node(
 
 
 async def _connect(address: str, timeout_s: float) -> ProbeAnswer:
-    """A plain TCP connection to `address`: ALIVE if it is accepted, REFUSED if the address
-    refuses it, SILENT if nothing answers within `timeout_s` (or the host cannot be reached
-    or named: a cut link looks like that too)."""
-    try:
-        host, port = split_host_port(address)
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-    except ConnectionRefusedError:
-        return ProbeAnswer.REFUSED
-    except (OSError, TimeoutError, ConfigError):
-        return ProbeAnswer.SILENT
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return ProbeAnswer.ALIVE
+    """A plain TCP connection to `address` (`tcp_answer`): ALIVE if it is accepted, REFUSED
+    if the address refuses it, SILENT if nothing answers in time."""
+    answer = await tcp_answer(address, timeout_s)
+    return (
+        ProbeAnswer.SILENT
+        if answer is None
+        else (ProbeAnswer.ALIVE if answer else ProbeAnswer.REFUSED)
+    )
 
 
 class CoordinatorGate(pb_grpc.CoordinatorServicer):

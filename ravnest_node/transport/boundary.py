@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,7 +171,7 @@ class BoundaryLink:
     async def pump_writes(
         self,
         write: Callable[[bytes], Awaitable[Any]],
-        resend: list[tuple[int, bytes]] = (),  # type: ignore[assignment]
+        resend: Sequence[tuple[int, bytes]] = (),
     ) -> None:
         """Write `resend` (frames the peer of a resumed stream lacks), then queued frames
         until `close`; counts each message's bytes once written. Each frame is kept in the log

@@ -103,21 +103,31 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def refuses_connections(address: str, timeout_s: float) -> bool:
-    """Does `address` refuse a plain TCP connection now (nobody listens there: a stopped
-    process)? False if it accepts one, or nothing answers within `timeout_s` (a machine off,
-    a link cut: no verdict), or it cannot be named."""
+REFUSED_TIMEOUT_S = 1.0
+"""How long a look at whether an address refuses connections waits for an answer."""
+
+
+async def tcp_answer(address: str, timeout_s: float) -> bool | None:
+    """A plain TCP connection to `address`: True if it is accepted, False if the address
+    refuses it (nobody listens there: a stopped process), None if nothing answers within
+    `timeout_s` or the host cannot be reached or named (a machine off, a link cut: no
+    verdict)."""
     try:
         host, port = split_host_port(address)
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     except ConnectionRefusedError:
-        return True
-    except (OSError, TimeoutError, ConfigError):
         return False
+    except (OSError, TimeoutError, ConfigError):
+        return None
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
-    return False
+    return True
+
+
+async def refuses_connections(address: str, timeout_s: float = REFUSED_TIMEOUT_S) -> bool:
+    """Does `address` refuse a plain TCP connection now (`tcp_answer` False)?"""
+    return await tcp_answer(address, timeout_s) is False
 
 
 def is_loopback(address: str) -> bool:

@@ -61,9 +61,8 @@ MEMBERS_KEEP_S = 10.0
 # Seconds the streams this node opened itself get to end when the node closes.
 CLOSE_WAIT_S = 0.5
 # While a broken upstream stream is not resumed: how often this side looks again whether the
-# upstream's address refuses connections, and how long one look waits for an answer.
+# upstream's address refuses connections.
 WATCH_S = 0.5
-REFUSED_TIMEOUT_S = 1.0
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -388,7 +387,7 @@ class Sessions:
                     f"{started.epoch} started"))  # fmt: skip
                 return
             address = session.upstream_address
-            if address and await refuses_connections(address, REFUSED_TIMEOUT_S) and not over():
+            if address and await refuses_connections(address) and not over():
                 session.fail_upstream(PeerUnavailable(
                     f"upstream stream from {link.peer} broke and {address} refuses "
                     "connections"))  # fmt: skip

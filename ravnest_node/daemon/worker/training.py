@@ -77,7 +77,6 @@ RESUME_BACKOFF_S = (0.2, 2.0)
 """The first and the longest delay between those attempts (with jitter: reconnect.Backoff)."""
 RESUME_RESET_S = 10.0
 """A resumed stream that carried frames this long resets the backoff."""
-REFUSED_TIMEOUT_S = 1.0
 MAX_QUICK_FAILURES = 5
 """Resumed streams that break again within RESUME_RESET_S of connecting, in a row, before the
 plan breaks instead (a peer that answers, yet cannot carry the stream)."""
@@ -422,7 +421,7 @@ class StageTrainer:
                                              and started.epoch > stage.plan.epoch):  # fmt: skip
             return False
         assert stage.downstream is not None
-        return not await refuses_connections(stage.downstream.address, REFUSED_TIMEOUT_S)
+        return not await refuses_connections(stage.downstream.address)
 
     async def _pause_unless_replanned(self, epoch: int, delay_s: float) -> None:
         """Wait `delay_s` (a backoff), less if a plan newer than `epoch` starts meanwhile."""
