@@ -16,7 +16,10 @@ from ravnest_node.compression import CODECS
 from ravnest_node.compression.auto import (
     AUTO,
     AUTO_LADDER,
+    COMPACT,
+    COMPACT_PRIOR_BITS,
     choose_codec,
+    compact_estimate,
     link_bound,
     payload_sizes,
 )
@@ -117,6 +120,30 @@ def test_rule_refuses_nonsense() -> None:
             choose_codec([("none", 1)], bandwidth_bps=bad, compute_s=1.0)
         with pytest.raises(ValueError, match="must be > 0"):
             choose_codec([("none", 1)], bandwidth_bps=1.0, compute_s=bad)
+
+
+def test_klt_is_taken_where_it_costs_least_and_its_coding_counts() -> None:
+    sizes = [*_bench_small_activation(), compact_estimate("activation", (4, 128, 256))]
+    assert sizes[-1] == (COMPACT, 4 * 128 * 256 * COMPACT_PRIOR_BITS["activation"] // 8)
+    link = {"bandwidth_bps": 10 * MBIT, "compute_s": 0.040}  # int4: 59 ms of a 20 ms budget
+    assert choose_codec(sizes, **link) == COMPACT  # 26 ms: still over, but the least
+    assert choose_codec(sizes, **link, coding_s={COMPACT: 0.010}) == COMPACT  # 36 ms < 59 ms
+    # A coder slower than the bytes it saves: int4-block (59 ms) costs less than klt (26 + 40).
+    assert choose_codec(sizes, **link, coding_s={COMPACT: 0.040}) == "int4-block"
+    # ... and coding counts within the budget too: int8 fits on home unless its coding is slow.
+    home = {"bandwidth_bps": 50 * MBIT, "compute_s": 0.070}  # int8 21 ms of 35
+    assert choose_codec(sizes, **home) == "int8-block"
+    assert choose_codec(sizes, **home, coding_s={"int8-block": 0.015}) == "int4-block"
+    # Where none fits, another codec must cost HYSTERESIS less than the current one.
+    near = [("int4-block", 1000), (COMPACT, 900)]
+    slow = {"bandwidth_bps": 8000.0, "compute_s": 0.1}  # 1 s and 0.9 s against 50 ms
+    assert choose_codec(near, **slow) == COMPACT
+    assert choose_codec(near, **slow, current="int4-block") == "int4-block"
+    assert choose_codec([("int4-block", 1000), (COMPACT, 700)], **slow, current="int4-block") == (
+        COMPACT
+    )
+    # What klt's frames measured on the link replaces the prior.
+    assert compact_estimate("gradient", (4, 128, 256), 5000.4) == (COMPACT, 5000)
 
 
 # ------------------------------------------------------------------- the probe, on a fake clock
@@ -357,6 +384,37 @@ def test_auto_packs_with_deflate_only_while_the_link_is_the_bottleneck() -> None
         assert not any(asked(choice, compute, 4)) and choice.deflated == 0
 
 
+def test_auto_sends_klt_only_to_a_peer_that_decodes_it_and_keeps_its_basis() -> None:
+    def run(decodes: bool, steps: int = 6) -> tuple[CodecChoice, list[str]]:
+        compute = _Compute()
+        choice = CodecChoice(AUTO, "activation", compute_s=compute, every=4, what="test")
+        choice.bandwidth_bps, choice.peer_decodes_klt = 1 * MBIT, decodes
+        used = []
+        for _ in range(steps * 4):
+            sent = choice.outgoing("hidden", torch.randn(4, 32, 64))
+            used.append(sent.codec.name)
+            choice.sent("", nbytes=2000, coding_s=0.0005)
+            compute.s += 0.004
+        return choice, used
+
+    choice, used = run(decodes=True)
+    assert used == ["int4-block"] * 8 + [COMPACT] * 16
+    assert choice.frame_bytes[COMPACT] == pytest.approx(2000)
+    assert choice.coding_s[COMPACT] == pytest.approx(0.0005)
+    # An older peer never gets klt.
+    assert set(run(decodes=False)[1]) == {"int4-block"}
+    # Away from klt and back: the same sender state, its learned basis with it.
+    kept = choice.outgoing("hidden", torch.randn(4, 32, 64)).state
+    choice.bandwidth_bps = 1e12
+    for _ in range(8):
+        choice.outgoing("hidden", torch.randn(4, 32, 64))
+    assert choice.name == "none"
+    choice.bandwidth_bps = 1 * MBIT
+    for _ in range(8):
+        back = choice.outgoing("hidden", torch.randn(4, 32, 64))
+    assert back.codec.name == COMPACT and back.state is kept
+
+
 def test_auto_without_a_measured_link_keeps_the_smallest_codec() -> None:
     compute = _Compute()
     choice = CodecChoice(AUTO, "gradient", compute_s=compute, every=4, what="test")
@@ -394,8 +452,9 @@ def test_auto_is_accepted_wherever_a_codec_is_and_travels_in_the_run_spec() -> N
 
 def test_a_slow_link_gets_a_lighter_codec_than_a_fast_one(tmp_path: Path) -> None:
     """Three nodes on loopback, `--codec auto`; the link between stages 0 and 1 is paced to
-    1 Mbit/s each way. Both directions of it settle on int4-block; the loopback link between
-    stages 1 and 2 on something more faithful; training works."""
+    1 Mbit/s each way. Both directions of it settle on klt (every node decodes it, and it
+    costs least where the link is the bottleneck); the loopback link between stages 1 and 2 on
+    something more faithful; training works."""
     steps = 10
     s = demo_summary(
         tmp_path, "auto", "--model", "tiny", "--seed", "0", "--steps", str(steps),
@@ -403,22 +462,21 @@ def test_a_slow_link_gets_a_lighter_codec_than_a_fast_one(tmp_path: Path) -> Non
     )  # fmt: skip
     first, middle, last = s["stages"]
     assert (s["codec"], s["gradient_codec"]) == (AUTO, AUTO)
+    candidates = {*AUTO_LADDER, COMPACT}
     # Every link reports a registered codec per role, and what it measured.
     for stage, role in ((first, "activation"), (middle, "activation"), (middle, "gradient"),
                         (last, "gradient")):  # fmt: skip
-        assert stage[f"{role}_codec"] in AUTO_LADDER
+        assert stage[f"{role}_codec"] in candidates
         assert sum(stage[f"{role}_codec_frames"].values()) == steps * 4
-        assert set(stage[f"{role}_codec_frames"]) <= set(AUTO_LADDER)
+        assert set(stage[f"{role}_codec_frames"]) <= candidates
     assert first["gradient_codec"] == "" and last["activation_codec"] == ""
-    # The slow link: measured near its pace, int4-block both ways.
+    # The slow link: measured near its pace; int4-block while nothing is measured (two
+    # steps), then klt both ways, never deflated (its payloads are entropy-coded already).
     assert 0.5 * MBIT < first["downstream_bandwidth_bps"] < 1.1 * MBIT
     assert 0.5 * MBIT < middle["upstream_bandwidth_bps"] < 1.1 * MBIT
-    assert first["activation_codec_frames"] == {"int4-block": steps * 4}
-    assert middle["gradient_codec_frames"] == {"int4-block": steps * 4}
-    # ... and deflated once measured (the link is the bottleneck and every node unpacks
-    # deflate; a frame counts only where deflate made it smaller); never on loopback.
-    assert first["activation_deflated_frames"] > 0 and middle["gradient_deflated_frames"] > 0
-    assert middle["activation_deflated_frames"] == 0 == last["gradient_deflated_frames"]
+    assert first["activation_codec_frames"] == {"int4-block": 8, COMPACT: steps * 4 - 8}
+    assert middle["gradient_codec_frames"] == {"int4-block": 8, COMPACT: steps * 4 - 8}
+    assert first["activation_deflated_frames"] == 0 == middle["gradient_deflated_frames"]
     # The loopback link: far faster, and a more faithful codec once measured.
     assert middle["downstream_bandwidth_bps"] > 50 * MBIT
     rank = AUTO_LADDER.index

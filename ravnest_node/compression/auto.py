@@ -2,21 +2,30 @@
 
 A pipeline overlaps transfers with compute, so a link slows training only when moving one
 microbatch's tensor takes longer than the stage needs to compute one microbatch. `auto` picks,
-per link and role, the most faithful codec whose transfer time fits in a share of that compute
-time, and the smallest one when none fits:
+per link and role, the most faithful codec whose cost fits in a share of that compute time, and
+the cheapest one when none fits:
 
-    transfer_s(codec) = payload_bytes(codec, tensor) * 8 / bandwidth_bps
-    pick the first codec of AUTO_LADDER with transfer_s <= LINK_SHARE * compute_s_per_microbatch
+    cost(codec) = payload_bytes(codec, tensor) * 8 / bandwidth_bps + coding_s(codec)
+    pick the first codec of the ladder with cost <= LINK_SHARE * compute_s_per_microbatch,
+    else the codec of least cost
 
-When even the smallest codec does not fit, the link is the pipeline's bottleneck, and `auto` also
-packs that codec's payloads with deflate (transport/frames.py): 1.1-1.4x fewer bytes for about
-1.5 ms of one core per 74 kB frame, time the link would spend anyway (`link_bound`).
+The ladder is AUTO_LADDER (sizes known from the shape: `payload_sizes`) and, towards a peer
+that decodes it, COMPACT (klt, whose size depends on the values: `compact_estimate`, from the
+frames it made on this link or a prior). `coding_s` is what encoding and the peer's decoding
+cost per frame (the caller measures its own encode time; the peer's decode is taken as equal):
+coding time counts against the compute budget the way link time does, so a compact codec whose
+coder is slow on this machine loses to one that is larger but cheap.
+
+When the chosen codec is int4-block and even it does not fit, the link is the pipeline's
+bottleneck, and `auto` also packs its payloads with deflate (transport/frames.py): 1.1-1.4x
+fewer bytes for about 1.5 ms of one core per 74 kB frame, time the link would spend anyway
+(`link_bound`).
 
 RTT does not count: boundary streams pipeline frames, so latency delays a microbatch but does not
 lower the rate. `LINK_SHARE` = 0.5 leaves the other half for what the estimate misses (the
-measurement's noise, bubbles, the targets and headers that travel along, the receiver's decode).
-Moving to a more faithful codec than the current one needs a further HYSTERESIS margin, so a
-link near a threshold does not flap between two codecs.
+measurement's noise, bubbles, the targets and headers that travel along). Moving to a more
+faithful codec than the current one needs a further HYSTERESIS margin, and so does moving
+between two codecs when none fits, so a link near a threshold does not flap between two codecs.
 
 `auto` is a setting, not a codec: frames always name the codec they were encoded with, so a
 receiver decodes whatever the sender picked, and the sender may change its mind between frames.
@@ -25,7 +34,8 @@ Everything here is pure: the caller measures (transport/probe.py, the stage's co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from math import prod
 
 import torch
 
@@ -35,6 +45,15 @@ AUTO = "auto"
 """The setting that lets each link choose its codec (never a wire codec)."""
 AUTO_LADDER: tuple[str, ...] = ("none", "bf16", "int8-block", "int4-block")
 """What `auto` chooses from, most faithful first (32, 16, 8.06 and 4.5 bits per element)."""
+COMPACT = "klt"
+"""The most compact codec, after the ladder, towards a peer that decodes it."""
+COMPACT_PRIOR_BITS: dict[str, float] = {"activation": 2.0, "gradient": 3.0}
+"""Bits per element klt is assumed to take before a frame of it was measured on the link: above
+what it took on bench-small's boundaries (1.1-1.5 for activations, 1.8-2.2 for gradients,
+docs/benchmarks.md), so that a prior never sells it short of what it does."""
+COMPACT_PRIOR_CODING_S_PER_ELEMENT = 2e-8
+"""Seconds of encoding (and as many of the peer's decoding) per element klt is assumed to take
+before a frame of it was measured: about what bench-small's microbatch takes on one core."""
 LINK_SHARE = 0.5
 """Share of the stage's compute time per microbatch that one tensor's transfer may take."""
 HYSTERESIS = 0.2
@@ -56,6 +75,16 @@ def payload_sizes(role: Role, shape: Sequence[int], dtype: torch.dtype) -> list[
     return sizes
 
 
+def compact_estimate(
+    role: Role, shape: Sequence[int], measured_bytes: float | None = None
+) -> tuple[str, int]:
+    """(COMPACT, payload bytes) for a tensor of `shape`: `measured_bytes` (what its frames took
+    on this link) when known, else COMPACT_PRIOR_BITS of its elements."""
+    if measured_bytes is not None:
+        return COMPACT, round(measured_bytes)
+    return COMPACT, round(prod(shape) * COMPACT_PRIOR_BITS[role] / 8)
+
+
 def transfer_s(nbytes: int, bandwidth_bps: float) -> float:
     """Seconds to move `nbytes` over a link of `bandwidth_bps` bits per second."""
     return nbytes * 8 / bandwidth_bps
@@ -64,9 +93,18 @@ def transfer_s(nbytes: int, bandwidth_bps: float) -> float:
 def _fits(nbytes: int, bandwidth_bps: float, compute_s: float, share: float, margin: float) -> bool:
     """Whether `nbytes` moves over `bandwidth_bps` within `share` of `compute_s`, less a
     `margin` (0, or the hysteresis). ValueError for non-positive measurements."""
+    _fits_s(0.0, bandwidth_bps, compute_s, share, margin)  # ValueError before a division by 0
+    return _fits_s(transfer_s(nbytes, bandwidth_bps), bandwidth_bps, compute_s, share, margin)
+
+
+def _fits_s(
+    cost_s: float, bandwidth_bps: float, compute_s: float, share: float, margin: float
+) -> bool:
+    """Whether `cost_s` lies within `share` of `compute_s`, less a `margin`. ValueError for
+    non-positive measurements."""
     if not bandwidth_bps > 0 or not compute_s > 0:
         raise ValueError(f"bandwidth_bps={bandwidth_bps} and compute_s={compute_s} must be > 0")
-    return transfer_s(nbytes, bandwidth_bps) <= share * compute_s * (1 - margin)
+    return cost_s <= share * compute_s * (1 - margin)
 
 
 def choose_codec(
@@ -77,19 +115,30 @@ def choose_codec(
     current: str | None = None,
     share: float = LINK_SHARE,
     hysteresis: float = HYSTERESIS,
+    coding_s: Mapping[str, float] | None = None,
 ) -> str:
-    """The most faithful codec of `sizes` whose transfer fits in `share` of `compute_s` (the
-    stage's compute seconds per microbatch) on a link of `bandwidth_bps`; the last (smallest)
+    """The most faithful codec of `sizes` whose cost (transfer on a link of `bandwidth_bps`
+    plus `coding_s`, the seconds its encoding and decoding take per frame, 0 where not given)
+    fits in `share` of `compute_s` (the stage's compute seconds per microbatch); the cheapest
     one when none fits. A codec more faithful than `current` must fit with the `hysteresis`
-    margin. ValueError for empty sizes or non-positive measurements."""
+    margin; when none fits, another codec than `current` must cost `hysteresis` less.
+    ValueError for empty sizes or non-positive measurements."""
     if not sizes:
         raise ValueError("choose_codec needs at least one candidate")
+    _fits_s(0.0, bandwidth_bps, compute_s, share, 0.0)  # ValueError for nonsense measurements
+    coding = coding_s or {}
     names = [name for name, _ in sizes]
     rank = names.index(current) if current in names else 0  # codecs more faithful than current
-    for i, (name, nbytes) in enumerate(sizes):
-        if _fits(nbytes, bandwidth_bps, compute_s, share, hysteresis if i < rank else 0.0):
+    costs = {
+        name: transfer_s(nbytes, bandwidth_bps) + coding.get(name, 0.0) for name, nbytes in sizes
+    }
+    for i, (name, _) in enumerate(sizes):
+        if _fits_s(costs[name], bandwidth_bps, compute_s, share, hysteresis if i < rank else 0.0):
             return name
-    return names[-1]
+    cheapest = min(names, key=lambda name: (costs[name], -names.index(name)))
+    if current in costs and costs[cheapest] > (1 - hysteresis) * costs[current]:
+        return current
+    return cheapest
 
 
 def link_bound(

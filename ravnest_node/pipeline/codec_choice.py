@@ -10,8 +10,14 @@ stage starts with the smallest codec of the ladder (nothing is known yet), and r
   the new one). The first window holds start-up costs (first calls, allocations) and is
   skipped, so the first decision comes at frame 2 x `every`.
 
-When the smallest codec still does not fit (`link_bound`) and the peer unpacks deflate (its
-plan entry says so; an older node does not), the payloads are also packed with deflate;
+Towards a peer that decodes klt (its plan entry says so; an older node does not), klt joins the
+candidates after the ladder (compression/auto.py, COMPACT): its size is the mean of the frames
+it made on this link (a prior before the first), and the time a frame takes to encode here,
+twice (the peer decodes it), counts against the budget, for every codec: `sent` measures both.
+klt's sender state (its learned basis) is kept when `auto` moves away from it and back.
+
+When int4-block is chosen and still does not fit (`link_bound`) and the peer unpacks deflate
+(its plan entry says so), the payloads are also packed with deflate;
 `deflated` counts the frames that went deflated (the sender reports each with `sent`). int4-block
 then takes its bottleneck variants (`encoder(..., bottleneck=True)`): activations with one scale
 per 256 elements, gradients with codes -3..3; both are ordinary int4-block payloads that deflate
@@ -33,7 +39,10 @@ from ravnest_node.compression import Codec, encoder
 from ravnest_node.compression.auto import (
     AUTO,
     AUTO_LADDER,
+    COMPACT,
+    COMPACT_PRIOR_CODING_S_PER_ELEMENT,
     choose_codec,
+    compact_estimate,
     link_bound,
     payload_sizes,
 )
@@ -44,6 +53,10 @@ log = logging.getLogger(__name__)
 
 SMOOTHING = 0.5
 """Weight of the newest compute-time estimate against the previous one."""
+FRAME_SMOOTHING = 0.1
+"""Weight of the newest frame in the running means of a codec's frame bytes and coding time."""
+DEFLATES = AUTO_LADDER[-1]
+"""The codec whose payloads deflate packs on a bottleneck link (int4-block)."""
 
 
 class CodecChoice:
@@ -74,6 +87,12 @@ class CodecChoice:
         """Frames sent per codec (replaced, never mutated: safe to read from another thread)."""
         self.peer_unpacks_deflate = False
         """The peer unpacks deflated payloads (set by the worker from the plan)."""
+        self.peer_decodes_klt = False
+        """The peer decodes klt frames (set by the worker from the plan): `auto` may pick it."""
+        self.frame_bytes: dict[str, float] = {}
+        """Running mean of each codec's frame bytes on this link (replaced, never mutated)."""
+        self.coding_s: dict[str, float] = {}
+        """Running mean of each codec's encoding seconds per frame (replaced, never mutated)."""
         self.deflate = False
         """Whether the next frame asks for deflate (auto, a bottleneck link, a peer that
         unpacks it)."""
@@ -81,6 +100,7 @@ class CodecChoice:
         """Frames that went deflated (`sent`)."""
         self._compute_s = compute_s
         self._every = max(1, every)
+        self._kept: dict[str, object | None] = {}  # klt's sender state, kept across switches
         self._current = self._make(AUTO_LADDER[-1] if self.auto else name)
         self._sizes: list[tuple[str, int]] | None = None
         self._sent = 0
@@ -93,6 +113,8 @@ class CodecChoice:
 
     def _make(self, name: str, bottleneck: bool = False) -> tuple[Codec, object | None]:
         codec = encoder(name, self.role, bottleneck=bottleneck)
+        if name == COMPACT:
+            return codec, self._kept.setdefault(name, codec.new_state())
         return codec, codec.new_state()
 
     def outgoing(self, tensor_name: str, tensor: torch.Tensor) -> Outgoing:
@@ -104,9 +126,17 @@ class CodecChoice:
         self.frames = {**self.frames, codec.name: self.frames.get(codec.name, 0) + 1}
         return Outgoing(tensor_name, tensor, codec, state, deflate=self.deflate)
 
-    def sent(self, packing: str) -> None:
-        """The frame of the last `outgoing` went with this packing ("deflate", "lz4", "")."""
+    def sent(
+        self, packing: str, *, nbytes: int | None = None, coding_s: float | None = None
+    ) -> None:
+        """The frame of the last `outgoing` went with this packing ("deflate", "lz4", ""),
+        took `nbytes` on the wire and `coding_s` seconds to encode (where measured)."""
         self.deflated += packing == "deflate"
+        name = self.name
+        if nbytes is not None:
+            self.frame_bytes = {**self.frame_bytes, name: _mean(self.frame_bytes.get(name), nbytes)}
+        if coding_s is not None:
+            self.coding_s = {**self.coding_s, name: _mean(self.coding_s.get(name), coding_s)}
 
     def _decide(self, tensor: torch.Tensor) -> None:
         now_s = self._compute_s()
@@ -122,17 +152,21 @@ class CodecChoice:
         self.compute_per_microbatch_s = estimate
         if self.bandwidth_bps is None or not estimate > 0:
             return
+        sizes = list(self._sizes)
+        if self.peer_decodes_klt:
+            sizes.append(compact_estimate(self.role, tensor.shape, self.frame_bytes.get(COMPACT)))
         chosen = choose_codec(
-            self._sizes,
+            sizes,
             bandwidth_bps=self.bandwidth_bps,
             compute_s=estimate,
             current=self.name,
+            coding_s=self._coding_estimates(tensor.numel()),
         )
-        smallest = self._sizes[-1][1]  # (sizes are in ladder order)
+        smallest = self._sizes[-1][1]  # int4-block's (sizes are in ladder order)
         deflate = (
             self.packs
             and self.peer_unpacks_deflate
-            and chosen == AUTO_LADDER[-1]
+            and chosen == DEFLATES
             and link_bound(
                 smallest, bandwidth_bps=self.bandwidth_bps, compute_s=estimate, was=self.deflate
             )
@@ -150,7 +184,21 @@ class CodecChoice:
                 estimate * 1e3,
             )
 
+    def _coding_estimates(self, numel: int) -> dict[str, float]:
+        """Seconds each codec's frame costs to encode here and decode at the peer (twice the
+        measured encode time; klt's prior before its first frame)."""
+        coding = {name: 2 * s for name, s in self.coding_s.items()}
+        coding.setdefault(COMPACT, 2 * numel * COMPACT_PRIOR_CODING_S_PER_ELEMENT)
+        return coding
+
     def _label(self) -> str:
         """The current codec as logs name it: "int4-block, codes -3..3 + deflate"."""
         codec = self._current[0]
         return codec.name + variant_label(codec) + (" + deflate" if self.deflate else "")
+
+
+def _mean(previous: float | None, value: float) -> float:
+    """The running mean with FRAME_SMOOTHING weight on the newest value."""
+    if previous is None:
+        return float(value)
+    return FRAME_SMOOTHING * value + (1 - FRAME_SMOOTHING) * previous

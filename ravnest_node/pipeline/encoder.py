@@ -10,6 +10,7 @@ the CPU nothing is copied.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -77,6 +78,7 @@ class FrameEncoder:
     ) -> bytes:
         """The frame, its packing told to the codec choice of its role."""
         packing: list[str] = []
+        start_s = time.perf_counter()
         with self._copying(tensors):
             message = encode_frame(
                 kind,
@@ -87,7 +89,7 @@ class FrameEncoder:
                 lz4_min_ratio=self._lz4_ratio,
                 packing=packing,
             )
-        choice.sent(packing[0])
+        choice.sent(packing[0], nbytes=len(message), coding_s=time.perf_counter() - start_s)
         return message
 
     def _copying(self, tensors: Sequence[Outgoing]) -> contextlib.AbstractContextManager[None]:

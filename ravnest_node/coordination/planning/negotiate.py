@@ -366,6 +366,7 @@ def negotiated_plan(
     address = {m.node_id: m.address for m in members}
     relayed = {m.node_id for m, c in zip(members, capabilities, strict=True) if c.relay_node_id}
     inflating = {m.node_id for m, c in zip(members, capabilities, strict=True) if c.unpacks_deflate}
+    klt = {m.node_id for m, c in zip(members, capabilities, strict=True) if c.decodes_klt}
     stages = [
         pb.StageAssignment(
             pipeline=p,
@@ -376,6 +377,7 @@ def negotiated_plan(
             address=address[stage.owners[p]],
             relayed=stage.owners[p] in relayed,
             unpacks_deflate=stage.owners[p] in inflating,
+            decodes_klt=stage.owners[p] in klt,
         )
         for p in range(pipelines)
         for s, stage in enumerate(placed.stages)

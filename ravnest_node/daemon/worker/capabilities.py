@@ -136,4 +136,5 @@ def measure(
         memory_bytes=devices.available_memory_bytes(device),
         device=str(device),
         unpacks_deflate=True,
+        decodes_klt=True,
     )

@@ -179,6 +179,7 @@ class LinkMeter:
             return
         choice.bandwidth_bps = estimate.bandwidth_bps
         choice.peer_unpacks_deflate = peer.unpacks_deflate
+        choice.peer_decodes_klt = peer.decodes_klt
         log.info(
             "%s: link to %s measured at %.1f Mbit/s, RTT %.2f ms (%d probe bytes)",
             choice.what,
