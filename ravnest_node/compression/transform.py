@@ -45,7 +45,10 @@ rANS payload                  codes [d lanes, rows codes each] in -a..a (compres
 ```
 
 params: {"basis": 0, 1 or 2, "id": the basis's number, "rows": 0 or 1, "a": largest |code|,
-"packed": payload bytes}. Pure torch, no I/O.
+"packed": payload bytes, "coder": 1}. "coder" names the entropy coder's format (1: the
+constriction ANS stream of compression/rans.py); frames of the numpy coder before it had no
+"coder" and are refused, as a node of that time refuses these (its params check is exact).
+Pure torch, no I/O.
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ REFRESH_FIRST = 4
 REFRESH_GROWTH = 2
 REFRESH_MAX = 128
 MAX_ID = 2**31 - 1
-_PARAMS = ("basis", "id", "rows", "a", "packed")
+_PARAMS = ("basis", "id", "rows", "a", "packed", "coder")
+CODER = 1
+"""The entropy coder's format that this codec writes and reads (params "coder")."""
 
 
 @dataclass(slots=True)
@@ -190,8 +195,8 @@ class KLT:
         payload = b"".join(parts)
         if learns:
             self._learn(x, state)
-        params = {"basis": mode, "id": basis_id if mode else 0,
-                  "rows": int(self.per_row), "a": a, "packed": len(payload)}  # fmt: skip
+        params = {"basis": mode, "id": basis_id if mode else 0, "rows": int(self.per_row),
+                  "a": a, "packed": len(payload), "coder": CODER}  # fmt: skip
         return params, payload
 
     def _steps(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,9 +253,10 @@ class KLT:
         mode = int_param(self.name, params, "basis", 0, 2 if learns else 0)
         int_param(self.name, params, "id", 1 if mode else 0, MAX_ID if mode else 0)
         per_row = int_param(self.name, params, "rows", 0, 1)
-        int_param(self.name, params, "a", 0, rans.MAX_CODE)
+        a = int_param(self.name, params, "a", 0, rans.MAX_CODE)
+        int_param(self.name, params, "coder", CODER, CODER)
         fixed = 2 * (rows if per_row else 1) + (_basis_nbytes(d) if mode == 1 else 0) + d
-        lo, hi = rans.payload_bounds(d, rows)
+        lo, hi = rans.payload_bounds(d, rows, a)
         return int_param(self.name, params, "packed", fixed + lo, fixed + hi)
 
     def decode(
