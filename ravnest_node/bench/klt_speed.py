@@ -54,21 +54,19 @@ def measure(codec: KLT, decay_power: float, repeat: int) -> dict[str, float]:
         params, payload = codec.encode(x, state)
         _, commit = codec.decode_stream(bases, memoryview(payload), SHAPE, x.dtype, params)
         commit()
-    timed = iter(frames[WARM_FRAMES:])
-    last: list[tuple[dict[str, int], bytes]] = []
-
-    def encode_one() -> None:
-        last.append(codec.encode(next(timed), state))
-
-    enc_s = _best_s(encode_one, repeat)
-    params, payload = last[-1]
-    sent = frames[WARM_FRAMES + len(last) - 1]
-
-    def decode_one() -> None:
-        value, _ = codec.decode_stream(bases, memoryview(payload), SHAPE, sent.dtype, params)
-        assert value.shape == sent.shape
-
-    dec_s = _best_s(decode_one, repeat)
+    sent_frames = []
+    enc_s = dec_s = float("inf")
+    for x in frames[WARM_FRAMES:]:  # each decoded in order: a frame may carry a new basis
+        start = time.perf_counter()
+        params, payload = codec.encode(x, state)
+        enc_s = min(enc_s, time.perf_counter() - start)
+        start = time.perf_counter()
+        value, commit = codec.decode_stream(bases, memoryview(payload), SHAPE, x.dtype, params)
+        dec_s = min(dec_s, time.perf_counter() - start)
+        commit()
+        assert value.shape == x.shape
+        sent_frames.append(x)
+    sent = sent_frames[-1]
     # The coder alone, on codes of the same size and spread as the frame's.
     y = sent.reshape(-1, d) @ q.T
     codes = (y / (y.abs().amax() / max(1, params["a"]))).round().to(torch.int16).T.contiguous()
