@@ -73,6 +73,12 @@ def tables(a: int) -> torch.Tensor:
     return freq
 
 
+@functools.lru_cache(maxsize=32)
+def _bits(a: int) -> torch.Tensor:
+    """Bits [2a+1, MODELS] that each model spends on each code -a..a (cached)."""
+    return -torch.log2(tables(a).double() / TOTAL).T.contiguous()
+
+
 @functools.lru_cache(maxsize=1024)
 def _model(a: int, m: int) -> object:
     """Model m over the symbols 0..2a as constriction's fixed-point categorical model (built
@@ -85,12 +91,11 @@ def encode(codes: torch.Tensor) -> tuple[int, torch.Tensor, bytes]:
     """(A, model per lane [lanes] uint8, payload) of integer codes [lanes, n]."""
     lanes = codes.shape[0]
     a = int(codes.abs().max()) if codes.numel() else 0
-    freq = tables(a)
     k = 2 * a + 1
     symbols = (codes.to(torch.int32) + a).contiguous()
     offsets = (torch.arange(lanes, dtype=torch.int32) * k).unsqueeze(1)
     hist = torch.bincount((symbols + offsets).reshape(-1), minlength=lanes * k)
-    cost = hist.view(lanes, k).double() @ -torch.log2(freq.double() / TOTAL).T  # [lanes, MODELS]
+    cost = hist.view(lanes, k).double() @ _bits(a)  # [lanes, MODELS]
     model = cost.argmin(1).to(torch.uint8)
     if a == 0:  # every code is 0: nothing to send (and a one-symbol model has no coder)
         return a, model, b""

@@ -155,15 +155,17 @@ class KLT:
         shape = tuple(tensor.shape)
         rows, d, learns = layout(shape)
         flat = flat_float32(tensor)
-        if not bool(torch.isfinite(flat).all()):
-            raise ValueError(f"{self.name}: the tensor holds values that are not finite")
         if flat.numel() != rows * d:  # the fallback layout's last row is zero-padded
             flat = torch.cat([flat, flat.new_zeros(rows * d - flat.numel())])
         x = flat.view(rows, d)
+        # Each row's largest |x| (NaN propagates through amax): one pass checks every value.
+        peaks = x.abs().amax(1, keepdim=True)
+        if not bool(torch.isfinite(peaks).all()):
+            raise ValueError(f"{self.name}: the tensor holds values that are not finite")
         basis = state.basis if learns else None
         basis_id = state.basis_id
         y = x @ state.analysis if basis is not None and state.analysis is not None else x
-        steps = self._steps(x)
+        steps = self._steps(x, peaks)
         # Double a step until its row's coefficients lie within the codes (before rounding,
         # so that stochastic rounding stays unbiased), then round once.
         while True:
@@ -199,14 +201,15 @@ class KLT:
                   "a": a, "packed": len(payload), "coder": CODER}  # fmt: skip
         return params, payload
 
-    def _steps(self, x: torch.Tensor) -> torch.Tensor:
-        """bfloat16-exact steps, [rows, 1] or [1, 1]; 1 where the rms is 0 (codes are 0)."""
+    def _steps(self, x: torch.Tensor, peaks: torch.Tensor) -> torch.Tensor:
+        """bfloat16-exact steps, [rows, 1] or [1, 1]; 1 where the rms is 0 (codes are 0).
+        `peaks`: the largest |x| of each row [rows, 1]."""
         # rms as m * rms(x / m), m the largest |x|: no overflow for any finite x.
         if self.per_row:
-            m = x.abs().amax(1, keepdim=True)
+            m = peaks
             rms = m * (x / m.clamp(min=1e-38)).pow(2).mean(1, keepdim=True).sqrt()
         else:
-            m = x.abs().amax().reshape(1, 1)
+            m = peaks.amax().reshape(1, 1)
             rms = m * (x / m.clamp(min=1e-38)).pow(2).mean().sqrt()
         steps = (rms * self.alpha).to(torch.bfloat16).to(torch.float32)
         return torch.where((steps > 0) & torch.isfinite(steps), steps, torch.ones_like(steps))
