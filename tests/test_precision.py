@@ -81,7 +81,7 @@ def test_bf16_activations_and_gradients_cross_stages_and_an_fp32_stage_takes_the
     last_spec = StageSpec(index=1, num_stages=2, first_block=2, stop_block=4)
     last = _stage(pool, fp32, last_spec)
     assert (first.precision, last.precision) == ("bf16", "fp32")
-    frame = parse_frame(first.forward(0, 0, _batch(bf16, 0), ()), LIMITS)
+    frame = parse_frame(first.forward(0, 0, _batch(bf16, 0), ()).result(), LIMITS)
     sent = frame.decode()
     assert sent[HIDDEN].dtype == torch.bfloat16  # as computed, over codec none
     numel = sent[HIDDEN].numel()
@@ -92,7 +92,7 @@ def test_bf16_activations_and_gradients_cross_stages_and_an_fp32_stage_takes_the
     Schedule(last_spec, fp32, start_step=0, forward=forward, backward=backward).check_frame(frame)
     grad_frame = last.forward_loss_backward(0, 0, sent)  # the fp32 stage takes bf16 in
     assert grad_frame is not None
-    grad = parse_frame(grad_frame, LIMITS).decode()[GRAD]
+    grad = parse_frame(grad_frame.result(), LIMITS).decode()[GRAD]
     assert grad.dtype == torch.bfloat16 and bool(torch.isfinite(grad).all())
     assert math.isfinite(last.step_loss) and last.step_loss > 0
 
@@ -112,7 +112,7 @@ def test_a_bf16_stage_sends_bf16_gradients_for_fp32_activations(pool: ThreadPool
     hidden = torch.randn(get_model("tiny").output_spec(1, 2).shape)
     message = last.forward_loss_backward(0, 0, {HIDDEN: hidden, TARGETS: _batch(run, 0)[TARGETS]})
     assert message is not None
-    assert parse_frame(message, LIMITS).decode()[GRAD].dtype == torch.bfloat16
+    assert parse_frame(message.result(), LIMITS).decode()[GRAD].dtype == torch.bfloat16
 
 
 # ----- fp16's loss scale ---------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Entropy coding of small integer codes: interleaved rANS (Duda, arXiv 1311.2540), one lane per
-column, the loops vectorised over the lanes in numpy.
+"""Entropy coding of small integer codes with rANS (Duda, arXiv 1311.2540), through the
+compiled coder of `constriction` (Bamler; its stack `AnsCoder`: 32-bit words, 24-bit
+probabilities).
 
 `encode(codes)` takes integer codes [lanes, n] in -A..A and returns (A, models, payload); each
 lane (a column of a transform codec's coefficients, whose codes share one distribution) is coded
@@ -7,31 +8,28 @@ with its own static model, chosen from MODELS by the sender to minimise that lan
 named by one byte (`models`). A model is a two-sided geometric distribution: P(0) and a ratio r
 for |q| >= 1 (P(+-q) proportional to r^(|q|-1)). Its integer frequencies over -A..A (each at
 least 1, summing to 2^16) are built with integer arithmetic only, so both ends build the same
-tables on any machine.
+tables on any machine; constriction rescales them to its 24-bit fixed point (`Categorical`,
+perfect=False) with a fixed sequence of IEEE double operations on these exact integers, so both
+ends get the same fixed-point model too.
 
-Coder: state x in [2^16, 2^32), 16-bit words. Encoding symbol s (frequency f, cumulative c),
-from the lane's last code to its first: if x >= f * 2^16, emit the low 16 bits and shift them
-out; then x <- (x // f) * 2^16 + x % f + c. Decoding runs forward: slot = x mod 2^16 names the
-symbol, x <- f * (x >> 16) + slot - c, and x takes the lane's next word while it is below 2^16.
-A symbol costs -log2(f / 2^16) bits; each lane adds 32 bits for its final state.
+The lanes that name the same model are coded as one run of symbols (lane after lane, each
+lane's codes in order), one coder call per model in use, the runs in increasing model number
+(a lane's symbol is its code + A). A symbol costs about -log2(f / 2^16) bits, at most 24; the
+coder adds at most 64 bits for its final state.
 
-Payload (little-endian):
+Payload: the coder's compressed words, uint32 little-endian (nothing when there are no codes
+or A is 0: every code is then 0).
 
-```
-uint16 words[lanes]     the number of words of each lane, final state included (>= 2)
-uint16 stream...        lane by lane: the final state (high word, low word), then the words in
-                        the order the decoder reads them
-```
-
-The decoder never reads past a lane's words: a lane that wants more words than it has, has
-words left over, or does not end in the encoder's initial state (2^16) makes the payload corrupt
-(FrameError). Pure torch and numpy (the coder's loops), no I/O.
+A payload that is not a whole number of words, or that the coder refuses, or that is not used
+up exactly by the codes it must hold (the coder not empty after the last run) is corrupt
+(FrameError). Pure torch and numpy around the compiled coder, no I/O.
 """
 
 from __future__ import annotations
 
 import functools
 
+import constriction
 import numpy as np
 import torch
 
@@ -39,10 +37,10 @@ from ravnest_node.errors import FrameError
 
 PROB_BITS = 16
 TOTAL = 1 << PROB_BITS
-LOW = 1 << 16
-"""Lower bound of the state (and the encoder's initial state)."""
 MAX_CODE = 255
 """Largest |code| a payload may hold (A); the alphabet is -A..A."""
+MAX_SYMBOL_BITS = 24
+"""Most bits one symbol can cost: constriction gives every symbol at least 2^-24."""
 # P(0) and the tail ratio of the models, in units of 2^-16 (integers: the tables are exact).
 _P0 = (65209, 64880, 64225, 62915, 60948, 58982, 55706, 52429,
        45875, 39322, 32768, 26214, 19661, 13107, 7864, 3932)  # fmt: skip
@@ -75,44 +73,51 @@ def tables(a: int) -> torch.Tensor:
     return freq
 
 
+@functools.lru_cache(maxsize=32)
+def _bits(a: int) -> torch.Tensor:
+    """Bits [2a+1, MODELS] that each model spends on each code -a..a (cached)."""
+    return -torch.log2(tables(a).double() / TOTAL).T.contiguous()
+
+
+@functools.lru_cache(maxsize=1024)
+def _model(a: int, m: int) -> object:
+    """Model m over the symbols 0..2a as constriction's fixed-point categorical model (built
+    from the exact integer frequencies; cached, both ends build them for every frame)."""
+    freq = tables(a)[m].numpy().astype(np.float64)
+    return constriction.stream.model.Categorical(freq, perfect=False)
+
+
 def encode(codes: torch.Tensor) -> tuple[int, torch.Tensor, bytes]:
-    """(A, model per lane [lanes] uint8, payload) of integer codes [lanes, n] with n >= 1."""
-    lanes, n = codes.shape
+    """(A, model per lane [lanes] uint8, payload) of integer codes [lanes, n]."""
+    lanes = codes.shape[0]
     a = int(codes.abs().max()) if codes.numel() else 0
-    freq = tables(a)
-    symbols = (codes.to(torch.int64) + a).contiguous()
     k = 2 * a + 1
-    offsets = (torch.arange(lanes, dtype=torch.int64) * k).unsqueeze(1)
-    hist = torch.bincount((symbols + offsets).reshape(-1), minlength=lanes * k).double()
-    cost = hist.view(lanes, k) @ -torch.log2(freq.double() / TOTAL).T  # [lanes, MODELS]
-    model = cost.argmin(1)
-    lane_freq = freq[model]  # [lanes, k]
-    lane_cum = torch.cumsum(lane_freq, 1) - lane_freq
-    # The loop runs in numpy: its per-call cost is a fraction of torch's on [lanes] vectors.
-    f = lane_freq.gather(1, symbols).T.contiguous().numpy()  # [n, lanes]
-    c = lane_cum.gather(1, symbols).T.contiguous().numpy()
-    x = np.full(lanes, LOW, dtype=np.int64)
-    words = np.zeros((n, lanes), dtype=np.int64)
-    emitted = np.zeros((n, lanes), dtype=np.bool_)
-    for t in range(n - 1, -1, -1):
-        ft = f[t]
-        out = x >= (ft << 16)
-        words[t] = x & 0xFFFF
-        emitted[t] = out
-        x = np.where(out, x >> 16, x)
-        q, r = np.divmod(x, ft)
-        x = (q << 16) + r + c[t]
-    counts = emitted.sum(0) + 2
-    # Lane by lane: the final state, then the words in the order the decoder reads them.
-    full = np.concatenate([(x >> 16)[:, None], (x & 0xFFFF)[:, None], words.T], 1)
-    keep = np.concatenate([np.ones((lanes, 2), dtype=np.bool_), emitted.T], 1)
-    payload = np.concatenate([counts, full[keep]]).astype("<u2")
-    return a, model.to(torch.uint8), payload.tobytes()
+    symbols = (codes.to(torch.int32) + a).contiguous()
+    offsets = (torch.arange(lanes, dtype=torch.int32) * k).unsqueeze(1)
+    hist = torch.bincount((symbols + offsets).reshape(-1), minlength=lanes * k)
+    cost = hist.view(lanes, k).double() @ _bits(a)  # [lanes, MODELS]
+    model = cost.argmin(1).to(torch.uint8)
+    if a == 0:  # every code is 0: nothing to send (and a one-symbol model has no coder)
+        return a, model, b""
+    lane_model = model.numpy()
+    table = symbols.numpy()
+    coder = constriction.stream.stack.AnsCoder()
+    # A stack: the run the decoder reads first (lowest model number) is pushed last.
+    for m in np.unique(lane_model)[::-1]:
+        run = table[lane_model == m].reshape(-1)
+        coder.encode_reverse(run, _model(a, int(m)))
+    words = coder.get_compressed()
+    return a, model, words.astype("<u4", copy=False).tobytes()
 
 
-def payload_bounds(lanes: int, n: int) -> tuple[int, int]:
-    """Smallest and largest payload in bytes for `lanes` lanes of `n` codes."""
-    return 2 * lanes + 4 * lanes, 2 * lanes + 2 * lanes * (n + 2)
+def payload_bounds(lanes: int, n: int, a: int) -> tuple[int, int]:
+    """Smallest and largest payload in bytes for `lanes` lanes of `n` codes in -a..a."""
+    symbols = lanes * n
+    if symbols == 0 or a == 0:
+        return 0, 0
+    # (0 bytes is a payload too: a run of the symbol at the bottom of its model, from the
+    # coder's empty state, leaves it empty.)
+    return 0, 4 * (-(-symbols * MAX_SYMBOL_BITS // 32) + 2)
 
 
 def decode(payload: memoryview, a: int, models: torch.Tensor, n: int) -> torch.Tensor:
@@ -123,45 +128,23 @@ def decode(payload: memoryview, a: int, models: torch.Tensor, n: int) -> torch.T
         raise FrameError(f"rans: codes beyond -{MAX_CODE}..{MAX_CODE}")
     if lanes and int(models.max()) >= MODELS:
         raise FrameError("rans: a lane names a model that does not exist")
-    lo, hi = payload_bounds(lanes, n)
-    if not lo <= len(payload) <= hi or len(payload) % 2:
+    lo, hi = payload_bounds(lanes, n, a)
+    if not lo <= len(payload) <= hi or len(payload) % 4:
         raise FrameError(f"rans: payload of {len(payload)} bytes for {lanes} lanes of {n} codes")
-    raw = np.frombuffer(payload, dtype="<u2").astype(np.int64)
-    counts = raw[:lanes]
-    if bool((counts < 2).any()) or bool((counts > n + 2).any()):
-        raise FrameError("rans: a lane's word count is out of range")
-    if int(counts.sum()) != raw.size - lanes:
-        raise FrameError("rans: the lanes' word counts do not add up to the payload")
-    start = np.cumsum(counts) - counts + lanes  # index of each lane's first word
-    x = (raw[start] << 16) | raw[start + 1]
-    if bool((x < LOW).any()):
-        raise FrameError("rans: a lane's final state is below the coder's range")
-    ptr = start + 2
-    end = start + counts
-    k = 2 * a + 1
-    # The models' cumulative frequencies in one sorted array, model m's offset by m * 2^17
-    # (each lies in 1..2^16), so one searchsorted finds every lane's symbol; tables of the
-    # MODELS models, not of every lane, so memory does not grow with the lanes.
-    freq = tables(a).numpy()  # [MODELS, k]
-    spacing = np.arange(MODELS, dtype=np.int64) * (2 * TOTAL)
-    cum = (np.cumsum(freq, 1) + spacing[:, None]).reshape(-1)
-    flat_freq = freq.reshape(-1)
-    flat_base = (np.cumsum(freq, 1) - freq).reshape(-1)
-    lane_model = models.to(torch.int64).numpy()
-    offset = spacing[lane_model]
-    first = lane_model * k
-    out = np.empty((n, lanes), dtype=np.int64)
-    bad = np.zeros(lanes, dtype=np.bool_)
-    last = raw.size - 1
-    for t in range(n):
-        slot = x & 0xFFFF
-        index = np.searchsorted(cum, slot + offset, side="right")
-        out[t] = index - first
-        x = flat_freq[index] * (x >> 16) + slot - flat_base[index]
-        refill = x < LOW
-        bad |= refill & (ptr >= end)
-        x = np.where(refill, (x << 16) | raw[np.minimum(ptr, last)], x)
-        ptr = ptr + refill
-    if bool(bad.any()) or bool((ptr != end).any()) or bool((x != LOW).any()):
-        raise FrameError("rans: corrupt payload (a lane's words do not decode to its codes)")
-    return torch.from_numpy(out.T - a)
+    if a == 0 or lanes * n == 0:
+        return torch.zeros(lanes, n, dtype=torch.int64)
+    out = np.empty((lanes, n), dtype=np.int32)
+    words = np.frombuffer(payload, dtype="<u4").astype(np.uint32)  # (a copy: the coder's own)
+    lane_model = models.numpy()
+    try:
+        coder = constriction.stream.stack.AnsCoder(words)
+        for m in np.unique(lane_model):
+            lanes_m = lane_model == m
+            run = coder.decode(_model(a, int(m)), int(lanes_m.sum()) * n)
+            out[lanes_m] = run.reshape(-1, n)
+        empty = coder.is_empty()
+    except (ValueError, RuntimeError) as exc:  # e.g. a last word of 0, which no encoder ends on
+        raise FrameError(f"rans: corrupt payload ({exc})") from None
+    if not empty:
+        raise FrameError("rans: corrupt payload (its words do not decode to exactly its codes)")
+    return torch.from_numpy(out).to(torch.int64) - a

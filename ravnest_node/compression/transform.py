@@ -45,7 +45,10 @@ rANS payload                  codes [d lanes, rows codes each] in -a..a (compres
 ```
 
 params: {"basis": 0, 1 or 2, "id": the basis's number, "rows": 0 or 1, "a": largest |code|,
-"packed": payload bytes}. Pure torch, no I/O.
+"packed": payload bytes, "coder": 1}. "coder" names the entropy coder's format (1: the
+constriction ANS stream of compression/rans.py); frames of the numpy coder before it had no
+"coder" and are refused, as a node of that time refuses these (its params check is exact).
+Pure torch, no I/O.
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ REFRESH_FIRST = 4
 REFRESH_GROWTH = 2
 REFRESH_MAX = 128
 MAX_ID = 2**31 - 1
-_PARAMS = ("basis", "id", "rows", "a", "packed")
+_PARAMS = ("basis", "id", "rows", "a", "packed", "coder")
+CODER = 1
+"""The entropy coder's format that this codec writes and reads (params "coder")."""
 
 
 @dataclass(slots=True)
@@ -150,15 +155,17 @@ class KLT:
         shape = tuple(tensor.shape)
         rows, d, learns = layout(shape)
         flat = flat_float32(tensor)
-        if not bool(torch.isfinite(flat).all()):
-            raise ValueError(f"{self.name}: the tensor holds values that are not finite")
         if flat.numel() != rows * d:  # the fallback layout's last row is zero-padded
             flat = torch.cat([flat, flat.new_zeros(rows * d - flat.numel())])
         x = flat.view(rows, d)
+        # Each row's largest |x| (NaN propagates through amax): one pass checks every value.
+        peaks = x.abs().amax(1, keepdim=True)
+        if not bool(torch.isfinite(peaks).all()):
+            raise ValueError(f"{self.name}: the tensor holds values that are not finite")
         basis = state.basis if learns else None
         basis_id = state.basis_id
         y = x @ state.analysis if basis is not None and state.analysis is not None else x
-        steps = self._steps(x)
+        steps = self._steps(x, peaks)
         # Double a step until its row's coefficients lie within the codes (before rounding,
         # so that stochastic rounding stays unbiased), then round once.
         while True:
@@ -190,18 +197,19 @@ class KLT:
         payload = b"".join(parts)
         if learns:
             self._learn(x, state)
-        params = {"basis": mode, "id": basis_id if mode else 0,
-                  "rows": int(self.per_row), "a": a, "packed": len(payload)}  # fmt: skip
+        params = {"basis": mode, "id": basis_id if mode else 0, "rows": int(self.per_row),
+                  "a": a, "packed": len(payload), "coder": CODER}  # fmt: skip
         return params, payload
 
-    def _steps(self, x: torch.Tensor) -> torch.Tensor:
-        """bfloat16-exact steps, [rows, 1] or [1, 1]; 1 where the rms is 0 (codes are 0)."""
+    def _steps(self, x: torch.Tensor, peaks: torch.Tensor) -> torch.Tensor:
+        """bfloat16-exact steps, [rows, 1] or [1, 1]; 1 where the rms is 0 (codes are 0).
+        `peaks`: the largest |x| of each row [rows, 1]."""
         # rms as m * rms(x / m), m the largest |x|: no overflow for any finite x.
         if self.per_row:
-            m = x.abs().amax(1, keepdim=True)
+            m = peaks
             rms = m * (x / m.clamp(min=1e-38)).pow(2).mean(1, keepdim=True).sqrt()
         else:
-            m = x.abs().amax().reshape(1, 1)
+            m = peaks.amax().reshape(1, 1)
             rms = m * (x / m.clamp(min=1e-38)).pow(2).mean().sqrt()
         steps = (rms * self.alpha).to(torch.bfloat16).to(torch.float32)
         return torch.where((steps > 0) & torch.isfinite(steps), steps, torch.ones_like(steps))
@@ -248,9 +256,10 @@ class KLT:
         mode = int_param(self.name, params, "basis", 0, 2 if learns else 0)
         int_param(self.name, params, "id", 1 if mode else 0, MAX_ID if mode else 0)
         per_row = int_param(self.name, params, "rows", 0, 1)
-        int_param(self.name, params, "a", 0, rans.MAX_CODE)
+        a = int_param(self.name, params, "a", 0, rans.MAX_CODE)
+        int_param(self.name, params, "coder", CODER, CODER)
         fixed = 2 * (rows if per_row else 1) + (_basis_nbytes(d) if mode == 1 else 0) + d
-        lo, hi = rans.payload_bounds(d, rows)
+        lo, hi = rans.payload_bounds(d, rows, a)
         return int_param(self.name, params, "packed", fixed + lo, fixed + hi)
 
     def decode(

@@ -4,7 +4,8 @@ thread they all run on.
 
 All of it runs on one compute thread (`call`), one piece at a time, so the stage's weights,
 its snapshots and the microbatches in flight are never touched by two threads at once; the
-event loop only reads the counts.
+event loop only reads the counts. The frames they produce are encoded on the encoder's coder
+thread (encoder.py): the methods return the frame's future, and the compute thread goes on.
 
 **Activation recomputation** (`recompute`): a forward then runs without a graph and keeps only
 the input of each block; its backward runs each block's forward again, last block first, and
@@ -26,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
 from typing import ParamSpec, TypeVar
@@ -162,9 +163,9 @@ class StageCompute:
         version: int,
         received: dict[str, torch.Tensor],
         samples: tuple[int, ...],
-    ) -> bytes:
+    ) -> Future[bytes]:
         """Run microbatch `seq` forward and keep what its backward needs; its frame for the
-        next stage."""
+        next stage (being encoded)."""
         first, x, targets = self._inputs(received)
         used, weights = self.weights.for_forward(seq, version)
         if self._run.recompute:
@@ -181,13 +182,15 @@ class StageCompute:
                 out = torch.func.functional_call(self.blocks, weights, (x,))
             self.in_flight[seq] = InFlight(used, weights, first, out)
         sent = self._outgoing(out.detach())
-        return self.encoder.forward(seq, used, sent, targets, samples)
+        # (Neither `out`, kept for the backward, nor `targets` is ever modified in place.)
+        return self.encoder.submit_forward(seq, used, sent, targets, samples)
 
     def forward_loss_backward(
         self, seq: int, version: int, received: dict[str, torch.Tensor]
-    ) -> bytes | None:
+    ) -> Future[bytes] | None:
         """Last stage: microbatch `seq` forward, its loss (added to `step_loss`) and backward;
-        its gradient frame for the previous stage (None on a single-stage pipeline)."""
+        its gradient frame for the previous stage (being encoded; None on a single-stage
+        pipeline)."""
         first, x, targets = self._inputs(received)
         used, weights = self.weights.for_forward(seq, version)
         with autocast(self.device, self.precision):
@@ -200,9 +203,10 @@ class StageCompute:
         self.step_loss += loss.item()
         return self._grad_frame(seq, used, first)
 
-    def backward(self, seq: int, grad: torch.Tensor) -> tuple[int, bytes | None]:
+    def backward(self, seq: int, grad: torch.Tensor) -> tuple[int, Future[bytes] | None]:
         """Microbatch `seq` backward from the gradient of its output; the version its forward
-        used, and its gradient frame for the previous stage (None on the first stage)."""
+        used, and its gradient frame for the previous stage (being encoded; None on the first
+        stage)."""
         flight = self.in_flight.pop(seq)
         grad = self._to_device(grad)
         if isinstance(flight.outputs, list):  # recomputation, one block at a time, last first
@@ -234,11 +238,12 @@ class StageCompute:
             out: torch.Tensor = torch.func.functional_call(self.blocks[i], own, (x,))
         return out
 
-    def _grad_frame(self, seq: int, version: int, x: torch.Tensor) -> bytes | None:
+    def _grad_frame(self, seq: int, version: int, x: torch.Tensor) -> Future[bytes] | None:
         if self._spec.is_first:
             return None
         assert x.grad is not None
-        return self.encoder.backward(seq, version, self._outgoing(x.grad))
+        # (x is the microbatch's received input, dropped after this: its gradient stays as is.)
+        return self.encoder.submit_backward(seq, version, self._outgoing(x.grad))
 
     def _slow_down(self) -> None:
         """Test only: the stage named by fault_slow_stage works fault_slow_ms longer per

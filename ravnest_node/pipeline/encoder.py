@@ -5,6 +5,12 @@ The codecs encode a tensor on its device and move only their small results (code
 the host (compression/host.py). For a tensor on a CUDA device this module moves them on a side
 stream (`SideStreamCopy`), so the copies do not hold up the compute stream's next kernels; on
 the CPU nothing is copied.
+
+The encoding runs on the encoder's own coder thread (`submit_forward`, `submit_backward`), so
+the compute thread goes on with the next microbatch while a frame is coded (klt's transform and
+entropy coding, int4's packing, lz4). One thread: frames are coded in the order they are
+submitted, and the codecs' sender state (a klt basis, an aq reference) and the codec choices
+are touched by that thread only.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -24,8 +31,9 @@ from ravnest_node.transport.frames import LZ4_MIN_RATIO, FrameKind, Outgoing, en
 
 
 class FrameEncoder:
-    """Encodes a stage's outgoing frames. `forward` and `gradient` run on the compute thread
-    only; the codec choices' reads and the byte counts may be read from the event loop."""
+    """Encodes a stage's outgoing frames. `forward` and `backward` run on one thread at a time
+    (the coder thread, through the `submit_` methods); the codec choices' reads and the byte
+    counts may be read from the event loop."""
 
     def __init__(self, spec: StageSpec, run: TrainConfig, compute_s: Callable[[], float]) -> None:
         """`compute_s`: the stage's compute seconds so far (what `auto` weighs links against)."""
@@ -47,6 +55,29 @@ class FrameEncoder:
         self.gradient_fp32_bytes = 0
         """Bytes the gradients encoded would take as float32."""
         self._side_copies: dict[torch.device, SideStreamCopy] = {}
+        # (Its thread starts with the first frame submitted, and ends with `close`.)
+        self._coder = ThreadPoolExecutor(1, thread_name_prefix=f"coder-{spec.index}")
+
+    def submit_forward(
+        self,
+        seq: int,
+        version: int,
+        out: torch.Tensor,
+        targets: torch.Tensor,
+        samples: tuple[int, ...],
+    ) -> Future[bytes]:
+        """`forward` on the coder thread, after the frames submitted before it. The caller
+        must not modify `out` or `targets` in place until the frame is done."""
+        return self._coder.submit(self.forward, seq, version, out, targets, samples)
+
+    def submit_backward(self, seq: int, version: int, grad: torch.Tensor) -> Future[bytes]:
+        """`backward` on the coder thread, after the frames submitted before it. The caller
+        must not modify `grad` in place until the frame is done."""
+        return self._coder.submit(self.backward, seq, version, grad)
+
+    def close(self) -> None:
+        """No more frames: the coder thread ends once those submitted are done."""
+        self._coder.shutdown(wait=False)
 
     def forward(
         self,

@@ -20,7 +20,9 @@ thread; the event loop only moves bytes and makes decisions. Frames are checked 
 and the schedule on the event loop as they arrive (`accept_from_*`) and decoded in a worker
 thread before they are queued: a refused frame, malformed payloads included, changes nothing.
 Sends go through the links' bounded outboxes, so network I/O overlaps compute and a slow
-neighbour applies backpressure.
+neighbour applies backpressure. A frame is encoded on the encoder's coder thread while the
+compute thread goes on (`_send`): each link queues its frames in order, and the loop goes on
+with at most one frame of a link not yet queued (its encoding overlaps the next piece of work).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
@@ -125,6 +127,8 @@ class StageRuntime:
         """Waiters for `snapshot` while the loop runs; None while it does not."""
         self.last_loss = math.nan
         """The loss of the last step applied (the last stage only)."""
+        self._sends: dict[int, asyncio.Task[None]] = {}
+        """id(link) -> the task that queues the last frame given to that link, once coded."""
         self.ended = asyncio.Event()
         """Set when `run()` has returned normally: this plan's part is trained, the last
         averaging round applied; the weights are those of step `version`."""
@@ -304,7 +308,11 @@ class StageRuntime:
         self._snapshots = []
         try:
             await self._loop()
+            await self._flush_sends()
         finally:
+            for task in self._sends.values():  # (done already, unless the loop failed)
+                task.cancel()
+            self._compute.encoder.close()
             waiters, self._snapshots = self._snapshots, None
             for waiter in waiters:  # the loop ended first: no snapshot for them
                 if not waiter.done():
@@ -396,8 +404,7 @@ class StageRuntime:
             counters.max_in_flight = max(counters.max_in_flight, len(compute.in_flight))
             counters.max_weight_versions = max(counters.max_weight_versions, compute.live_versions)
             assert self.downstream is not None
-            counters.activation_bytes_sent += len(message)
-            await self._send(self.downstream, message, seq)
+            await self._send(self.downstream, message, seq, activations=True)
 
     async def _on_backward(self, frame: Received) -> None:
         compute = self._compute
@@ -413,18 +420,52 @@ class StageRuntime:
         self._schedule.check_staleness(staleness)
         self._counters.staleness[staleness] += 1
 
-    async def _send_upstream(self, message: bytes, seq: int) -> None:
+    async def _send_upstream(self, message: Future[bytes], seq: int) -> None:
         assert self.upstream is not None
-        self._counters.counts.gradient_bytes_sent += len(message)
-        await self._send(self.upstream, message, seq)
+        await self._send(self.upstream, message, seq, activations=False)
 
-    async def _send(self, link: BoundaryLink, message: bytes, seq: int) -> None:
-        """Queue microbatch `seq`'s frame on a link; time spent waiting for room (a slow
-        neighbour, or one unreachable while its stream is resumed) counts as idle on that
-        side."""
-        started = time.monotonic()
-        await link.send(message, seq)
-        self._counters.idle(time.monotonic() - started, upstream=link is not self.downstream)
+    async def _send(
+        self, link: BoundaryLink, message: Future[bytes], seq: int, *, activations: bool
+    ) -> None:
+        """Queue microbatch `seq`'s frame on a link once it is coded, after the link's frames
+        before it; returns when the link's frame before this one is queued. Time spent waiting
+        for that (its coding, or room in the outbox: a slow neighbour, or one unreachable while
+        its stream is resumed) counts as idle on that side."""
+        previous = self._sends.get(id(link))
+        self._sends[id(link)] = asyncio.create_task(
+            self._queue_when_coded(previous, link, message, seq, activations)
+        )
+        if previous is not None:
+            started = time.monotonic()
+            await previous
+            self._counters.idle(time.monotonic() - started, upstream=link is not self.downstream)
+
+    async def _queue_when_coded(
+        self,
+        previous: asyncio.Task[None] | None,
+        link: BoundaryLink,
+        message: Future[bytes],
+        seq: int,
+        activations: bool,
+    ) -> None:
+        if previous is not None:
+            await previous
+        frame = await asyncio.wrap_future(message)
+        counts = self._counters.counts
+        if activations:
+            counts.activation_bytes_sent += len(frame)
+        else:
+            counts.gradient_bytes_sent += len(frame)
+        await link.send(frame, seq)
+
+    async def _flush_sends(self) -> None:
+        """Wait until every frame given to a link is queued on it (the time counts as idle on
+        that side)."""
+        for key, task in list(self._sends.items()):
+            started = time.monotonic()
+            await task
+            upstream = self.downstream is None or key != id(self.downstream)
+            self._counters.idle(time.monotonic() - started, upstream=upstream)
 
     async def _microbatch_done(self, seq: int) -> None:
         if not self._schedule.microbatch_done(seq):

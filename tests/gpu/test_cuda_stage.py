@@ -57,11 +57,11 @@ def _batch(step: int) -> dict[str, torch.Tensor]:
 
 def _train_step(first: StageCompute, last: StageCompute, step: int) -> float:
     """One step through both stages, the frames encoded and decoded between them."""
-    sent = parse_frame(first.forward(step, step, _batch(step), ()), LIMITS).decode()
+    sent = parse_frame(first.forward(step, step, _batch(step), ()).result(), LIMITS).decode()
     assert sent[HIDDEN].device == CPU and sent[HIDDEN].dtype == torch.bfloat16
     message = last.forward_loss_backward(step, step, sent)
     assert message is not None
-    grad = parse_frame(message, LIMITS).decode()
+    grad = parse_frame(message.result(), LIMITS).decode()
     first.backward(step, grad["grad"])
     first.optimizer_step()
     return last.optimizer_step()
