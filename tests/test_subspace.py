@@ -201,9 +201,8 @@ def test_three_node_processes_train_it_and_send_a_fraction_of_the_plain_models_b
     tmp_path: Path,
 ) -> None:
     args = ("--nodes", "3", "--steps", "5", "--codec", "none", "--no-lz4")
-    runs = demo_summaries(
-        tmp_path, {"sub": ("--model", "small-subspace", *args), "plain": ("--model", "small", *args)}
-    )
+    models = {"sub": "small-subspace", "plain": "small"}
+    runs = demo_summaries(tmp_path, {run: ("--model", name, *args) for run, name in models.items()})
     sub, plain = runs["sub"], runs["plain"]
     assert math.isfinite(sub["final_loss"]) and sub["final_loss"] < sub["initial_loss"]
     # small: d = 128 floats per token; small-subspace: k = 16 floats plus a 1-byte token id.
