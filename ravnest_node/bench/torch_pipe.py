@@ -245,6 +245,8 @@ def build_schedule(
     # every `ravnest-node` process imports this module (the bench command's parser).
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    if model.carries_tokens:  # (torch's stages chain one tensor; ours carry the ids too)
+        raise ConfigError(f"the torch baseline cannot run {model.name}: it carries token ids")
     start, stop = partition(model.block_costs(), world_size)[rank]
     module = torch.nn.Sequential(*model.build_stage(train.seed, start, stop))
     mb = train.microbatch_size

@@ -17,7 +17,15 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["BlockModel", "TensorSpec", "build_seeded", "run_blocks", "shapes_only", "to_device"]
+__all__ = [
+    "BlockModel",
+    "Chain",
+    "TensorSpec",
+    "build_seeded",
+    "run_blocks",
+    "shapes_only",
+    "to_device",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,11 @@ class BlockModel(ABC):
       (`run_blocks`) therefore *is* the model, and any cut between block ``i`` and ``i + 1`` is a
       valid stage boundary across which exactly one tensor travels forward (the activation) and one
       travels back (its gradient).
+    * **Token ids, where the model carries them** (``carries_tokens``, models/subspace.py):
+      every block is then called with ``(x, tokens)``, the input token ids (``input_spec``) as
+      a second argument (block 0 gets them twice), and a forward frame carries them next to the
+      activation; they are an input, never differentiated. Models that do not carry tokens
+      keep one tensor in, one tensor out, with the same frames.
     * **No sharing.** Blocks share no parameters or buffers (no weight tying across blocks), so
       each stage owns and updates its parameters alone.
     * **No state between calls.** A block's output depends only on its input and its parameters:
@@ -78,6 +91,9 @@ class BlockModel(ABC):
     """Registry name of this model, e.g. ``"bench-small"``."""
     vocab_size: int = 256
     """Token ids fed to block 0 are below this (for a model whose input is token ids)."""
+    carries_tokens: bool = False
+    """Every block takes the input token ids as a second argument, and they cross every stage
+    boundary (see the class docstring)."""
 
     @abstractmethod
     def build_blocks(self, seed: int) -> list[torch.nn.Module]:
@@ -209,8 +225,19 @@ def build_seeded(
     return blocks
 
 
-def run_blocks(blocks: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
-    """Run `x` through `blocks` in order and return the last output (`x` itself if empty)."""
+def run_blocks(
+    blocks: Sequence[torch.nn.Module], x: torch.Tensor, tokens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Run `x` through `blocks` in order and return the last output (`x` itself if empty);
+    each block is called with `tokens` as a second argument where given (`carries_tokens`)."""
     for block in blocks:
-        x = block(x)
+        x = block(x) if tokens is None else block(x, tokens)
     return x
+
+
+class Chain(torch.nn.Sequential):
+    """A stage's blocks in order (a `Sequential`: the same parameter names ``"i.name"``), whose
+    forward passes the token ids on to every block where given (`run_blocks`)."""
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return run_blocks(list(self), x, tokens)

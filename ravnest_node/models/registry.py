@@ -14,6 +14,7 @@ from ravnest_node.models.base import BlockModel
 from ravnest_node.models.bytelm import PRESETS, ByteLM, ByteLMConfig
 from ravnest_node.models.llama_bench import LLAMA_300M, LlamaBench
 from ravnest_node.models.pretrained import PretrainedModel
+from ravnest_node.models.subspace import SubspaceLM
 
 __all__ = ["MODEL_PRESETS", "get_model", "model_names", "register_model"]
 
@@ -55,6 +56,15 @@ def _preset(cfg: ByteLMConfig, name: str) -> Callable[[], BlockModel]:
     return factory
 
 
+def _subspace(cfg: ByteLMConfig, name: str) -> Callable[[], BlockModel]:
+    def factory() -> BlockModel:
+        return SubspaceLM(cfg, name=name)
+
+    return factory
+
+
 for _name, _cfg in PRESETS.items():
     register_model(_name, _preset(_cfg, _name))
+    # The same shape with its residual stream confined to a subspace (models/subspace.py).
+    register_model(f"{_name}-subspace", _subspace(_cfg, f"{_name}-subspace"))
 register_model("llama-300m", lambda: LlamaBench(LLAMA_300M, name="llama-300m"))  # GPU benchmark

@@ -38,9 +38,10 @@ from ravnest_node.averaging import AveragingConfig
 from ravnest_node.blocks import BlockWeights, export_blocks
 from ravnest_node.devices import autocast, autocast_dtype, describe, resolve_precision
 from ravnest_node.models import BlockModel
+from ravnest_node.models.base import Chain
 from ravnest_node.pipeline.encoder import FrameEncoder
 from ravnest_node.pipeline.run import TrainConfig
-from ravnest_node.pipeline.schedule import HIDDEN, TARGETS, StageSpec
+from ravnest_node.pipeline.schedule import HIDDEN, TARGETS, TOKENS, StageSpec
 from ravnest_node.pipeline.weights import StageWeights, Weights
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class InFlight:
     outputs: torch.Tensor | list[torch.Tensor]
     """The forward's output with its graph; under recomputation, the input of each block
     after the first, without a graph (the backward runs each block's forward again)."""
+    tokens: torch.Tensor | None = None
+    """The input token ids, for recomputing the blocks of a model that `carries_tokens`."""
 
 
 class StageCompute:
@@ -101,7 +104,7 @@ class StageCompute:
         self.steps_skipped = 0
         """Optimizer steps skipped for gradients that were not finite (fp16)."""
         self.encoder = FrameEncoder(spec, run, compute_s=lambda: self.compute_s)
-        self.blocks = torch.nn.Sequential(*blocks).to(self.device)
+        self.blocks = Chain(*blocks).to(self.device)
         self.weights = StageWeights(
             self.blocks, run, first_block=spec.first_block, restore=restore, averaging=averaging,
             device=self.device, loss_scale=run.loss_scale,
@@ -143,6 +146,12 @@ class StageCompute:
         x = received.float() if received.is_floating_point() else received
         return received, x, self._to_device(tensors[TARGETS])
 
+    def _tokens(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The input token ids every block takes (`carries_tokens`; None for other models)."""
+        if not self._model.carries_tokens:
+            return None
+        return self._to_device(tensors[HIDDEN if self._spec.is_first else TOKENS])
+
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """`t` (a received CPU tensor) on the stage's device: no copy on the CPU; on CUDA
         through pinned memory, so the host does not wait for the copy (later kernels on the
@@ -167,6 +176,7 @@ class StageCompute:
         """Run microbatch `seq` forward and keep what its backward needs; its frame for the
         next stage (being encoded)."""
         first, x, targets = self._inputs(received)
+        tokens = self._tokens(received)
         used, weights = self.weights.for_forward(seq, version)
         if self._run.recompute:
             kept: list[torch.Tensor] = []
@@ -175,15 +185,16 @@ class StageCompute:
                 for i in range(len(self.blocks)):
                     if i:
                         kept.append(out)
-                    out = self._block_call(i, weights, out)
-            self.in_flight[seq] = InFlight(used, weights, first, kept)
+                    out = self._block_call(i, weights, out, tokens)
+            self.in_flight[seq] = InFlight(used, weights, first, kept, tokens)
         else:
             with autocast(self.device, self.precision):
-                out = torch.func.functional_call(self.blocks, weights, (x,))
+                out = torch.func.functional_call(self.blocks, weights, (x, tokens))
             self.in_flight[seq] = InFlight(used, weights, first, out)
         sent = self._outgoing(out.detach())
-        # (Neither `out`, kept for the backward, nor `targets` is ever modified in place.)
-        return self.encoder.submit_forward(seq, used, sent, targets, samples)
+        # (Neither `out`, kept for the backward, nor `targets` or `tokens` is ever modified
+        # in place.)
+        return self.encoder.submit_forward(seq, used, sent, targets, samples, tokens)
 
     def forward_loss_backward(
         self, seq: int, version: int, received: dict[str, torch.Tensor]
@@ -192,9 +203,10 @@ class StageCompute:
         its gradient frame for the previous stage (being encoded; None on a single-stage
         pipeline)."""
         first, x, targets = self._inputs(received)
+        tokens = self._tokens(received)
         used, weights = self.weights.for_forward(seq, version)
         with autocast(self.device, self.precision):
-            out = torch.func.functional_call(self.blocks, weights, (x,))
+            out = torch.func.functional_call(self.blocks, weights, (x, tokens))
             loss = self._model.loss(out, targets) / self._run.microbatches
         scale = self._run.loss_scale
         torch.autograd.backward(loss * scale if scale != 1.0 else loss)
@@ -214,7 +226,7 @@ class StageCompute:
             inputs = [first.float() if first.is_floating_point() else first, *flight.outputs]
             for i in reversed(range(len(self.blocks))):
                 x = inputs[i] if i == 0 else inputs[i].detach().requires_grad_(True)
-                out = self._block_call(i, flight.weights, x)
+                out = self._block_call(i, flight.weights, x, flight.tokens)
                 grad = grad.to(out.dtype)
                 if out.requires_grad:  # (not so in frozen blocks fed tokens)
                     torch.autograd.backward(out, grad)
@@ -229,13 +241,16 @@ class StageCompute:
         # The gradient frame carries the version our forward used.
         return flight.version, self._grad_frame(seq, flight.version, flight.inputs)
 
-    def _block_call(self, i: int, weights: Weights, x: torch.Tensor) -> torch.Tensor:
-        """Block `i` of the stage on `x` with its tensors from the snapshot `weights`, in the
-        stage's precision."""
+    def _block_call(
+        self, i: int, weights: Weights, x: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Block `i` of the stage on `x` (and `tokens`, where the model carries them) with its
+        tensors from the snapshot `weights`, in the stage's precision."""
+        args = (x,) if tokens is None else (x, tokens)
         prefix = f"{i}."
         own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         with autocast(self.device, self.precision):
-            out: torch.Tensor = torch.func.functional_call(self.blocks[i], own, (x,))
+            out: torch.Tensor = torch.func.functional_call(self.blocks[i], own, args)
         return out
 
     def _grad_frame(self, seq: int, version: int, x: torch.Tensor) -> Future[bytes] | None:

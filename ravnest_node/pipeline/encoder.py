@@ -26,7 +26,7 @@ from ravnest_node.compression import get_codec
 from ravnest_node.compression.host import copying_with
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.run import TrainConfig
-from ravnest_node.pipeline.schedule import GRAD, HIDDEN, TARGETS, StageSpec
+from ravnest_node.pipeline.schedule import GRAD, HIDDEN, TARGETS, TOKENS, StageSpec
 from ravnest_node.transport.frames import LZ4_MIN_RATIO, FrameKind, Outgoing, encode_frame
 
 
@@ -65,10 +65,11 @@ class FrameEncoder:
         out: torch.Tensor,
         targets: torch.Tensor,
         samples: tuple[int, ...],
+        tokens: torch.Tensor | None = None,
     ) -> Future[bytes]:
         """`forward` on the coder thread, after the frames submitted before it. The caller
-        must not modify `out` or `targets` in place until the frame is done."""
-        return self._coder.submit(self.forward, seq, version, out, targets, samples)
+        must not modify `out`, `targets` or `tokens` in place until the frame is done."""
+        return self._coder.submit(self.forward, seq, version, out, targets, samples, tokens)
 
     def submit_backward(self, seq: int, version: int, grad: torch.Tensor) -> Future[bytes]:
         """`backward` on the coder thread, after the frames submitted before it. The caller
@@ -86,10 +87,14 @@ class FrameEncoder:
         out: torch.Tensor,
         targets: torch.Tensor,
         samples: tuple[int, ...],
+        tokens: torch.Tensor | None = None,
     ) -> bytes:
-        """The forward frame of microbatch `seq`, computed with weights of `version`."""
+        """The forward frame of microbatch `seq`, computed with weights of `version`; with
+        the input token ids where given (a model that `carries_tokens`), raw."""
         self.activation_fp32_bytes += 4 * out.numel()
         tensors = [self.activation.outgoing(HIDDEN, out), Outgoing(TARGETS, targets, self._raw)]
+        if tokens is not None:
+            tensors.append(Outgoing(TOKENS, tokens, self._raw))
         return self._encode(FrameKind.FORWARD, seq, version, tensors, self.activation, samples)
 
     def backward(self, seq: int, version: int, grad: torch.Tensor) -> bytes:

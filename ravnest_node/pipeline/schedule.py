@@ -38,6 +38,9 @@ TARGETS = "targets"
 """The microbatch's targets, which travel with its activations to the last stage."""
 GRAD = "grad"
 """The gradient a backward frame carries: of the receiving stage's output."""
+TOKENS = "tokens"
+"""The microbatch's input token ids, which a forward frame carries after its targets where
+the model `carries_tokens` (models/subspace.py); raw, in the input's dtype."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +66,21 @@ class StageSpec:
 def expected_tensors(
     model: BlockModel, spec: StageSpec, microbatch_size: int
 ) -> tuple[list[Expected], list[Expected]]:
-    """The tensors a forward frame and a backward frame to this stage must carry, in order."""
+    """The tensors a forward frame and a backward frame to this stage must carry, in order.
+
+    Token ids (TOKENS) are checked by shape and dtype like any tensor; a model that carries
+    them takes them as uint8 with a vocabulary of at most 256 (ValueError otherwise), so every
+    id that admission lets through is in range."""
     targets = model.target_spec(microbatch_size)
     forward = [Expected(TARGETS, targets.shape, targets.dtype)]
     if not spec.is_first:
         hidden = model.output_spec(spec.first_block - 1, microbatch_size)
         forward.insert(0, Expected(HIDDEN, hidden.shape, hidden.dtype))
+        if model.carries_tokens:
+            tokens = model.input_spec(microbatch_size)
+            if tokens.dtype != torch.uint8 or model.vocab_size > 256:
+                raise ValueError(f"{model.name}: carried token ids must be uint8 (vocab <= 256)")
+            forward.append(Expected(TOKENS, tokens.shape, tokens.dtype))
     out = model.output_spec(spec.stop_block - 1, microbatch_size)
     return forward, [Expected(GRAD, out.shape, out.dtype)]
 
