@@ -34,8 +34,8 @@ from typing import TextIO
 
 from ravnest_node.bench.config import BenchConfig
 from ravnest_node.bench.efficiency import finish_scenario
-from ravnest_node.bench.links import SCENARIOS, netns_available, remove_leftovers
-from ravnest_node.bench.report import Record, markdown_table, plot
+from ravnest_node.bench.links import SCENARIOS, dilate, netns_available, remove_leftovers
+from ravnest_node.bench.report import Record, gpu_like_note, markdown_table, plot
 from ravnest_node.bench.scenario_links import ScenarioLinks
 from ravnest_node.bench.systems import Interrupted, SystemRunner
 from ravnest_node.devices import describe
@@ -88,11 +88,13 @@ class Bench:
         for name in self.cfg.scenario_names:
             if self.systems.stopped.is_set():
                 break
-            link = SCENARIOS[name]
+            link = dilate(SCENARIOS[name], self.cfg.gpu_like)
             links = ScenarioLinks(link, mode, self.work_dir / name)
             async with links.up():
                 self.say(f"scenario {name}: {link.rate_mbit:g} Mbit/s, {link.delay_ms:g} ms "
                          f"one way ({links.description})")  # fmt: skip
+                if self.cfg.gpu_like > 1:
+                    self.say(f"  {gpu_like_note(self.cfg.gpu_like)}")
                 scenario_records: list[Record] = []
                 for system in self.cfg.system_list:
                     if self.systems.stopped.is_set():
@@ -114,8 +116,9 @@ class Bench:
         if "skipped" in record:
             self.say(f"  {record['system']:<17} skipped: {record['skipped']}")
         else:
+            est = " (est.)" if "estimated" in record else ""
             self.say(
-                f"  {record['system']:<17} {record['samples_per_s']:7.2f} samples/s  "
+                f"  {record['system']:<17} {record['samples_per_s']:7.2f} samples/s{est}  "
                 f"{record['bytes_per_sample']:>10,.0f} B/sample  "
                 f"loss {record['initial_loss']:.3f} -> {record['final_loss']:.3f}"
             )
