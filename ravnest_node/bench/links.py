@@ -8,9 +8,11 @@ Layout of one `NetnsSwarm` (k picks a free /24 of 10.213.0.0/16; `name` is a sho
                                     +- p1 (tbf) ------------------ eth0 (tbf) 10.213.k.2  "...-h1"
 
 Bandwidth comes from `tbf` in the kernel, on both ends of each host's veth, so a host's link is
-capped in both directions. This kernel has no `netem`, so propagation delay is not added here:
-`relay.py` adds it in user space. The root namespace only gains the control veth, which the
-harness uses to reach hosts for control traffic; benchmark data should flow host to host.
+capped in both directions (on links under 5 Mbit/s the veths send one MTU per packet, so the
+bucket is a few frames rather than a 64 KiB GSO packet). This kernel has no `netem`, so
+propagation delay is not added here: `relay.py` adds it in user space. The root namespace only
+gains the control veth, which the harness uses to reach hosts for control traffic; benchmark
+data should flow host to host.
 
 Names carry the owner's pid, so `remove_leftovers` can tell a killed run's namespaces from those
 of a run that is still alive. All commands run `ip`/`tc` and block for a few milliseconds each;

@@ -11,6 +11,11 @@ model, data, seed and number of samples, and writes one JSON object per run to t
 - `hivemind`: data-parallel averaging; reported as skipped until ravnest-node has replica
   averaging to compare with (and unless it is installed).
 
+On links under 5 Mbit/s (mobile, and dilated ones) naive runs 3 steps and its full run is
+estimated from them (the record's `estimated` says how), and torch-pipelining is skipped
+(`link_bound`). `--gpu-like F` dilates every link by F (rate / F, delay x F) with compute as it
+is: the link-bound regime of a node F times faster than this machine, on the nominal link.
+
 Links, as root: each node in its own network namespace on a bridge, its link capped in both
 directions by `tc tbf`, and a relay in front of each node's gRPC server adding the one-way delay
 (the kernel here has no netem). Without root, relays on loopback do both rate and delay, per
