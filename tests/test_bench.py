@@ -181,3 +181,24 @@ def test_the_gpu_benchmark_model_is_llama_shaped_and_trains_on_bytes() -> None:
     assert len(timing) == 5 and timing[1] is timing[3]  # one layer, timed once
     with pytest.raises(ConfigError, match="multiple of kv_heads"):
         LlamaBenchConfig(hidden=32, layers=1, heads=4, kv_heads=3, ffn=8, seq_len=4)
+
+
+@pytest.mark.slow
+def test_bench_on_the_mobile_link_estimates_naive(tmp_path: Path) -> None:
+    # 2 Mbit/s, 80 ms: naive runs 3 steps and is extrapolated, torch-pipelining is skipped;
+    # ours (auto, one warm-up step) reports its codecs, its phases and its bytes against naive's.
+    require_netns()
+    records, out = _bench(tmp_path, "--emulation", "netns", "--scenario", "mobile",
+                          "--codec", "auto", "--max-staleness", "1",
+                          "--staleness-warmup-steps", "2",
+                          "--systems", "naive,ours,torch-pipelining")  # fmt: skip
+    naive, ours, torch_pp = records
+    assert naive["steps"] == 3 and naive["estimated_steps"] == 4 and "estimated" in naive
+    assert "too slow" in torch_pp["skipped"]
+    assert ours["link"]["rate_mbit"] == 2 and ours["gpu_like"] == 1
+    assert ours["fewer_boundary_bytes_than_naive"] >= 1
+    assert ours["warmup_step_s"] > 0 and ours["async_step_s"] > 0
+    assert [s["stage"] for s in ours["codec_frames"]] == [0, 1, 2]
+    assert sum(ours["codec_frames"][0]["activation"].values()) == 4 * 4  # steps x microbatches
+    assert "est. (3 steps run)" in (tmp_path / "out.md").read_text()
+    assert "(est.)" in out

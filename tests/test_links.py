@@ -48,6 +48,7 @@ def test_scenarios_match_benchmarks_md() -> None:
         "lan": LinkSpec(1000, 1),
         "home": LinkSpec(50, 20),
         "internet": LinkSpec(10, 50),
+        "mobile": LinkSpec(2, 80),
     }
     assert expected == SCENARIOS
     assert SCENARIOS["home"].rate_bps == 50e6
@@ -62,12 +63,42 @@ def test_linkspec_rejects_nonsense(rate: float, delay: float) -> None:
 
 def test_tbf_burst_holds_a_gso_packet_and_scales_with_rate() -> None:
     for spec in SCENARIOS.values():
+        if links.segmented(spec.rate_mbit):  # mobile: no GSO there, see the test below
+            continue
         args = links.tbf_args(spec.rate_mbit)
         burst = int(args[args.index("burst") + 1])
         assert burst >= 64 * 1024
     assert links.tbf_args(50)[:3] == ["tbf", "rate", "50000kbit"]
     lan = links.tbf_args(1000)
     assert int(lan[lan.index("burst") + 1]) >= 1000e6 / 8 * links.TBF_BURST_S
+
+
+@pytest.mark.parametrize("rate_mbit", [2, 1, 0.2, 0.05])
+def test_tbf_on_slow_links_passes_full_frames_and_queues_some(rate_mbit: float) -> None:
+    """A slow link sends packets of one MTU: its bucket holds a few frames, not 64 KiB (seconds
+    of such a link), and its queue (burst + latency x rate) at least 16 of them."""
+    assert links.segmented(rate_mbit)
+    args = links.tbf_args(rate_mbit)
+    burst = int(args[args.index("burst") + 1])
+    latency_s = int(args[args.index("latency") + 1].removesuffix("ms")) / 1e3
+    assert links.FRAME_BYTES <= burst <= 8 * links.FRAME_BYTES
+    assert burst + latency_s * rate_mbit * 1e6 / 8 >= 16 * links.FRAME_BYTES
+    assert latency_s >= links.TBF_LATENCY_MS / 1e3
+    assert not links.segmented(SCENARIOS["internet"].rate_mbit)
+
+
+def test_dilation_stretches_every_link_time_by_its_factor() -> None:
+    mobile = SCENARIOS["mobile"]
+    slow = links.dilate(mobile, 10)
+    assert slow == LinkSpec(0.2, 800)
+    # A transfer of B bytes plus a one-way trip takes 10x as long on the dilated link.
+    nbytes = 100_000
+    assert nbytes * 8 / slow.rate_bps + slow.delay_s == pytest.approx(
+        10 * (nbytes * 8 / mobile.rate_bps + mobile.delay_s)
+    )
+    assert links.dilate(mobile, 1) == mobile
+    with pytest.raises(ValueError, match=">= 1"):
+        links.dilate(mobile, 0.5)
 
 
 @pytest.mark.parametrize("name", ["", "rvb1", "RVB", "toolongname", "a-b"])
@@ -358,15 +389,24 @@ def assert_gone(namespaces: list[str], control_ifname: str) -> None:
 
 
 @pytest.mark.usefixtures("netns")
-def test_tbf_link_holds_its_rate(procs: Procs) -> None:
-    rate = SCENARIOS["home"]
-    size = 6 * MB
+@pytest.mark.parametrize(
+    ("rate", "size", "skip"),
+    [
+        (SCENARIOS["home"], 6 * MB, MB),
+        # Segmented links (one MTU per packet, a bucket of a few frames): mobile, and mobile
+        # dilated 10x (`bench --gpu-like 10`). The first bytes go out of a full bucket.
+        (SCENARIOS["mobile"], 1_200_000, 100_000),
+        (links.dilate(SCENARIOS["mobile"], 10), 200_000, 30_000),
+    ],
+    ids=["home", "mobile", "mobile-x10"],
+)
+def test_tbf_link_holds_its_rate(procs: Procs, rate: LinkSpec, size: int, skip: int) -> None:
     with NetnsSwarm(2, rate, name=TEST_NAME) as swarm:
         namespaces, control_if = swarm.namespaces, swarm.control_ifname
         h0, h1 = swarm.hosts
         assert len({h0.address, h1.address, swarm.control_address}) == 3
         receiver = procs.popen(
-            [*swarm.exec_prefix(1), sys.executable, "-c", RECEIVER, str(MB), h1.address]
+            [*swarm.exec_prefix(1), sys.executable, "-c", RECEIVER, str(skip), h1.address]
         )
         port = json.loads(read_line(receiver, 20))["port"]
         tx_before = swarm.tx_bytes(0)

@@ -27,8 +27,14 @@ NODES = 3
 class BenchConfig:
     """A benchmark run: scenarios x systems."""
 
-    scenario: Literal["lan", "home", "internet", "all"] = "home"
-    """Link to emulate: lan (1000 Mbit/s, 1 ms), home (50, 20), internet (10, 50), or all."""
+    scenario: Literal["lan", "home", "internet", "mobile", "all"] = "home"
+    """Link to emulate: lan (1000 Mbit/s, 1 ms), home (50, 20), internet (10, 50), mobile (2,
+    80), or all. On links under 5 Mbit/s naive runs a few steps and its full run is estimated
+    from them, and torch-pipelining is skipped."""
+    gpu_like: float = 1.0
+    """Emulate compute this many times faster relative to the link (>= 1; 1: off): every
+    link's rate is divided by it and its delay multiplied by it, compute stays this machine's.
+    The ratios to compute-bound are then those of a node that much faster on the real link."""
     quick: bool = False
     """Shrink the run to 10 steps per system (about a minute per scenario); `bench codecs`
     also trains fewer codecs."""
@@ -62,6 +68,8 @@ class BenchConfig:
             )
         if get_model(self.train.model).num_blocks() < NODES:
             raise ConfigError(f"model {self.train.model} has fewer than {NODES} blocks")
+        if not self.gpu_like >= 1:
+            raise ConfigError(f"gpu_like={self.gpu_like}: must be >= 1 (1: off)")
         if self.compute_threads < 1:
             raise ConfigError("compute_threads must be at least 1")
         resolve_device(self.device)  # ConfigError naming the choices, before anything starts

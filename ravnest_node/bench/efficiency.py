@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from ravnest_node.bench.config import NODES, cores
+from ravnest_node.bench.link_bound import versus_naive
 from ravnest_node.bench.report import Record
 from ravnest_node.coordination.planning.planner import partition
 from ravnest_node.pipeline.run import TrainConfig
@@ -18,8 +19,11 @@ def finish_scenario(records: list[Record], model: Any, train: TrainConfig) -> No
     runs = [r for r in records if "skipped" not in r]
     if not runs:
         return
-    equal = min(len(r["loss_history"]) for r in runs)
-    for r in runs:
+    versus_naive(runs)
+    # An estimated run (naive on a slow link) ran a few steps only: its losses are not compared.
+    full = [r for r in runs if "estimated" not in r]
+    equal = min((len(r["loss_history"]) for r in full), default=0)
+    for r in full:
         r["loss_at_equal_samples"] = r["loss_history"][equal - 1]
     compute = next((r for r in runs if r["system"] == "compute-bound"), None)
     costs = model.block_costs()
@@ -28,8 +32,10 @@ def finish_scenario(records: list[Record], model: Any, train: TrainConfig) -> No
     if compute is not None:
         stage_s = compute["step_s"] * share
     else:  # measured on our nodes (the same stages; inflated when they share cores)
-        measured = [max(r["stage_compute_s"]) for r in runs if r.get("stage_compute_s")]
-        stage_s = min(measured) / train.steps if measured else math.nan
+        measured = [
+            max(r["stage_compute_s"]) / r["steps"] for r in runs if r.get("stage_compute_s")
+        ]
+        stage_s = min(measured) if measured else math.nan
     for r in runs:
         if r["system"] == "compute-bound" or r.get("link") is None:
             continue
@@ -38,7 +44,7 @@ def finish_scenario(records: list[Record], model: Any, train: TrainConfig) -> No
             r["efficiency"] = None
             continue
         # What each host's interface sent (headers included), the same measure for every system.
-        egress = max(r["node_link_bytes"]) / train.steps
+        egress = max(r["node_link_bytes"]) / r["steps"]  # steps it ran (an estimate: a few)
         transfer_s = egress * 8 / (r["link"]["rate_mbit"] * 1e6)
         bound = max(stage_s, transfer_s)
         r["lower_bound_step_s"] = bound
@@ -47,7 +53,7 @@ def finish_scenario(records: list[Record], model: Any, train: TrainConfig) -> No
         r["efficiency"] = bound / r["step_s"]
         # The same bound for this machine, where the stages share its cores (or its one GPU):
         # their measured compute cannot take less than its sum over the cores.
-        measured = [c / train.steps for c in r.get("stage_compute_s") or []]
+        measured = [c / r["steps"] for c in r.get("stage_compute_s") or []]
         if measured:
             lanes = min(cores(), len(measured)) if r.get("device", "cpu") == "cpu" else 1
             shared = max(sum(measured) / lanes, max(measured))

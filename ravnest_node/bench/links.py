@@ -8,9 +8,11 @@ Layout of one `NetnsSwarm` (k picks a free /24 of 10.213.0.0/16; `name` is a sho
                                     +- p1 (tbf) ------------------ eth0 (tbf) 10.213.k.2  "...-h1"
 
 Bandwidth comes from `tbf` in the kernel, on both ends of each host's veth, so a host's link is
-capped in both directions. This kernel has no `netem`, so propagation delay is not added here:
-`relay.py` adds it in user space. The root namespace only gains the control veth, which the
-harness uses to reach hosts for control traffic; benchmark data should flow host to host.
+capped in both directions (on links under 5 Mbit/s the veths send one MTU per packet, so the
+bucket is a few frames rather than a 64 KiB GSO packet). This kernel has no `netem`, so
+propagation delay is not added here: `relay.py` adds it in user space. The root namespace only
+gains the control veth, which the harness uses to reach hosts for control traffic; benchmark
+data should flow host to host.
 
 Names carry the owner's pid, so `remove_leftovers` can tell a killed run's namespaces from those
 of a run that is still alive. All commands run `ip`/`tc` and block for a few milliseconds each;
@@ -23,6 +25,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -47,6 +50,16 @@ TBF_LATENCY_MS = 100
 # kernel's timer granularity does not cap the rate.
 TBF_MIN_BURST_BYTES = 64 * 1024
 TBF_BURST_S = 0.002
+# Below this rate a 64 KiB bucket is over 0.1 s of the link: a burst that size would pass idle
+# gaps' worth of traffic (and a link probe) at wire speed. There the veths send packets of one
+# MTU (no GSO) and the bucket holds a few of them.
+SEGMENT_BELOW_MBIT = 5.0
+FRAME_BYTES = 1514
+"""A full Ethernet frame on the veth: 1500 bytes of IP packet and a 14-byte header."""
+TBF_SEGMENTED_BURST_FRAMES = 4
+# However slow the link, its queue holds this many full frames (at 0.2 Mbit/s one frame is 61 ms
+# of link time, and a 100 ms queue would hold a single one).
+TBF_MIN_QUEUE_FRAMES = 16
 HOST_IFNAME = "eth0"
 BRIDGE_IFNAME = "br0"
 HUB_CONTROL_IFNAME = "ctl"
@@ -90,7 +103,19 @@ SCENARIOS: dict[str, LinkSpec] = {
     "lan": LinkSpec(1000, 1),
     "home": LinkSpec(50, 20),
     "internet": LinkSpec(10, 50),
+    "mobile": LinkSpec(2, 80),
 }
+
+
+def dilate(link: LinkSpec, factor: float) -> LinkSpec:
+    """`link` with every transfer time stretched by `factor`: rate / factor, delay x factor.
+
+    What `bench --gpu-like F` emulates: compute F times faster relative to the link is, on this
+    machine, the link F times slower with compute as it is; the ratios to compute-bound then
+    are those of a node F times faster than this one on `link`."""
+    if not factor >= 1:
+        raise ValueError(f"a time dilation factor must be >= 1, got {factor}")
+    return LinkSpec(link.rate_mbit / factor, link.delay_ms * factor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +143,28 @@ def _run(args: Sequence[str], *, check: bool = True) -> subprocess.CompletedProc
     return proc
 
 
+def segmented(rate_mbit: float) -> bool:
+    """Whether a link of `rate_mbit` sends packets of one MTU (GSO off on its veths), so that
+    its tbf bucket can be a few frames rather than 64 KiB."""
+    return rate_mbit < SEGMENT_BELOW_MBIT
+
+
 def tbf_args(rate_mbit: float) -> list[str]:
-    """The `tc qdisc ... tbf` parameters for a cap of `rate_mbit` (burst and queue included)."""
+    """The `tc qdisc ... tbf` parameters for a cap of `rate_mbit` (burst and queue included).
+
+    The bucket always holds the largest packet the veth sends (64 KiB, or one frame where
+    `segmented`), and tbf's queue limit is the bucket plus `latency` at the rate, so no packet
+    is too large to pass; the latency is at least TBF_MIN_QUEUE_FRAMES frames' time."""
     rate_bytes_per_s = rate_mbit * 1e6 / 8
-    burst = max(TBF_MIN_BURST_BYTES, int(rate_bytes_per_s * TBF_BURST_S))
+    least = (
+        TBF_SEGMENTED_BURST_FRAMES * FRAME_BYTES if segmented(rate_mbit) else TBF_MIN_BURST_BYTES
+    )
+    burst = max(least, int(rate_bytes_per_s * TBF_BURST_S))
+    latency_ms = max(
+        TBF_LATENCY_MS, math.ceil(TBF_MIN_QUEUE_FRAMES * FRAME_BYTES / rate_bytes_per_s * 1e3)
+    )
     rate = f"{round(rate_mbit * 1000)}kbit"
-    return ["tbf", "rate", rate, "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", f"{latency_ms}ms"]
 
 
 def netns_available() -> tuple[bool, str]:
@@ -464,9 +505,13 @@ class NetnsSwarm:
             _run([*hub, "link", "add", port, "type", "veth",
                   "peer", "name", HOST_IFNAME, "netns", ns])  # fmt: skip
             _run([*hub, "link", "set", port, "master", BRIDGE_IFNAME, "up"])
+            if segmented(self._rates[i]):  # packets of one MTU, for the bucket of a few frames
+                _run([*hub, "link", "set", port, "gso_max_segs", "1"])
             _run(["tc", "-n", self._hub, "qdisc", "add", "dev", port, "root", *tbf])
             _run([*host, "link", "set", "lo", "up"])
             _run([*host, "addr", "add", f"{address}/24", "dev", HOST_IFNAME])
+            if segmented(self._rates[i]):
+                _run([*host, "link", "set", HOST_IFNAME, "gso_max_segs", "1"])
             _run([*host, "link", "set", HOST_IFNAME, "up"])
             _run(["tc", "-n", ns, "qdisc", "add", "dev", HOST_IFNAME, "root", *tbf])
             self._hosts.append(Host(ns=ns, address=address, ifname=HOST_IFNAME))

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ravnest_node.bench.link_bound import codec_text
+
 Record = dict[str, Any]
 
 
@@ -16,34 +18,68 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+def gpu_like_note(factor: float) -> str:
+    """What a `--gpu-like` run's figures are, for the table and the output."""
+    return (
+        f"gpu-like x {factor:g}: links at rate/{factor:g} and delay x {factor:g}; times are this "
+        f"machine's (ratios to compute-bound are those of a node {factor:g}x faster on the "
+        f"nominal link)"
+    )
+
+
+def _link_text(r: Record) -> str:
+    link = r.get("link") or {}
+    if not link.get("rate_mbit"):
+        return "-"
+    text = f"{link['rate_mbit']:g} Mbit/s, {link['delay_ms']:g} ms"
+    if (nominal := r.get("nominal_link")) and r.get("gpu_like", 1) > 1:
+        text += (
+            f" (gpu-like x {r['gpu_like']:g} of {nominal['rate_mbit']:g} Mbit/s, "
+            f"{nominal['delay_ms']:g} ms)"
+        )
+    return text
+
+
+def _codecs(r: Record) -> str:
+    return codec_text(r.get("codec_frames") or []) or "-"
+
+
+_HEADER = (
+    "| scenario | link | system | samples/s | vs compute-bound | step s | warm-up / async step s "
+    "| bytes/sample | act+grad B/sample | x fewer than naive | codecs (frames per stage) "
+    "| efficiency | efficiency (this machine) | initial loss | final loss "
+    "| loss at equal samples |"
+)
+
+
 def markdown_table(records: Sequence[Record]) -> str:
-    """One row per record (skipped systems included, with their reason)."""
+    """One row per record (skipped systems included, with their reason); estimated rows say
+    "est.", and a gpu-like run's note comes first."""
     baseline = {
         r["scenario"]: r for r in records if r["system"] == "compute-bound" and "skipped" not in r
     }
-    rows = [
-        "| scenario | link | system | samples/s | vs compute-bound | step s | bytes/sample "
-        "| efficiency | efficiency (this machine) | initial loss | final loss "
-        "| loss at equal samples |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    columns = _HEADER.count("|") - 1
+    notes = sorted({r["gpu_like"] for r in records if r.get("gpu_like", 1) > 1})
+    rows = [gpu_like_note(f) + "\n" for f in notes]
+    rows += [_HEADER, "|" + "---|" * columns]
     for r in records:
-        link = r.get("link") or {}
-        link_text = (
-            f"{link['rate_mbit']:g} Mbit/s, {link['delay_ms']:g} ms"
-            if link.get("rate_mbit")
-            else "-"
-        )
+        link_text = _link_text(r)
         if "skipped" in r:
             cells = [r["scenario"], link_text, r["system"], f"skipped: {r['skipped']}"]
-            rows.append("| " + " | ".join(cells) + " |" + " |" * 8)
+            rows.append("| " + " | ".join(cells) + " |" + " |" * (columns - len(cells)))
             continue
         base = baseline.get(r["scenario"])
         ratio = r["samples_per_s"] / base["samples_per_s"] if base else None
+        est = f" est. ({r['steps']} steps run)" if "estimated" in r else ""
+        phases = f"{_fmt(r.get('warmup_step_s'), '.3f')} / {_fmt(r.get('async_step_s'), '.3f')}"
         rows.append(
-            f"| {r['scenario']} | {link_text} | {r['system']} | {_fmt(r['samples_per_s'], '.2f')} "
-            f"| {_fmt(ratio, '.2f')} | {_fmt(r['step_s'], '.3f')} "
-            f"| {_fmt(r['bytes_per_sample'], ',.0f')} | {_fmt(r.get('efficiency'), '.2f')} "
+            f"| {r['scenario']} | {link_text} | {r['system']} "
+            f"| {_fmt(r['samples_per_s'], '.2f')}{est} "
+            f"| {_fmt(ratio, '.2f')} | {_fmt(r['step_s'], '.3f')} | {phases} "
+            f"| {_fmt(r['bytes_per_sample'], ',.0f')} "
+            f"| {_fmt(r.get('boundary_bytes_per_sample'), ',.0f')} "
+            f"| {_fmt(r.get('fewer_boundary_bytes_than_naive'), '.1f')} | {_codecs(r)} "
+            f"| {_fmt(r.get('efficiency'), '.2f')} "
             f"| {_fmt(r.get('efficiency_this_machine'), '.2f')} "
             f"| {_fmt(r['initial_loss'], '.4f')} | {_fmt(r['final_loss'], '.4f')} "
             f"| {_fmt(r.get('loss_at_equal_samples'), '.4f')} |"

@@ -11,6 +11,11 @@ model, data, seed and number of samples, and writes one JSON object per run to t
 - `hivemind`: data-parallel averaging; reported as skipped until ravnest-node has replica
   averaging to compare with (and unless it is installed).
 
+On links under 5 Mbit/s (mobile, and dilated ones) naive runs 3 steps and its full run is
+estimated from them (the record's `estimated` says how), and torch-pipelining is skipped
+(`link_bound`). `--gpu-like F` dilates every link by F (rate / F, delay x F) with compute as it
+is: the link-bound regime of a node F times faster than this machine, on the nominal link.
+
 Links, as root: each node in its own network namespace on a bridge, its link capped in both
 directions by `tc tbf`, and a relay in front of each node's gRPC server adding the one-way delay
 (the kernel here has no netem). Without root, relays on loopback do both rate and delay, per
@@ -34,8 +39,8 @@ from typing import TextIO
 
 from ravnest_node.bench.config import BenchConfig
 from ravnest_node.bench.efficiency import finish_scenario
-from ravnest_node.bench.links import SCENARIOS, netns_available, remove_leftovers
-from ravnest_node.bench.report import Record, markdown_table, plot
+from ravnest_node.bench.links import SCENARIOS, dilate, netns_available, remove_leftovers
+from ravnest_node.bench.report import Record, gpu_like_note, markdown_table, plot
 from ravnest_node.bench.scenario_links import ScenarioLinks
 from ravnest_node.bench.systems import Interrupted, SystemRunner
 from ravnest_node.devices import describe
@@ -88,11 +93,13 @@ class Bench:
         for name in self.cfg.scenario_names:
             if self.systems.stopped.is_set():
                 break
-            link = SCENARIOS[name]
+            link = dilate(SCENARIOS[name], self.cfg.gpu_like)
             links = ScenarioLinks(link, mode, self.work_dir / name)
             async with links.up():
                 self.say(f"scenario {name}: {link.rate_mbit:g} Mbit/s, {link.delay_ms:g} ms "
                          f"one way ({links.description})")  # fmt: skip
+                if self.cfg.gpu_like > 1:
+                    self.say(f"  {gpu_like_note(self.cfg.gpu_like)}")
                 scenario_records: list[Record] = []
                 for system in self.cfg.system_list:
                     if self.systems.stopped.is_set():
@@ -114,8 +121,9 @@ class Bench:
         if "skipped" in record:
             self.say(f"  {record['system']:<17} skipped: {record['skipped']}")
         else:
+            est = " (est.)" if "estimated" in record else ""
             self.say(
-                f"  {record['system']:<17} {record['samples_per_s']:7.2f} samples/s  "
+                f"  {record['system']:<17} {record['samples_per_s']:7.2f} samples/s{est}  "
                 f"{record['bytes_per_sample']:>10,.0f} B/sample  "
                 f"loss {record['initial_loss']:.3f} -> {record['final_loss']:.3f}"
             )

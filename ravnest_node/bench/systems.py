@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from ravnest_node.bench import torch_pipe
+from ravnest_node.bench import link_bound, torch_pipe
 from ravnest_node.bench.config import NODES, BenchConfig, cores
-from ravnest_node.bench.links import NetnsSwarm
+from ravnest_node.bench.links import SCENARIOS, NetnsSwarm
 from ravnest_node.bench.report import Record
 from ravnest_node.bench.scenario_links import ScenarioLinks
 from ravnest_node.devices import resolve_device, resolve_precision
@@ -90,6 +90,12 @@ class SystemRunner:
                 if link and system != "compute-bound"
                 else None
             ),
+            "gpu_like": self.cfg.gpu_like,
+            **(
+                {"nominal_link": {"rate_mbit": nominal.rate_mbit, "delay_ms": nominal.delay_ms}}
+                if self.cfg.gpu_like > 1 and (nominal := SCENARIOS.get(scenario))
+                else {}
+            ),
             "model": t.model,
             "steps": t.steps,
             "batch_size": t.batch_size,
@@ -121,6 +127,10 @@ class SystemRunner:
             if links.netns is None:
                 why = "needs network namespaces (root): gloo links peer to peer, past any relay"
                 return base | {"skipped": why}
+            if link_bound.slow(links.link):
+                return base | {"skipped": f"too slow to run on a link under "
+                                          f"{link_bound.SLOW_LINK_MBIT:g} Mbit/s (minutes per "
+                                          f"step of fp32 frames)"}  # fmt: skip
             return base | await self._run_torch(system, links)
         # Pipelines of the workload's shape, one stage per node, whatever the planner would
         # make of the links (it may leave slow-linked nodes spare): what is compared is the
@@ -150,6 +160,13 @@ class SystemRunner:
                 lz4=False,
             )
             base |= {"codec": "none", "gradient_codec": "none", "max_staleness": 0}
+            if link_bound.slow(links.link):  # a few steps, extrapolated
+                few = dataclasses.replace(train, steps=link_bound.ESTIMATE_STEPS)
+                base |= {"steps": few.steps, "samples": few.steps * few.batch_size}
+                measured = base | await self._run_ours(
+                    system, few, links.slots, links, self.cfg.compute_threads
+                )
+                return link_bound.estimated(measured, self.train.steps)
         else:
             train = dataclasses.replace(shaped, schedule="gpipe")
         return base | await self._run_ours(
@@ -194,6 +211,10 @@ class SystemRunner:
             raise Interrupted
         steps = [e for e in demo.events if not e.done]
         record = _ours_record(summary, steps, train.batch_size, run_dir)
+        warm, later = link_bound.phase_step_s(
+            {e.step: e.wall_s for e in steps}, train.staleness_warmup_steps, train.max_staleness
+        )
+        record["warmup_step_s"], record["async_step_s"] = warm, later
         if tx_before is not None and tx_after is not None:
             record["link_bytes"] = sum(tx_after) - sum(tx_before)
             record["node_link_bytes"] = [a - b for a, b in zip(tx_after, tx_before, strict=True)]
@@ -295,6 +316,8 @@ def _ours_record(
         "final_params_l2": summary["final_params_l2"],
         "node_bytes_sent": [s["bytes_sent"] for s in summary["stages"]],
         "stage_compute_s": [s["compute_s"] for s in summary["stages"]],
+        # Which codec each stage's frames went in (what `auto` chose, per link and role).
+        "codec_frames": link_bound.codec_choice(summary["stages"]),
         "curve": _curve(steps, batch_size),
         "log": str(run_dir),
     }
