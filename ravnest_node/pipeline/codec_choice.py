@@ -135,7 +135,7 @@ class CodecChoice:
         name = self.name
         if nbytes is not None:
             self.frame_bytes = {**self.frame_bytes, name: _mean(self.frame_bytes.get(name), nbytes)}
-        if coding_s is not None:
+        if coding_s is not None and self.frames.get(name, 0) > 1:  # (the first holds set-up)
             self.coding_s = {**self.coding_s, name: _mean(self.coding_s.get(name), coding_s)}
 
     def _decide(self, tensor: torch.Tensor) -> None:
