@@ -5,6 +5,7 @@ written."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -24,6 +25,7 @@ from ravnest_node.checkpoint import (
     parse_manifest,
 )
 from ravnest_node.daemon.worker.changes import Changes
+from ravnest_node.daemon.worker.checkpoint_copies import PACED_CHUNK_BYTES
 from ravnest_node.daemon.worker.checkpoints import CheckpointKeeper
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
@@ -268,3 +270,27 @@ async def test_fetch_checkpoint_refuses_unknown_peers_and_other_plans(tmp_path: 
     chunks = await fetch("keeper", 3)
     assert parse_manifest(chunks[0].manifest, 10).step == 10
     assert sum(len(c.data) for c in chunks) == store.manifest(10).bytes
+
+
+async def test_a_copy_is_sent_at_its_pace_in_small_chunks(tmp_path: Path) -> None:
+    """A paced copy (COPY_SHARE of the measured link, worker._copy_pace_bps) goes in chunks of
+    PACED_CHUNK_BYTES, each no sooner than the bytes before it take at the pace."""
+    store = CheckpointDir(tmp_path / "owner-dir")
+    save(store, trained_blocks(1, 3, 10), 10)
+    owner = keeper("owner", store, 5)
+    plan = pb.Plan(epoch=3, stages=[pb.StageAssignment(node_id="owner"),
+                                    pb.StageAssignment(node_id="keeper", index=1)])  # fmt: skip
+    owner.checkpoint_step = 10
+    size = store.manifest(10).bytes
+    pace_bps = size * 8 / 0.5  # the whole copy in 0.5 s
+    request = pb.CheckpointRequest(node_id="keeper", plan_epoch=3, step=10)
+    loop = asyncio.get_running_loop()
+    start_s, arrivals = loop.time(), []
+    async for chunk in owner.serve_copy(request, plan, pace_bps=pace_bps):
+        arrivals.append((loop.time() - start_s, len(chunk.data)))
+    assert sum(n for _, n in arrivals) == size and len(arrivals) > 2
+    assert max(n for _, n in arrivals) <= PACED_CHUNK_BYTES
+    before = 0
+    for at_s, n in arrivals:
+        assert at_s >= before * 8 / pace_bps - 1e-3  # never ahead of the pace
+        before += n

@@ -7,6 +7,12 @@ fetches its upstream's checkpoint of the same step (`CheckpointCopier.copy`, one
 copy due while the one before is still coming is skipped), and serves its own to its downstream
 (`CheckpointCopier.serve`).
 
+A copy shares the link with the boundary streams, and on a slow link a stage's checkpoint (20
+MB for a third of bench-small) takes seconds to minutes, so the source sends it at COPY_SHARE of
+the link's measured bandwidth (in PACED_CHUNK_BYTES chunks, each after the time the ones before
+it take at that pace): a 60-step bench on the 10 Mbit/s link, whose copies at step 50 went at
+full speed, ran its last steps at half its speed before (docs/benchmarks.md).
+
 What comes from the peer is checked before anything is kept: the manifest against what the
 source trains under the plan and the size bound of its blocks, each chunk against the one
 before, and the whole against its sha256 (CheckpointCopies.store); a peer that trickles is cut
@@ -45,13 +51,17 @@ from ravnest_node.transport.chunks import read_chunks, serve_chunks
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.options import TransportConfig, open_channel
 
-__all__ = ["COPY_MIN_BPS", "CheckpointCopier", "copier_of"]
+__all__ = ["COPY_MIN_BPS", "COPY_SHARE", "CheckpointCopier", "copier_of"]
 
 log = logging.getLogger(__name__)
 
-COPY_MIN_BPS = 1e6
+COPY_MIN_BPS = 0.1e6
 """A checkpoint copy must come at least this fast (bits per second), after the connect
 timeout."""
+COPY_SHARE = 0.2
+"""Share of the measured link a checkpoint copy is sent at."""
+PACED_CHUNK_BYTES = 64 << 10
+"""Chunk size of a paced copy: a chunk's burst holds a boundary frame up for little."""
 CLOSE_WAIT_S = 0.5
 """Seconds a copy being fetched gets to end when the node closes."""
 
@@ -186,11 +196,16 @@ class CheckpointCopier:
                  manifest.bytes / 1e6)  # fmt: skip
 
     async def serve(
-        self, request: pb.CheckpointRequest, store: CheckpointDir, written: Callable[[], bool]
+        self,
+        request: pb.CheckpointRequest,
+        store: CheckpointDir,
+        written: Callable[[], bool],
+        pace_bps: float | None = None,
     ) -> AsyncIterator[pb.CheckpointChunk]:
         """This node's checkpoint in `store` at `request.step` for the peer that keeps its
         copies (the caller checked it is): waited for (`written`, within twice the connect
-        timeout) if it is being written; Refusal (before any chunk) if it is not there, or a
+        timeout) if it is being written, sent at `pace_bps` at most (at least COPY_MIN_BPS;
+        None: as fast as the link goes); Refusal (before any chunk) if it is not there, or a
         copy to the peer is under way."""
         if request.node_id in self._serving:
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "a copy to this peer is under way")
@@ -208,8 +223,16 @@ class CheckpointCopier:
                 raise Refusal(grpc.StatusCode.NOT_FOUND, str(exc)) from None
             with f:
                 chunk_bytes = min(CHUNK_BYTES, self._transport.max_message_bytes // 2)
+                if pace_bps is not None:
+                    chunk_bytes = min(chunk_bytes, PACED_CHUNK_BYTES)
+                    pace_bps = max(pace_bps, 2 * COPY_MIN_BPS)
+                loop = asyncio.get_running_loop()
+                start_s, sent = loop.time(), 0
                 async for chunk in serve_chunks(_file_chunks(f, manifest, chunk_bytes)):
+                    if pace_bps is not None:  # each chunk when the ones before are due
+                        await asyncio.sleep(max(0.0, start_s + sent * 8 / pace_bps - loop.time()))
                     yield chunk
+                    sent += len(chunk.data)
         finally:
             self._serving.discard(request.node_id)
 

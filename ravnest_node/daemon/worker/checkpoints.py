@@ -311,11 +311,11 @@ class CheckpointKeeper:
             await self._copier.copy(plan, source, step)
 
     async def serve_copy(
-        self, request: pb.CheckpointRequest, plan: pb.Plan | None
+        self, request: pb.CheckpointRequest, plan: pb.Plan | None, pace_bps: float | None = None
     ) -> AsyncIterator[pb.CheckpointChunk]:
         """Node.FetchCheckpoint, this node training under `plan`: a member of that plan copies
         its checkpoint at `request.step`, waited for (within twice the connect timeout) if it
-        is being written; Refusal (before any chunk) otherwise."""
+        is being written, sent at `pace_bps` at most; Refusal (before any chunk) otherwise."""
         store = self.store
         if store is None or self._copier is None:
             raise Refusal(grpc.StatusCode.NOT_FOUND, "this node keeps no checkpoints")
@@ -331,7 +331,7 @@ class CheckpointKeeper:
                 f"under plan epoch {plan.epoch}",
             )
         async for chunk in self._copier.serve(
-            request, store, written=lambda: self.checkpoint_step >= request.step
+            request, store, written=lambda: self.checkpoint_step >= request.step, pace_bps=pace_bps
         ):
             yield chunk
 

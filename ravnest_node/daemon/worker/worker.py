@@ -43,6 +43,7 @@ from ravnest_node.checkpoint import CheckpointDir
 from ravnest_node.coordination.planning.static_plan import has_node
 from ravnest_node.daemon.worker.capabilities import measure
 from ravnest_node.daemon.worker.changes import Changes
+from ravnest_node.daemon.worker.checkpoint_copies import COPY_SHARE
 from ravnest_node.daemon.worker.checkpoints import CheckpointKeeper
 from ravnest_node.daemon.worker.coordinator_client import CoordinatorClient
 from ravnest_node.daemon.worker.handover import Handover
@@ -558,7 +559,19 @@ class Worker:
     def fetch_checkpoint(self, request: pb.CheckpointRequest) -> AsyncIterator[pb.CheckpointChunk]:
         """Node.FetchCheckpoint: this node's checkpoint, for the node that keeps its copies
         (CheckpointKeeper.serve_copy); Refusal before any chunk."""
-        return self._keeper.serve_copy(request, self.plan)
+        return self._keeper.serve_copy(request, self.plan, pace_bps=self._copy_pace_bps())
+
+    def _copy_pace_bps(self) -> float | None:
+        """What a checkpoint copy this node serves may take of its link: COPY_SHARE of the
+        bandwidth measured to the stage it sends activations to (the copier, except for the
+        last stage's), else to its upstream; None (unpaced) where nothing was measured."""
+        runtime = self.runtime
+        if runtime is None:
+            return None
+        for choice in (runtime.activation_codec, runtime.gradient_codec):
+            if choice.bandwidth_bps:
+                return COPY_SHARE * choice.bandwidth_bps
+        return None
 
     # ----- the stop ---------------------------------------------------------------------------
     async def checkpoint_on_stop(self, drain_s: float, pause_s: float) -> None:
