@@ -14,7 +14,8 @@ Towards a peer that decodes klt (its plan entry says so; an older node does not)
 candidates after the ladder (compression/auto.py, COMPACT): its size is the mean of the frames
 it made on this link (a prior before the first), and the time a frame takes to encode here,
 twice (the peer decodes it), counts against the budget, for every codec: `sent` measures both.
-klt's sender state (its learned basis) is kept when `auto` moves away from it and back.
+klt's sender state (its learned basis) is kept when `auto` moves away from it and back, and its
+frames count from its tenth on (`_learning`).
 
 When int4-block is chosen and still does not fit (`link_bound`) and the peer unpacks deflate
 (its plan entry says so), the payloads are also packed with deflate;
@@ -47,6 +48,7 @@ from ravnest_node.compression.auto import (
     payload_sizes,
 )
 from ravnest_node.compression.codecs import Role, variant_label
+from ravnest_node.compression.transform import REFRESH_FIRST, KLTState
 from ravnest_node.transport.frames import Outgoing
 
 log = logging.getLogger(__name__)
@@ -133,7 +135,7 @@ class CodecChoice:
         took `nbytes` on the wire and `coding_s` seconds to encode (where measured)."""
         self.deflated += packing == "deflate"
         name = self.name
-        if nbytes is not None:
+        if nbytes is not None and not self._learning(name):
             self.frame_bytes = {**self.frame_bytes, name: _mean(self.frame_bytes.get(name), nbytes)}
         if coding_s is not None and self.frames.get(name, 0) > 1:  # (the first holds set-up)
             self.coding_s = {**self.coding_s, name: _mean(self.coding_s.get(name), coding_s)}
@@ -183,6 +185,14 @@ class CodecChoice:
                 self.bandwidth_bps / 1e6,
                 estimate * 1e3,
             )
+
+    def _learning(self, name: str) -> bool:
+        """klt is still learning: its first REFRESH_FIRST frames go in the identity basis, 2-3
+        times larger than later ones, and the next two learned bases travel in frames 5 and 9
+        (frames refresh ever more rarely after). What those take says little of what klt will
+        take, so the prior stands until its tenth frame."""
+        state = self._kept.get(name)  # (frames: those it learned from, one per frame encoded)
+        return isinstance(state, KLTState) and 0 < state.frames <= 2 * REFRESH_FIRST + 1
 
     def _coding_estimates(self, numel: int) -> dict[str, float]:
         """Seconds each codec's frame costs to encode here and decode at the peer (twice the
