@@ -181,7 +181,7 @@ def test_a_stage_passes_the_tokens_on_and_computes_what_the_blocks_do(recompute:
             executor=pool,
         )  # fmt: skip
         received = {"hidden": c, "targets": targets, "tokens": tokens}
-        frame = parse_frame(stage.forward(0, 0, received, ()), LIMITS)
+        frame = parse_frame(stage.forward(0, 0, received, ()).result(), LIMITS)
         out, _ = frame.decode_with({})
         grad = torch.randn(MB, 32, 16)
         _, back = stage.backward(0, grad)
@@ -193,7 +193,7 @@ def test_a_stage_passes_the_tokens_on_and_computes_what_the_blocks_do(recompute:
     assert torch.allclose(out["hidden"], expected, atol=1e-6)
     expected.backward(grad)
     assert back is not None
-    got, _ = parse_frame(back, LIMITS).decode_with({})
+    got, _ = parse_frame(back.result(), LIMITS).decode_with({})
     assert x.grad is not None and torch.allclose(got["grad"], x.grad, atol=1e-6)
 
 

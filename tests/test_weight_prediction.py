@@ -113,7 +113,7 @@ def test_a_forward_runs_on_the_predicted_weights_and_its_frame_carries_their_ver
         for predict in (True, False):
             stage, _ = _stepped(pool, predict)
             seq = 2 * M  # step 2 at version 1
-            message = stage.forward(seq, 1, {"hidden": x.clone(), "targets": targets}, ())
+            message = stage.forward(seq, 1, {"hidden": x.clone(), "targets": targets}, ()).result()
             frame = parse_frame(message, FrameLimits(max_message_bytes=1 << 24))
             assert frame.version == 1 and stage.in_flight[seq].version == 1
             outs[predict] = frame.decode_with({})[0]["hidden"]
