@@ -30,7 +30,8 @@ class Residual(nn.Module):
         self.linear = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.linear(nn.functional.gelu(self.norm(x)))
+        out: torch.Tensor = x + self.linear(nn.functional.gelu(self.norm(x)))
+        return out
 
 
 class TeacherData:
