@@ -224,3 +224,18 @@ def test_a_node_without_the_model_refuses_and_names_the_package(
         "provides; it is not installed on this node" in log
     )
     assert "Traceback" not in log
+
+
+def test_the_docs_show_the_example_package_as_it_is() -> None:
+    """docs/development.md ("Your own model") shows the files this test installs, verbatim."""
+    doc = (EXAMPLE.parents[2] / "docs" / "development.md").read_text()
+    section = doc.split("## Your own model", 1)[1].split("\n## ", 1)[0]
+    for name, lang in (("pyproject.toml", "toml"), ("ravnest_tiny_mlp/model.py", "python")):
+        assert f"```{lang}\n{(EXAMPLE / name).read_text()}```" in section, name
+    for command in (
+        "pip install -e docs/examples/own_model",
+        "ravnest-node models",
+        "ravnest-node demo --model tiny-mlp",
+        "ravnest-node start --model tiny-mlp",
+    ):
+        assert command in section
