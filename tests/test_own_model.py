@@ -105,6 +105,14 @@ def test_a_built_in_name_wins_over_a_package(
     )
 
 
+def test_a_name_two_packages_declare_is_taken_once(caplog: pytest.LogCaptureFixture) -> None:
+    found = InstalledModels(lambda: [*_points(mlp="b.module:make"), *_points(mlp="a.module:make")])
+    with caplog.at_level(logging.WARNING):
+        assert found.found(()) == found.found(())
+        assert [info.value for info in found.found(()).values()] == ["a.module:make"]
+    assert caplog.text.count("declares it too") == 1  # warned once, when first looked for
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
@@ -141,7 +149,8 @@ def test_models_command_lists_built_in_installed_and_broken(
     fake_installed: Callable[..., list[int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake_installed(**{"tiny-mlp": "ravnest_tiny_mlp.model:make_model",
-                      "broken": "tests.test_own_model:failing_factory"})  # fmt: skip
+                      "broken": "tests.test_own_model:failing_factory",
+                      "small": "ravnest_tiny_mlp.model:make_model"})  # fmt: skip
     rows = {row.name: row for row in models_command.model_rows()}
     assert rows["tiny"].source == "built-in" and rows["tiny"].blocks == 4
     assert rows["tiny"].parameters == get_model("tiny").num_parameters()
@@ -149,6 +158,9 @@ def test_models_command_lists_built_in_installed_and_broken(
     assert mlp.source == "an unknown distribution (ravnest_tiny_mlp.model:make_model)"
     assert (mlp.blocks, mlp.parameters) == (6, get_model("tiny-mlp").num_parameters())
     assert rows["broken"].blocks is None and "RuntimeError: no GPU here" in rows["broken"].error
+    hidden = [row for row in models_command.model_rows() if row.name == "small"]
+    assert [row.source for row in hidden] == ["built-in", mlp.source]
+    assert hidden[1].error == "ignored: a built-in model has that name"
     assert main(["models"]) == 0  # a broken package is listed, not fatal
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["MODEL", "BLOCKS", "PARAMETERS", "SOURCE"]

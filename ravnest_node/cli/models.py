@@ -15,6 +15,7 @@ from typing import Any
 from ravnest_node.models import MODEL_PRESETS, get_model, installed_models
 from ravnest_node.models.base import shapes_only
 from ravnest_node.models.installed import ENTRY_POINT_GROUP
+from ravnest_node.models.registry import hidden_models
 
 __all__ = ["ModelRow", "add_models_parser", "model_rows", "run_models"]
 
@@ -46,9 +47,13 @@ def _row(name: str, source: str) -> ModelRow:
 
 
 def model_rows() -> list[ModelRow]:
-    """The built-in models, then the installed ones, each sorted by name."""
+    """The built-in models, then the installed ones, each sorted by name; last, those of
+    packages that a built-in name hides (with that as their error)."""
     rows = [_row(name, BUILTIN) for name in sorted(MODEL_PRESETS)]
     rows += [_row(name, info.origin) for name, info in sorted(installed_models().items())]
+    hidden = hidden_models()
+    rows += [ModelRow(name, info.origin, error="ignored: a built-in model has that name")
+             for name, info in sorted(hidden.items())]  # fmt: skip
     return rows
 
 

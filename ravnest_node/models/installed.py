@@ -92,23 +92,30 @@ class InstalledModels:
     def found(self, builtin: Collection[str]) -> dict[str, Installed]:
         """The installed models by name, without those a built-in name (`builtin`) hides; the
         first time, a warning for each hidden one and each name two packages declare."""
+        return {n: info for n, info in self._all(builtin).items() if n not in builtin}
+
+    def hidden(self, builtin: Collection[str]) -> dict[str, Installed]:
+        """The installed models that a built-in name hides, by name."""
+        return {n: info for n, info in self._all(builtin).items() if n in builtin}
+
+    def _all(self, builtin: Collection[str]) -> dict[str, Installed]:
         with self._lock:
             if self._found is None:
                 self._found = self._scan(builtin)
-            return {name: info for name, (_, info) in self._found.items() if name not in builtin}
+            return {name: info for name, (_, info) in self._found.items()}
 
     def _scan(self, builtin: Collection[str]) -> dict[str, tuple[EntryPoint, Installed]]:
         found: dict[str, tuple[EntryPoint, Installed]] = {}
         for ep in sorted(self._find(), key=lambda e: (e.name, e.value)):
             info = _describe(ep)
+            if ep.name in found:
+                log.warning("model %r of %s is ignored: %s declares it too", ep.name,
+                            info.origin, found[ep.name][1].origin)  # fmt: skip
+                continue
             if ep.name in builtin:
                 log.warning("model %r of %s is ignored: a built-in model has that name",
                             ep.name, info.origin)  # fmt: skip
-            elif ep.name in found:
-                log.warning("model %r of %s is ignored: %s declares it too", ep.name,
-                            info.origin, found[ep.name][1].origin)  # fmt: skip
-            else:
-                found[ep.name] = (ep, info)
+            found[ep.name] = (ep, info)
         return found
 
     def build(self, name: str, builtin: Collection[str]) -> BlockModel | None:

@@ -22,6 +22,7 @@ __all__ = [
     "INSTALLED",
     "MODEL_PRESETS",
     "get_model",
+    "hidden_models",
     "installed_models",
     "model_names",
     "register_model",
@@ -45,6 +46,11 @@ def register_model(name: str, factory: Callable[[], BlockModel]) -> None:
 def installed_models() -> dict[str, Installed]:
     """The models installed packages declare, by name, less those a built-in name hides."""
     return INSTALLED.found(MODEL_PRESETS)
+
+
+def hidden_models() -> dict[str, Installed]:
+    """The models installed packages declare under a built-in name, which wins, by name."""
+    return INSTALLED.hidden(MODEL_PRESETS)
 
 
 def model_names() -> list[str]:
