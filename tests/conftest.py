@@ -131,16 +131,20 @@ def demo_summary(tmp_path: Path, name: str, *args: str, timeout: float = 600) ->
 
 
 def demo_summaries(
-    tmp_path: Path, runs: dict[str, Sequence[str]], timeout: float = 600
+    tmp_path: Path,
+    runs: dict[str, Sequence[str]],
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """`demo_summary` of several runs (name -> args) side by side, for runs whose results do
-    not depend on timing (synchronous, fixed codec): their summaries by name."""
+    not depend on timing (synchronous, fixed codec): their summaries by name. `env`: the
+    demos' environment (default NODE_ENV), which their node processes inherit."""
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
     procs = {}
     for name, args in runs.items():
         summary = str(tmp_path / f"{name}.json")
         command = ravnest("demo", "--work-dir", str(tmp_path / name), "--summary-json", summary)
-        procs[name] = subprocess.Popen([*command, *args], env=NODE_ENV, text=True, **pipes)
+        procs[name] = subprocess.Popen([*command, *args], env=env or NODE_ENV, text=True, **pipes)
     try:
         for name, proc in procs.items():
             out, _ = proc.communicate(timeout=timeout)

@@ -30,6 +30,7 @@ from ravnest_node.bench.runner import run_bench
 from ravnest_node.bench.suite import Suite
 from ravnest_node.cli import plan as plan_command
 from ravnest_node.cli.export import add_export_parser, run_export
+from ravnest_node.cli.models import add_models_parser, run_models
 from ravnest_node.cli.status import run_status, run_swarm_status, watch
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.daemon.node import NodeDaemon, NodeInfo
@@ -38,7 +39,7 @@ from ravnest_node.errors import ConfigError, RunFailed, StartupError
 from ravnest_node.launch.demo import DemoConfig, run_demo
 from ravnest_node.launch.signals import STOP_DEADLINE_S, ignore_stop_signals, install_stop_handlers
 from ravnest_node.logs import JsonLines, setup_logging
-from ravnest_node.models import model_names
+from ravnest_node.models import MODEL_PRESETS
 from ravnest_node.transport.credentials import MEMBER_DAYS, TOKEN_FILE, create_swarm
 from ravnest_node.transport.options import TransportConfig
 from ravnest_node.version import __version__
@@ -73,12 +74,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    models = ", ".join(model_names())
+    # The built-in names only: listing the installed ones would look for entry points at every
+    # start of a node (`ravnest-node models` lists them).
+    models = f"{', '.join(sorted(MODEL_PRESETS))}, those of installed packages (`models`)"
     _add_start_parser(commands, models)
     _add_coordinator_parser(commands)
     _add_status_parser(commands)
     _add_init_swarm_parser(commands)
     add_export_parser(commands)
+    add_models_parser(commands)
     _add_demo_parser(commands, models)
     _add_bench_parser(commands)
     _add_plan_parser(commands)
@@ -419,6 +423,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": _run_status,
     "init-swarm": _run_init_swarm,
     "export": run_export,
+    "models": run_models,
     "demo": _run_demo,
     "bench": _run_bench,
     "plan": plan_command.run_plan,

@@ -2,7 +2,14 @@
 
 from ravnest_node.models.base import BlockModel, TensorSpec, run_blocks
 from ravnest_node.models.bytelm import ByteLM, ByteLMConfig
-from ravnest_node.models.registry import MODEL_PRESETS, get_model, model_names, register_model
+from ravnest_node.models.installed import lacking_model
+from ravnest_node.models.registry import (
+    MODEL_PRESETS,
+    get_model,
+    installed_models,
+    model_names,
+    register_model,
+)
 
 __all__ = [
     "MODEL_PRESETS",
@@ -11,6 +18,8 @@ __all__ = [
     "ByteLMConfig",
     "TensorSpec",
     "get_model",
+    "installed_models",
+    "lacking_model",
     "model_names",
     "register_model",
     "run_blocks",

@@ -1,5 +1,6 @@
 """The models a swarm can train by name: the built-in presets, models registered in this
-process, and pretrained ``hf:DIR,...`` directories.
+process, models that installed packages declare (installed.py), and pretrained ``hf:DIR,...``
+directories.
 
 Above every model module (base, bytelm, pretrained), so that none of them imports another to
 be found: `get_model` is the one place a name becomes a model.
@@ -12,15 +13,27 @@ from collections.abc import Callable
 from ravnest_node.errors import ConfigError
 from ravnest_node.models.base import BlockModel
 from ravnest_node.models.bytelm import PRESETS, ByteLM, ByteLMConfig
+from ravnest_node.models.installed import ENTRY_POINT_GROUP, Installed, InstalledModels
 from ravnest_node.models.llama_bench import LLAMA_300M, LlamaBench
 from ravnest_node.models.pretrained import PretrainedModel
 from ravnest_node.models.subspace import SubspaceLM
 
-__all__ = ["MODEL_PRESETS", "get_model", "model_names", "register_model"]
+__all__ = [
+    "INSTALLED",
+    "MODEL_PRESETS",
+    "get_model",
+    "hidden_models",
+    "installed_models",
+    "model_names",
+    "register_model",
+]
 
 MODEL_PRESETS: dict[str, Callable[[], BlockModel]] = {}
 """Registry: model name -> zero-argument factory. Filled by `register_model`; the built-in presets
 are registered when `ravnest_node.models` is imported."""
+
+INSTALLED = InstalledModels()
+"""The models installed packages declare (entry points of ``ravnest_node.models``)."""
 
 
 def register_model(name: str, factory: Callable[[], BlockModel]) -> None:
@@ -30,23 +43,38 @@ def register_model(name: str, factory: Callable[[], BlockModel]) -> None:
     MODEL_PRESETS[name] = factory
 
 
+def installed_models() -> dict[str, Installed]:
+    """The models installed packages declare, by name, less those a built-in name hides."""
+    return INSTALLED.found(MODEL_PRESETS)
+
+
+def hidden_models() -> dict[str, Installed]:
+    """The models installed packages declare under a built-in name, which wins, by name."""
+    return INSTALLED.hidden(MODEL_PRESETS)
+
+
 def model_names() -> list[str]:
-    """Registered model names, sorted."""
-    return sorted(MODEL_PRESETS)
+    """The names of the built-in and registered models and of the installed ones, sorted."""
+    return sorted({*MODEL_PRESETS, *installed_models()})
 
 
 def get_model(name: str) -> BlockModel:
-    """A fresh instance of the preset `name`, or of the pretrained model an ``hf:DIR,...`` name
-    describes; raises `ConfigError` if there is no such preset or the directory is unusable."""
+    """A fresh instance of the preset `name`, of the model an installed package declares
+    under that name (a built-in name wins), or of the pretrained model an ``hf:DIR,...`` name
+    describes. ConfigError if no model has that name, if its package's entry point is broken
+    (installed.py), or if the directory is unusable."""
     if name.startswith("hf:"):  # a pretrained model directory (models/pretrained/)
         return PretrainedModel(name)
-    try:
-        factory = MODEL_PRESETS[name]
-    except KeyError:
+    factory = MODEL_PRESETS.get(name)
+    if factory is not None:
+        return factory()
+    model = INSTALLED.build(name, MODEL_PRESETS)
+    if model is None:
         raise ConfigError(
-            f"unknown model {name!r}; choose one of: {', '.join(model_names())}"
-        ) from None
-    return factory()
+            f"unknown model {name!r}; choose one of: {', '.join(model_names())}; or install "
+            f"the package that declares it (entry-point group {ENTRY_POINT_GROUP})"
+        )
+    return model
 
 
 def _preset(cfg: ByteLMConfig, name: str) -> Callable[[], BlockModel]:

@@ -221,7 +221,7 @@ class CheckpointOffer(_message.Message):
     def __init__(self, step: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., run_key: _Optional[str] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("swarm_id", "member_index", "swarm_size", "model", "microbatch", "lease_s", "started_epoch", "precision")
+    __slots__ = ("swarm_id", "member_index", "swarm_size", "model", "microbatch", "lease_s", "started_epoch", "precision", "model_package")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_INDEX_FIELD_NUMBER: _ClassVar[int]
     SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class JoinReply(_message.Message):
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     STARTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PACKAGE_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     member_index: int
     swarm_size: int
@@ -238,7 +239,8 @@ class JoinReply(_message.Message):
     lease_s: float
     started_epoch: int
     precision: str
-    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ..., lease_s: _Optional[float] = ..., started_epoch: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
+    model_package: str
+    def __init__(self, swarm_id: _Optional[str] = ..., member_index: _Optional[int] = ..., swarm_size: _Optional[int] = ..., model: _Optional[str] = ..., microbatch: _Optional[int] = ..., lease_s: _Optional[float] = ..., started_epoch: _Optional[int] = ..., precision: _Optional[str] = ..., model_package: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "checkpoints", "rtt_s", "held_epoch")

@@ -175,6 +175,7 @@ def _join_reply(s: SwarmState, index: int) -> pb.JoinReply:
         microbatch=s.train.batch_size // s.train.microbatches,
         lease_s=s.roster.leases.lease_s,
         precision=s.train.precision,
+        model_package=s.model_package,
     )
 
 

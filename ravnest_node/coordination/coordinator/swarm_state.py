@@ -19,7 +19,7 @@ from ravnest_node.coordination.coordinator.roster import Roster
 from ravnest_node.coordination.coordinator.store import CoordinatorStore, Faults, Saved
 from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.errors import ConfigError
-from ravnest_node.models import BlockModel, get_model
+from ravnest_node.models import BlockModel, get_model, installed_models
 from ravnest_node.pipeline.run import TrainConfig, check_swarm_shape
 from ravnest_node.proto import control_pb2 as pb
 
@@ -84,6 +84,13 @@ class SwarmState:
 
     def num_blocks(self) -> int:
         return self.model.num_blocks()
+
+    @property
+    def model_package(self) -> str:
+        """The distribution that provides the run's model here, what a node that lacks it is
+        told to install; empty for a built-in or hf: model (JoinReply.model_package)."""
+        installed = installed_models().get(self.train.model)
+        return installed.project if installed is not None else ""
 
     def plan_members(self, plan: pb.Plan) -> list[Member]:
         """Who a plan after `plan` has: members that have said what they measured, are alive

@@ -60,7 +60,7 @@ from ravnest_node.errors import (
     RunFailed,
     Unreachable,
 )
-from ravnest_node.models import get_model
+from ravnest_node.models import get_model, lacking_model, model_names
 from ravnest_node.models.pretrained import check_allowed
 from ravnest_node.pipeline.stage import StageRuntime
 from ravnest_node.proto import control_pb2 as pb
@@ -331,7 +331,10 @@ class Worker:
             check_allowed(reply.model, self._trainer.model_dirs)
             model = get_model(reply.model)
         except ConfigError as exc:
-            raise RunFailed(f"coordinator {self.coordinator_address}: {exc}") from None
+            why = str(exc)
+            if reply.model_package and reply.model not in model_names():
+                why = lacking_model(reply.model, reply.model_package)
+            raise RunFailed(f"coordinator {self.coordinator_address}: {why}") from None
         precision = resolve_precision(reply.precision or "auto", self.device)
         timed = partial(measure, device=self.device, precision=precision)
         caps = await asyncio.get_running_loop().run_in_executor(

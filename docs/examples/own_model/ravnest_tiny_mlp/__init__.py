@@ -1,0 +1,1 @@
+"""An example of a model of one's own for ravnest-node (docs/development.md, "Your own model")."""
