@@ -184,15 +184,15 @@ class TextTokenizer:
         """The ids of `text` without the template's tokens; added and special tokens written in
         the text are matched as their ids (the library's ``encode(text, add_special_tokens=
         False)``)."""
-        return self._library.encode(text, add_special_tokens=False).ids  # type: ignore[no-any-return]
+        return self._library.encode(text, add_special_tokens=False).ids
 
     def token_to_id(self, token: str) -> int | None:
         """The id of `token` (of the vocabulary or an added token), None if it has none."""
-        return self._library.token_to_id(token)  # type: ignore[no-any-return]
+        return self._library.token_to_id(token)
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """The text of `ids` through the tokenizer's decoder."""
-        return self._library.decode(list(ids), skip_special_tokens=skip_special_tokens)  # type: ignore[no-any-return]
+        return self._library.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def vocab_size(self) -> int:

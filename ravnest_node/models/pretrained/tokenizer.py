@@ -59,12 +59,12 @@ def _bert_vocab(spec: PretrainedSpec) -> TextTokenizer:
 def first_id(tokenizer: Any) -> int | None:
     """The token a classification sample starts with: the one the tokenizer's template puts
     first (BERT's [CLS], Llama's BOS), as the model saw its text in pretraining; else None."""
-    return tokenizer.bos_id if tokenizer.adds_bos else None  # type: ignore[no-any-return]
+    return tokenizer.bos_id if tokenizer.adds_bos else None
 
 
 def last_id(tokenizer: Any) -> int | None:
     """The token a classification sample ends with: the template's last (BERT's [SEP], an EOS)."""
-    return tokenizer.eos_id if tokenizer.adds_eos else None  # type: ignore[no-any-return]
+    return tokenizer.eos_id if tokenizer.adds_eos else None
 
 
 class ByteTokenizer:
