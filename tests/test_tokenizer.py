@@ -57,7 +57,8 @@ TRICKY = [
 SPECIALS_IN_TEXT = [
     "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
     "<|begin_of_text|>Hello<|eot_id|>\n<|end_of_text|>", "a<|endoftext|>b <|endoftext|>",
-    "<s>Hello</s> <s> world</s><unk>", "[CLS] a [SEP] [MASK] b [PAD]", "<|im_start|<|im_end|>>",
+    "<s>Hello</s> <s> world</s><unk>", "[CLS] a [SEP] [MASK] b [PAD] [mask] [Cls]x",
+    "<|im_start|<|im_end|>>",
 ]  # fmt: skip
 
 
@@ -374,3 +375,27 @@ def test_minilm_vocabulary() -> None:
     assert wp.encode("Hello, world!") == [7592, 1010, 2088, 999]
     assert wp.encode("unaffable") == [14477, 20961, 3468]
     assert wp.encode("Café NAÏVE [MASK]") == [lines.index("cafe"), lines.index("naive"), 103]
+
+
+# -- an hf: model's tokenizer (models/pretrained/tokenizer.py) --
+
+
+def test_a_models_tokenizer_as_its_spec_names(
+    saved: dict[str, Path], bert_dirs: dict[bool, Path]
+) -> None:
+    from ravnest_node.models.pretrained.spec import PretrainedSpec
+    from ravnest_node.models.pretrained.tokenizer import first_id, last_id, load_tokenizer
+
+    bert = PretrainedSpec(directory=bert_dirs[True], family="bert", task="masked-lm")
+    wp = load_tokenizer(bert, "bert", 1000)
+    assert (first_id(wp), last_id(wp)) == (wp.cls_id, wp.sep_id)
+    with pytest.raises(ConfigError, match=r"vocab\.txt: \d+ token ids, more than .* of 100$"):
+        load_tokenizer(bert, "bert", 100)
+    gpt2 = PretrainedSpec(directory=saved["gpt2"], family="bert", task="masked-lm",
+                          tokenizer="bpe")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"tokenizer\.json: masked-LM rows need .*cls, sep, mask"):
+        load_tokenizer(gpt2, "gpt2", 1000)
+    llama = PretrainedSpec(directory=saved["llama3"], family="llama", task="classification",
+                           tokenizer="bpe")  # fmt: skip
+    ids = load_tokenizer(llama, "llama", 1000)
+    assert (first_id(ids), last_id(ids)) == (ids.token_to_id("<|begin_of_text|>"), None)
