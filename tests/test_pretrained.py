@@ -578,8 +578,8 @@ def _byte_level_bpe(path: Path, corpus: str, vocab: int) -> Any:
 
 
 def test_causal_lm_of_a_llama_with_its_own_bpe_tokenizer(tmp_path: Path) -> None:
-    """A Llama directory with a tokenizer.json tokenises its data with it (data/bpe.py, our
-    own code): the ids the `tokenizers` library gives, and the loss falls."""
+    """A Llama directory with a tokenizer.json tokenises its data with it (the `tokenizers`
+    library, data/tokenizer.py): the ids without the template's BOS, and the loss falls."""
     make_llama(tmp_path / "llama")
     corpus = "the quick brown fox jumps over the lazy dog; don't stop 12345. " * 40
     (tmp_path / "corpus.txt").write_text(corpus)

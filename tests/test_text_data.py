@@ -24,13 +24,13 @@ from ravnest_node.data.text import (
     tokenize_corpus,
 )
 from ravnest_node.data.text import corpus as text_corpus
-from ravnest_node.data.wordpiece import WordPiece
+from ravnest_node.data.tokenizer import TextTokenizer
 from ravnest_node.errors import ConfigError
 
 from .conftest import missing
 
 SPECIALS = ["[PAD]", "[unused0]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-VOCAB = WordPiece([*SPECIALS, *(f"w{i}" for i in range(1000))])
+VOCAB = TextTokenizer.wordpiece([*SPECIALS, *(f"w{i}" for i in range(1000))])
 FIRST_WORD = len(SPECIALS)
 
 
@@ -120,11 +120,11 @@ def test_read_jsonl_without_examples(tmp_path: Path) -> None:
 
 
 def test_tokenize_corpus_is_cached() -> None:
-    wp = WordPiece([*SPECIALS, "hello", "world", ","])
+    wp = TextTokenizer.wordpiece([*SPECIALS, "hello", "world", ","])
     ids = tokenize_corpus(wp, "Hello, world hello")
     assert ids.dtype == torch.int64 and ids.tolist() == wp.encode("Hello, world hello")
     assert tokenize_corpus(wp, "Hello, world hello") is ids
-    cased = WordPiece([*SPECIALS, "hello", "world", ","], lowercase=False)
+    cased = TextTokenizer.wordpiece([*SPECIALS, "hello", "world", ","], lowercase=False)
     assert tokenize_corpus(cased, "Hello, world hello").tolist() != ids.tolist()
 
 
@@ -377,7 +377,7 @@ def test_masked_lm_over_stdlib_docstrings_with_minilm_vocab() -> None:
     start = time.perf_counter()
     corpus = stdlib_docstrings()
     read_s = time.perf_counter() - start
-    wp = WordPiece.from_vocab(vocab)
+    wp = TextTokenizer.from_vocab(vocab)
     start = time.perf_counter()
     ids = tokenize_corpus(wp, corpus)
     tokenize_s = time.perf_counter() - start

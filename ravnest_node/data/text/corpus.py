@@ -26,7 +26,7 @@ __all__ = ["Tokenizer", "read_jsonl", "read_texts", "stdlib_docstrings", "tokeni
 
 
 class Tokenizer(Protocol):
-    """What `tokenize_corpus` needs of a tokenizer (`WordPiece` is one)."""
+    """What `tokenize_corpus` needs of a tokenizer (`TextTokenizer` is one)."""
 
     @property
     def fingerprint(self) -> str:

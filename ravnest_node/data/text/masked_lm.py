@@ -23,7 +23,7 @@ _RANDOM_SHARE = 0.1
 
 
 class MaskingVocab(Protocol):
-    """What `MaskedLMData` needs of a vocabulary (`WordPiece` is one)."""
+    """What `MaskedLMData` needs of a vocabulary (`TextTokenizer` is one)."""
 
     @property
     def vocab_size(self) -> int:

@@ -19,9 +19,9 @@ base        storage of frozen weights under LoRA: fp32, bf16, int8 or nf4 (fp32)
 data        a local ``.txt`` file (language modelling) or ``.jsonl`` file with ``text`` and
             ``label`` (classification); default: the docstrings of the standard library
 tokenizer   ``wordpiece`` (from ``vocab.txt``; cased if ``tokenizer_config.json`` says
-            ``do_lower_case: false``; BERT's default), ``bpe`` (from ``tokenizer.json``:
-            Llama 3's byte-level BPE, Llama 2's with byte fallback, data/bpe.py; Llama's
-            default where the file is there) or ``bytes`` (token id = byte value)
+            ``do_lower_case: false``; BERT's default), ``bpe`` (from ``tokenizer.json``,
+            whatever model it names, read by the ``tokenizers`` library, data/tokenizer.py;
+            Llama's default where the file is there) or ``bytes`` (token id = byte value)
 ==========  ==========================================================================
 
 Also which local paths a name makes a node read, and the check that they lie inside the model
