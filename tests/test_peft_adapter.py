@@ -7,6 +7,7 @@ downloaded."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import warnings
 from pathlib import Path
@@ -22,11 +23,12 @@ from ravnest_node.checkpoint.peft_adapter import export_adapter
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.models.lora import LoRALinear
-from ravnest_node.models.pretrained import PretrainedModel
+from ravnest_node.models.pretrained import PretrainedModel, check_allowed, local_paths
 from ravnest_node.models.safetensors import read_header
 from ravnest_node.pipeline.run import TrainConfig
 
 from .conftest import NODE_ENV, demo_summaries, ravnest, require_module
+from .test_pretrained import _first_step_loss
 from .test_transformers_interop import SEQ, TOL, _ids, _llama, _run, _theirs, _train
 
 transformers = require_module("transformers")
@@ -177,22 +179,26 @@ def test_a_run_that_trains_a_head_exports_no_adapter(tmp_path: Path) -> None:
     model = _model(name)
     blocks = model.build_blocks(0)
     dirs = _checkpoints(tmp_path, name, model, blocks, _train(model, blocks, 1), 1)
-    with pytest.raises(ConfigError, match="score.weight"):
+    with pytest.raises(ConfigError, match=r"score\.weight"):
         export_adapter(name, dirs, tmp_path / "adapter")
 
 
-@pytest.mark.slow
-def test_three_nodes_export_an_adapter_peft_loads(tmp_path: Path) -> None:
+def test_three_nodes_export_an_adapter_peft_loads_and_a_run_starts_from_it(
+    tmp_path: Path,
+) -> None:
     """3 node processes train a byte-level Llama with LoRA; `ravnest-node export --adapter`
     (the CLI) writes an adapter that PEFT loads onto the base model and that changes its
-    output."""
+    output. 3 nodes then start a run from it: their first step's loss is a single-process
+    forward of the base with that adapter, not the base's. One of another rank is refused
+    before any node trains."""
     src = tmp_path / "source"
     _llama("LlamaForCausalLM", src, tie_word_embeddings=False, vocab_size=260)
     name = f"hf:{src},seq=64,lora=8,tokenizer=bytes"
-    runs = {"lora": ("--nodes", "3", "--seed", "0", "--max-staleness", "0", "--codec", "none",
-                     "--model", name, "--steps", "3", "--lr", "1e-2")}  # fmt: skip
-    assert demo_summaries(tmp_path, runs)["lora"]["steps"] == 3
     out = tmp_path / "adapter"
+    args = ("--nodes", "3", "--seed", "0", "--max-staleness", "0", "--codec", "none")
+    first = demo_summaries(tmp_path, {"lora": (*args, "--model", name, "--steps", "3",
+                                                "--lr", "1e-2")})  # fmt: skip
+    assert first["lora"]["steps"] == 3
     nodes = [str(tmp_path / "lora" / f"node-{i}") for i in range(3)]
     done = subprocess.run(ravnest("export", "--adapter", "--model", name, "--out", str(out),
                                   *nodes), env=NODE_ENV, capture_output=True, text=True,
@@ -202,3 +208,25 @@ def test_three_nodes_export_an_adapter_peft_loads(tmp_path: Path) -> None:
     ids = _ids(2, 260, seed=14)
     base = _theirs(transformers.AutoModelForCausalLM.from_pretrained(src).eval(), ids)
     assert float((_theirs(_peft(src, out), ids) - base).abs().max()) > 1e-4
+
+    started = f"{name},adapter={out}"
+    second = demo_summaries(tmp_path, {"again": (*args, "--model", started, "--steps", "1")})
+    loss = second["again"]["loss_history"][0]
+    assert math.isclose(loss, _first_step_loss(_model(started)), rel_tol=1e-5)
+    assert not math.isclose(loss, _first_step_loss(_model(name)), rel_tol=1e-3)
+    refused = subprocess.run(
+        ravnest("demo", "--work-dir", str(tmp_path / "refused"), *args, "--steps", "1",
+                "--model", name.replace("lora=8", "lora=4") + f",adapter={out}"),
+        env=NODE_ENV, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "r is 8, the run's rank is 4" in refused.stderr
+
+
+def test_a_node_reads_an_adapter_only_inside_its_model_directories(tmp_path: Path) -> None:
+    """adapter=DIR is a path a run spec makes a node read, checked as the model's own."""
+    name = f"hf:{tmp_path / 'models' / 'llama'},lora=2,adapter={tmp_path / 'elsewhere'}"
+    assert tmp_path / "elsewhere" in local_paths(name)
+    with pytest.raises(ConfigError, match=r"reads .*elsewhere"):
+        check_allowed(name, [tmp_path / "models"])
+    check_allowed(name, [tmp_path / "models", tmp_path / "elsewhere"])
