@@ -230,3 +230,21 @@ def test_a_node_reads_an_adapter_only_inside_its_model_directories(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"reads .*elsewhere"):
         check_allowed(name, [tmp_path / "models"])
     check_allowed(name, [tmp_path / "models", tmp_path / "elsewhere"])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"peft_type": "IA3"}, "peft_type is 'IA3'"), ({"use_dora": True}, "use_dora is True"),
+     ({"bias": "all"}, "bias is 'all'"), ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+     ({"lora_alpha": -1}, "lora_alpha must be a positive number")],
+    ids=["ia3", "dora", "bias", "rank-pattern", "alpha"],
+)  # fmt: skip
+def test_an_adapter_that_is_not_plain_lora_is_refused(
+    trained: dict[str, Any], change: dict[str, Any], message: str
+) -> None:
+    """What our adapters cannot compute (DoRA, trained biases, per-layer ranks) is refused,
+    naming the config file, rather than loaded into a different model."""
+    path = trained["out"] / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    refusal = _refusal(f"{trained['name']},adapter={trained['out']}")
+    assert str(path) in refusal and message in refusal
