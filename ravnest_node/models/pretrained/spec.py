@@ -131,18 +131,8 @@ def _family(path: Path, config: Mapping[str, Any]) -> str:
     return family
 
 
-_OPTION_KEYS = (
-    "task",
-    "seq",
-    "labels",
-    "lora",
-    "alpha",
-    "targets",
-    "base",
-    "adapter",
-    "data",
-    "tokenizer",
-)
+_OPTION_KEYS = ("task", "seq", "labels", "lora", "alpha", "targets", "base", "adapter", "data",
+                "tokenizer")  # fmt: skip
 
 
 def _options(name: str, options: Sequence[str]) -> dict[str, str]:
