@@ -22,6 +22,12 @@ from torch import nn
 from ravnest_node.errors import ConfigError
 from ravnest_node.models.base import BlockModel, TensorSpec, shapes_only, to_device
 from ravnest_node.models.lora import FrozenLinear, freeze, seeded_generator
+from ravnest_node.models.pretrained.adapter import (
+    MODEL_PREFIX,
+    Adapted,
+    AdapterSource,
+    adapted_layers,
+)
 from ravnest_node.models.pretrained.bert import (
     BertClassifierHead,
     BertEmbeddings,
@@ -81,7 +87,8 @@ class PretrainedModel(BlockModel):
         CPU), reading only their tensors (no reading at all when built on the meta device, to
         count parameters). Tensors are read one at a time in the checkpoint's dtype and placed
         on `device` (a LoRA base quantised first, only its stored form placed): the host never
-        holds more than one tensor beyond what it already placed."""
+        holds more than one tensor beyond what it already placed. With ``adapter=DIR``, the
+        LoRA adapters start from that PEFT adapter's values (adapter.py)."""
         n = self.num_blocks()
         if not 0 <= start < stop <= n:
             raise ValueError(f"stage range [{start}, {stop}) is not inside 0..{n} of {self.name!r}")
@@ -136,6 +143,8 @@ class PretrainedModel(BlockModel):
             made, _ = freeze(block, self.spec.lora, seed=seed, index=i,
                              keep=self._trainable_new(i), fill=fill, device=device)  # fmt: skip
             self._check_adapters(i, block, made)
+            if self.spec.adapter:  # a run's start; a resume then loads its own checkpoints
+                self._adapter_source.fill(i, block)
         for k in names:
             if k not in placed:
                 _place(block, k, source(k).to(device or "cpu").float())
@@ -198,6 +207,21 @@ class PretrainedModel(BlockModel):
         block = LlamaLMHead(c)
         names = {"norm.weight": f"{prefix}norm.weight", "lm_head.weight": "lm_head.weight"}
         return block, names, {"lm_head.weight": f"copy:{prefix}embed_tokens.weight"}
+
+    @functools.cached_property
+    def _adapter_source(self) -> AdapterSource:
+        """The adapter the run starts from (``adapter=DIR``), read and checked once."""
+        assert self.spec.lora is not None  # (parse_spec refuses adapter= without lora=)
+        layers = {i: self.adapted_layers(i) for i in range(self.num_blocks())}
+        return AdapterSource(Path(self.spec.adapter).expanduser(), self.spec.lora, layers)
+
+    def adapted_layers(self, i: int) -> list[Adapted]:
+        """Block `i`'s LoRA adapters and their names in PEFT's layout (adapter.py); reads no
+        file."""
+        with shapes_only():
+            block = self._build(0, i, i + 1)[0]
+            _, names, _ = self._block(i, MODEL_PREFIX[self.spec.family])
+        return adapted_layers(block, names)
 
     def _trainable_new(self, i: int) -> tuple[str, ...]:
         """Under LoRA, the head's parts that train in full: those a pretrained model lacks

@@ -16,6 +16,9 @@ alpha       LoRA alpha (2 x rank)
 targets     linear layers that get adapters, joined by ``+`` (BERT: query+value; Llama:
             q_proj+v_proj)
 base        storage of frozen weights under LoRA: fp32, bf16, int8 or nf4 (fp32)
+adapter     a directory holding a LoRA adapter in PEFT's layout (``adapter_config.json``,
+            ``adapter_model.safetensors``) to start from: its rank and targets must be the
+            run's (adapter.py); none by default
 data        a local ``.txt`` file (language modelling) or ``.jsonl`` file with ``text`` and
             ``label`` (classification); default: the docstrings of the standard library
 tokenizer   ``wordpiece`` (from ``vocab.txt``; cased if ``tokenizer_config.json`` says
@@ -68,6 +71,8 @@ class PretrainedSpec:
     seq_len: int = 128
     num_labels: int = 2
     lora: LoRAConfig | None = None
+    adapter: str = ""
+    """A PEFT LoRA adapter directory the adapters start from ("": B starts at zero)."""
     data: str = ""
     tokenizer: str = "wordpiece"
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -103,6 +108,7 @@ def parse_spec(name: str) -> PretrainedSpec:
         seq_len=_int(values.get("seq", "128"), "seq", name, minimum=2, maximum=1 << 20),
         num_labels=_int(values.get("labels", "2"), "labels", name, minimum=2, maximum=1 << 16),
         lora=lora,
+        adapter=values.get("adapter", ""),
         data=values.get("data", ""),
         tokenizer=values.get(
             "tokenizer", tokenizer or ("bpe" if (path / "tokenizer.json").is_file() else "")
@@ -125,7 +131,8 @@ def _family(path: Path, config: Mapping[str, Any]) -> str:
     return family
 
 
-_OPTION_KEYS = ("task", "seq", "labels", "lora", "alpha", "targets", "base", "data", "tokenizer")
+_OPTION_KEYS = ("task", "seq", "labels", "lora", "alpha", "targets", "base", "adapter", "data",
+                "tokenizer")  # fmt: skip
 
 
 def _options(name: str, options: Sequence[str]) -> dict[str, str]:
@@ -153,8 +160,8 @@ def _lora(name: str, values: Mapping[str, str], targets: tuple[str, ...]) -> LoR
             targets=tuple(values["targets"].split("+")) if "targets" in values else targets,
             base=values.get("base", "fp32"),
         )
-    if "base" in values or "alpha" in values or "targets" in values:
-        raise ConfigError(f"model {name!r}: alpha, targets and base need lora=RANK")
+    if any(key in values for key in ("base", "alpha", "targets", "adapter")):
+        raise ConfigError(f"model {name!r}: alpha, targets, base and adapter need lora=RANK")
     return None
 
 
@@ -173,7 +180,7 @@ def _check_model(name: str, spec: PretrainedSpec) -> None:
         raise ConfigError(f"model {name!r}: seq {spec.seq_len} exceeds the model's {limit}")
 
 
-_LORA_KEYS = ("lora", "alpha", "targets", "base")
+_LORA_KEYS = ("lora", "alpha", "targets", "base", "adapter")
 
 
 def without_lora(name: str) -> str:
@@ -203,12 +210,13 @@ def _float(text: str, key: str, name: str) -> float:
 
 def local_paths(name: str) -> list[Path]:
     """The local files and directories an ``hf:`` model name makes a node read (its directory,
-    its data file); [] for other names. Parses nothing beyond the name."""
+    its data file, its adapter); [] for other names. Parses nothing beyond the name."""
     if not name.startswith(PREFIX):
         return []
     directory, *options = name[len(PREFIX) :].split(",")
     paths = [Path(directory).expanduser()]
-    paths += [Path(o[len("data=") :]).expanduser() for o in options if o.startswith("data=")]
+    for key in ("data=", "adapter="):
+        paths += [Path(o[len(key) :]).expanduser() for o in options if o.startswith(key)]
     return paths
 
 
