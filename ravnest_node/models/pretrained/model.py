@@ -1,5 +1,6 @@
-"""`PretrainedModel`: a pretrained BERT- or Llama-style model as blocks (the embeddings, one per
-layer, the task's head), with its weights, costs, tensor specs, loss and data.
+"""`PretrainedModel`: a pretrained BERT- or Llama-style model (Llama, Mistral, Qwen2, Qwen3:
+llama.py) as blocks (the embeddings, one per layer, the task's head), with its weights, costs,
+tensor specs, loss and data.
 
 Each node builds and loads only the blocks of its own stage (`PretrainedModel.build_stage`),
 reading only those tensors from the safetensors files. A head the checkpoint lacks (a sentence
@@ -161,7 +162,7 @@ class PretrainedModel(BlockModel):
             return block, names, {}
         if i <= self.layers:
             layer = i - 1
-            block = BertLayer(c) if bert else LlamaLayer(c)
+            block = BertLayer(c) if bert else LlamaLayer(c, spec.family, layer)
             table = BertLayer.NAMES if bert else LlamaLayer.NAMES
             base = f"{prefix}encoder.layer.{layer}." if bert else f"{prefix}layers.{layer}."
             names = {}
