@@ -49,6 +49,7 @@ def test_sharded_directory_reads_what_is_asked_in_its_stored_dtype(tmp_path: Pat
     assert torch.equal(loaded["b.weight"], tensors["b.weight"])
     assert torch.equal(loaded["a.bias"], tensors["a.bias"])
     assert tensor_shape(files, "a.weight") == (4, 3)
+    assert load_tensors(files, ["b.steps"], device=torch.device("meta"))["b.steps"].is_meta
 
 
 def test_single_file_directory_and_a_private_copy(tmp_path: Path) -> None:

@@ -52,11 +52,15 @@ def _open(file: Path, device: torch.device | None = None) -> Any:
         raise ConfigError(f"{file}: not a readable safetensors file: {exc}") from None
 
 
+_DIRECT = ("cpu", "cuda", "mps", "xpu", "npu")
+"""Device types safetensors reads onto; a tensor for any other (the meta device of tests and
+counts) is read on the host and moved."""
+
+
 def _device_name(device: torch.device | None) -> str:
     """The device as safetensors names it ("cpu", "cuda:0", ...)."""
-    if device is None:
+    if device is None or device.type not in _DIRECT:
         return "cpu"
-    device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the current card, as torch takes it
         return f"cuda:{torch.cuda.current_device()}"
     return str(device)
@@ -159,12 +163,14 @@ def load_tensors(
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(_file_of(files, name), []).append(name)
+    device = None if device is None else torch.device(device)
     result: dict[str, torch.Tensor] = {}
     for file, file_names in by_file.items():
         handle = _open(file, device)
         for name in file_names:
             try:
-                result[name] = handle.get_tensor(name)
+                tensor = handle.get_tensor(name)
             except SafetensorError as exc:
                 raise ConfigError(f"{file}: tensor {_short(name)}: {exc}") from None
+            result[name] = tensor if device is None else tensor.to(device)  # no-op if there
     return {name: result[name] for name in wanted}
