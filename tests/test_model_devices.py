@@ -124,9 +124,9 @@ def test_a_pretrained_stage_holds_one_float32_tensor_at_a_time(
     peaks: list[int] = []
     read = pretrained_model.load_tensors
 
-    def spy(entries: Any, names: Any) -> dict[str, torch.Tensor]:
+    def spy(entries: Any, names: Any, **where: Any) -> dict[str, torch.Tensor]:
         peaks.append(_float32_bytes_alive(known))
-        tensors = read(entries, names)
+        tensors = read(entries, names, **where)
         peaks.append(_float32_bytes_alive(known))
         return tensors
 

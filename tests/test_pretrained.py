@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from ravnest_node.checkpoint import CheckpointDir
 from ravnest_node.coordination.planning.negotiate import block_state_bytes
@@ -21,7 +22,6 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, pretrained
 from ravnest_node.models.lora import LoRALinear
 from ravnest_node.models.pretrained import model as pretrained_model
-from ravnest_node.models.safetensors import save_tensors
 
 from .conftest import NODE_ENV, demo_summaries, missing, ravnest, require_module
 
@@ -74,7 +74,7 @@ def make_bert(directory: Path, *, mlm_head: bool = False) -> dict[str, torch.Ten
         t[f"{p}decoder.weight"], t[f"{p}bias"] = _rand(gen, vocab, d), _rand(gen, vocab)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
-    save_tensors(directory / "model.safetensors", t)
+    save_file(t, directory / "model.safetensors")
     return t
 
 
@@ -106,7 +106,7 @@ def make_llama(directory: Path, *, rope_scaling: dict[str, Any] | None = None) -
     shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
               "model-00002-of-00002.safetensors": names[len(names) // 2:]}  # fmt: skip
     for file, keys in shards.items():
-        save_tensors(directory / file, {k: t[k] for k in keys})
+        save_file({k: t[k] for k in keys}, directory / file)
     index = {"weight_map": {k: file for file, keys in shards.items() for k in keys}}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     return {"config": config, "tensors": t}
@@ -246,10 +246,10 @@ def test_a_stage_reads_only_its_own_tensors(tmp_path: Path, monkeypatch: pytest.
     read: list[str] = []
     real = pretrained_model.load_tensors
 
-    def spy(entries: Any, names: Any) -> dict[str, torch.Tensor]:
+    def spy(entries: Any, names: Any, **where: Any) -> dict[str, torch.Tensor]:
         names = list(names)
         read.extend(names)
-        return real(entries, names)
+        return real(entries, names, **where)
 
     monkeypatch.setattr(pretrained_model, "load_tensors", spy)
     model = get_model(name)
@@ -398,7 +398,7 @@ def test_a_directory_that_is_not_a_model_is_refused(tmp_path: Path) -> None:
     bert = tmp_path / "bert"
     t = make_bert(bert)
     del t["encoder.layer.1.output.dense.weight"]
-    save_tensors(bert / "model.safetensors", t)
+    save_file(t, bert / "model.safetensors")
     model = get_model(f"hf:{bert},seq=12")
     with pytest.raises(ConfigError, match=r"encoder\.layer\.1\.output\.dense\.weight"):
         model.build_stage(0, 2, 3)

@@ -19,7 +19,7 @@ from ravnest_node.checkpoint.export import export_pretrained
 from ravnest_node.models import get_model, run_blocks
 from ravnest_node.models.lora import LoRALinear
 from ravnest_node.models.pretrained import PretrainedModel
-from ravnest_node.models.safetensors import index_directory
+from ravnest_node.models.weight_files import index_directory
 from ravnest_node.pipeline.run import TrainConfig
 
 from .conftest import missing, require_module

@@ -26,7 +26,7 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.models import BlockModel, get_model
 from ravnest_node.models.lora import FrozenLinear, LoRALinear
 from ravnest_node.models.pretrained import PretrainedModel
-from ravnest_node.models.safetensors import index_directory, load_tensors
+from ravnest_node.models.weight_files import index_directory, load_tensors
 from ravnest_node.state import write_atomic
 
 __all__ = ["export_pretrained"]

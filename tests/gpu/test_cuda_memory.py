@@ -3,6 +3,8 @@ says (coordination/planning/estimate.stage_memory), by torch's CUDA allocator, w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from ravnest_node.bench.plan_check import (
     memory_stage,
 )
 from ravnest_node.models import get_model
+from tests.test_pretrained import make_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,6 +39,18 @@ def test_a_stage_built_on_cuda_is_the_cpu_stage() -> None:
     model = get_model("tiny")
     gpu = model.build_stage(3, 1, 4, device=torch.device("cuda"))
     cpu = model.build_stage(3, 1, 4)
+    for a, b in zip(gpu, cpu, strict=True):
+        for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+            assert x.device.type == "cuda" and torch.equal(x.cpu(), y), k
+
+
+def test_a_pretrained_stage_read_onto_cuda_is_the_cpu_stage(tmp_path: Path) -> None:
+    """build_stage(device=cuda) of an hf: model: safetensors reads each tensor onto the card
+    (models/weight_files.py), and the values are the CPU stage's."""
+    make_llama(tmp_path / "llama")
+    model = get_model(f"hf:{tmp_path / 'llama'},seq=16")
+    gpu = model.build_stage(0, 1, model.num_blocks(), device=torch.device("cuda"))
+    cpu = model.build_stage(0, 1, model.num_blocks())
     for a, b in zip(gpu, cpu, strict=True):
         for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
             assert x.device.type == "cuda" and torch.equal(x.cpu(), y), k

@@ -1,5 +1,14 @@
-"""Llama-style decoders (``model_type`` "llama") as blocks: RMSNorm, rotary embeddings (with
-Llama 3's scaling), SwiGLU MLP, grouped-query attention, and the LM and classification heads.
+"""Llama-style decoders as blocks: RMSNorm, rotary embeddings (with Llama 3's scaling), SwiGLU
+MLP, grouped-query attention, and the LM and classification heads.
+
+The families (`FAMILIES`, by ``model_type``) share that architecture and differ only in their
+attention (`attention_layout`, `sliding_window`): Llama ("llama"; q/k/v/o biases where
+``attention_bias`` says), Mistral ("mistral"; no biases, a sliding window where
+``sliding_window`` is set), Qwen2 and Qwen2.5 ("qwen2"; biases on q/k/v, none on o), Qwen3
+("qwen3"; an RMSNorm over each head of q and of k before the rotary embedding, biases where
+``attention_bias`` says). Qwen's sliding window applies where ``use_sliding_window`` is true,
+on the layers ``layer_types`` names (else from ``max_window_layers`` on). Each is checked
+against transformers' own classes in tests/test_families.py.
 
 The module and tensor names follow a Hugging Face checkpoint's closely enough that
 `LlamaLayer.NAMES` maps one to the other; pad rows stay zero (padding.py).
@@ -19,13 +28,52 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.models.pretrained.padding import pad_rows
 
 __all__ = [
+    "FAMILIES",
     "LlamaClassifierHead",
     "LlamaEmbeddings",
     "LlamaLMHead",
     "LlamaLayer",
     "RMSNorm",
+    "attention_layout",
     "rope_frequencies",
+    "sliding_window",
 ]
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""The ``model_type`` values this module builds."""
+
+
+def attention_layout(family: str, c: Mapping[str, Any]) -> tuple[bool, bool, bool]:
+    """Whether the attention of a `family` model of config `c` has biases on its q/k/v
+    projections, a bias on its output projection, and an RMSNorm on each head of q and k."""
+    if family == "qwen2":  # transformers' Qwen2Attention: fixed, whatever the config says
+        return True, False, False
+    if family == "mistral":  # MistralAttention: no biases
+        return False, False, False
+    bias = bool(c.get("attention_bias", False))
+    return bias, bias, family == "qwen3"
+
+
+def sliding_window(family: str, c: Mapping[str, Any], layer: int) -> int | None:
+    """How many positions (itself included) a query of layer `layer` attends back to, or None
+    for all before it. Mistral: ``sliding_window`` on every layer; Qwen: only under
+    ``use_sliding_window``, on the layers ``layer_types`` marks "sliding_attention" (where
+    it is absent: those from ``max_window_layers`` on); Llama: never."""
+    window = c.get("sliding_window")
+    if family not in ("mistral", "qwen2", "qwen3") or window is None:
+        return None
+    if family != "mistral":
+        if not c.get("use_sliding_window", False):
+            return None
+        types = c.get("layer_types")
+        if isinstance(types, list) and layer < len(types):
+            if types[layer] != "sliding_attention":
+                return None
+        elif layer < int(c.get("max_window_layers", 28)):
+            return None
+    if int(window) < 1:
+        raise ConfigError(f"sliding_window must be at least 1, got {window!r}")
+    return int(window)
 
 
 class RMSNorm(nn.Module):
@@ -97,20 +145,22 @@ class LlamaEmbeddings(nn.Module):
 
 
 class LlamaLayer(nn.Module):
-    """Pre-norm decoder layer: x + attn(RMSNorm(x)) with rotary embeddings and grouped-query
-    attention, then h + SwiGLU(RMSNorm(h)); pad rows stay zero."""
+    """Pre-norm decoder layer `layer` of a `family` model: x + attn(RMSNorm(x)) with rotary
+    embeddings and grouped-query attention (with the family's biases, q/k norms and sliding
+    window), then h + SwiGLU(RMSNorm(h)); pad rows stay zero."""
 
     inv_freq: torch.Tensor
 
     NAMES = {
         "input_layernorm": "input_layernorm", "q_proj": "self_attn.q_proj",
         "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+        "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
         "post_attention_layernorm": "post_attention_layernorm", "gate_proj": "mlp.gate_proj",
         "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
     }  # fmt: skip
     """Our module name -> its name under ``model.layers.{i}`` in a Hugging Face checkpoint."""
 
-    def __init__(self, c: Mapping[str, Any]) -> None:
+    def __init__(self, c: Mapping[str, Any], family: str = "llama", layer: int = 0) -> None:
         super().__init__()
         d, ffn = int(c["hidden_size"]), int(c["intermediate_size"])
         self.heads = int(c["num_attention_heads"])
@@ -118,13 +168,16 @@ class LlamaLayer(nn.Module):
         self.head_dim = int(c.get("head_dim") or d // self.heads)
         if self.heads % self.kv_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
-        eps, bias = float(c.get("rms_norm_eps", 1e-6)), bool(c.get("attention_bias", False))
-        mlp_bias = bool(c.get("mlp_bias", False))
+        eps, mlp_bias = float(c.get("rms_norm_eps", 1e-6)), bool(c.get("mlp_bias", False))
+        bias, o_bias, qk_norm = attention_layout(family, c)
+        self.window = sliding_window(family, c, layer)
         self.input_layernorm = RMSNorm(d, eps)
         self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.gate_proj = nn.Linear(d, ffn, bias=mlp_bias)
         self.up_proj = nn.Linear(d, ffn, bias=mlp_bias)
@@ -137,8 +190,11 @@ class LlamaLayer(nn.Module):
         b, t, _ = x.shape
         pad = pad_rows(x)
         h = self.input_layernorm(x)
-        q = self.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(h).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotation
+            q, k = self.q_norm(q).type_as(q), self.k_norm(k).type_as(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         angles = torch.outer(
             torch.arange(t, dtype=torch.float32, device=x.device), self.inv_freq.float()
@@ -147,11 +203,16 @@ class LlamaLayer(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if pad is None:
+        windowed = self.window is not None and self.window < t
+        if pad is None and not windowed:
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~pad[:, None, None, :])
+            keep = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            if windowed:  # a query sees itself and the window - 1 positions before it
+                keep = keep.triu(1 - int(self.window or 0))
+            if pad is not None:
+                keep = keep & ~pad[:, None, None, :]
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
             a = a.nan_to_num(0.0)  # a pad query attending nothing
         x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         h = self.post_attention_layernorm(x)

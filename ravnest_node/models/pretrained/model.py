@@ -1,5 +1,6 @@
-"""`PretrainedModel`: a pretrained BERT- or Llama-style model as blocks (the embeddings, one per
-layer, the task's head), with its weights, costs, tensor specs, loss and data.
+"""`PretrainedModel`: a pretrained BERT- or Llama-style model (Llama, Mistral, Qwen2, Qwen3:
+llama.py) as blocks (the embeddings, one per layer, the task's head), with its weights, costs,
+tensor specs, loss and data.
 
 Each node builds and loads only the blocks of its own stage (`PretrainedModel.build_stage`),
 reading only those tensors from the safetensors files. A head the checkpoint lacks (a sentence
@@ -42,7 +43,7 @@ from ravnest_node.models.pretrained.llama import (
 )
 from ravnest_node.models.pretrained.spec import parse_spec
 from ravnest_node.models.pretrained.tokenizer import first_id, last_id, load_tokenizer
-from ravnest_node.models.safetensors import index_directory, load_tensors
+from ravnest_node.models.weight_files import index_directory, load_tensors, tensor_shape
 
 __all__ = ["PretrainedModel"]
 
@@ -122,11 +123,12 @@ class PretrainedModel(BlockModel):
             )
 
     def _load_block(
-        self, i: int, seed: int, entries: Mapping[str, Any], device: torch.device | None
+        self, i: int, seed: int, entries: Mapping[str, Path], device: torch.device | None
     ) -> nn.Module:
         """Block `i` built on the meta device, then given its tensors one at a time: read (or
-        initialised), made float32 and placed on `device`; under LoRA each frozen linear layer
-        is stored as the base says before it is placed."""
+        initialised) straight onto `device` in the checkpoint's dtype, then made float32;
+        under LoRA each frozen linear layer is read on the host and stored as the base says
+        before it is placed."""
         prefix = self._prefix()
         with shapes_only():
             block, names, new = self._block(i, prefix)
@@ -136,7 +138,7 @@ class PretrainedModel(BlockModel):
         def fill(path: str, linear: nn.Linear) -> None:  # on the host: it is quantised next
             for leaf in ("weight", "bias"):
                 if (k := f"{path}.{leaf}") in names:
-                    _place(linear, leaf, source(k).float())
+                    _place(linear, leaf, source(k, None).float())
                     placed.add(k)
 
         if self.spec.lora is not None:
@@ -147,7 +149,7 @@ class PretrainedModel(BlockModel):
                 self._adapter_source.fill(i, block)
         for k in names:
             if k not in placed:
-                _place(block, k, source(k).to(device or "cpu").float())
+                _place(block, k, source(k, device).float())
         return to_device(block, device)  # what is not read (rotary frequencies)
 
     def _block(
@@ -169,7 +171,7 @@ class PretrainedModel(BlockModel):
             return block, names, {}
         if i <= self.layers:
             layer = i - 1
-            block = BertLayer(c) if bert else LlamaLayer(c)
+            block = BertLayer(c) if bert else LlamaLayer(c, spec.family, layer)
             table = BertLayer.NAMES if bert else LlamaLayer.NAMES
             base = f"{prefix}encoder.layer.{layer}." if bert else f"{prefix}layers.{layer}."
             names = {}
@@ -245,39 +247,50 @@ class PretrainedModel(BlockModel):
         return self._prefix_cache
 
     def _sources(self, i: int, block: nn.Module, names: Mapping[str, str],
-                 new: Mapping[str, str], entries: Mapping[str, Any], seed: int
-                 ) -> Callable[[str], torch.Tensor]:  # fmt: skip
-        """For block `i` (built on the meta device), a function of a tensor's name to its value
-        on the host, read from the checkpoint in its dtype (one tensor a call) or initialised;
-        ConfigError, before anything is read, for a tensor the checkpoint lacks, and then for
-        one whose shape is not the block's."""
+                 new: Mapping[str, str], entries: Mapping[str, Path], seed: int
+                 ) -> Callable[[str, torch.device | None], torch.Tensor]:  # fmt: skip
+        """For block `i` (built on the meta device), a function of a tensor's name and a device
+        to its value there, read from the checkpoint in its dtype (one tensor a call) or
+        initialised; ConfigError, before anything is read, for a tensor the checkpoint lacks
+        or one whose shape is not the block's (naming its file)."""
+        shapes = {k: tuple(t.shape) for k, t in _tensors(block)}
+        read: dict[str, str] = {}
         for k in names:
             how = new.get(k, "")
-            copy = how.startswith("copy:") and how.removeprefix("copy:") not in entries
-            if names[k] not in entries and (not how or copy):
+            copy = how.removeprefix("copy:") if how.startswith("copy:") else ""
+            if copy in entries and (names[k] not in entries or self._tied()):
+                read[k] = copy  # a tied head reads the embeddings, whatever the file holds
+            elif names[k] in entries:
+                read[k] = names[k]
+            elif not how or copy:
                 raise ConfigError(
                     f"{self.spec.directory}: the checkpoint has no tensor {names[k]!r} "
                     f"(block {i}, {k})"
                 )
-        shapes = {k: tuple(t.shape) for k, t in _tensors(block)}
+        for k, name in read.items():
+            if (shape := tensor_shape(entries, name)) != shapes[k]:
+                raise ConfigError(
+                    f"{entries[name]}: tensor {name!r} (block {i}, {k}) has shape {shape}, "
+                    f"the config says {shapes[k]}"
+                )
 
-        def source(k: str) -> torch.Tensor:
-            how, shape = new.get(k, ""), shapes[k]
-            if names[k] in entries or how.startswith("copy:"):
-                name = names[k] if names[k] in entries else how.removeprefix("copy:")
-                value = load_tensors(entries, [name])[name]
-            elif how == "normal":
+        def source(k: str, device: torch.device | None = None) -> torch.Tensor:
+            if k in read:
+                return load_tensors(entries, [read[k]], device=device)[read[k]]
+            shape, how = shapes[k], new.get(k, "")
+            if how == "normal":
                 value = torch.randn(shape, generator=seeded_generator(seed, i, k)) * _INIT_STD
             else:
                 value = torch.zeros(shape) if how == "zeros" else torch.ones(shape)
-            if tuple(value.shape) != shape:
-                raise ConfigError(
-                    f"{self.spec.directory}: tensor for block {i} {k} has shape "
-                    f"{tuple(value.shape)}, the config says {shape}"
-                )
-            return value
+            return value.to(device or "cpu")
 
         return source
+
+    def _tied(self) -> bool:
+        """Whether a decoder's LM head is its embeddings (``tie_word_embeddings``): the head
+        then starts from them even where the file also holds an ``lm_head.weight``."""
+        c = self.spec.config
+        return self.spec.family != "bert" and bool(c.get("tie_word_embeddings", False))
 
     # -- shapes --
     def block_costs(self) -> list[float]:

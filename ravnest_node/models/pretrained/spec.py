@@ -7,14 +7,14 @@ that every node has a copy of, and how to fine-tune it:
 ==========  ==========================================================================
 key         meaning (default)
 ==========  ==========================================================================
-task        ``masked-lm``, ``causal-lm`` or ``classification`` (BERT: masked-lm; Llama:
-            causal-lm)
+task        ``masked-lm``, ``causal-lm`` or ``classification`` (BERT: masked-lm; the
+            decoders, Llama, Mistral, Qwen2 and Qwen3: causal-lm)
 seq         tokens per sample (128)
 labels      classes of a classification task (2)
 lora        LoRA rank; 0 = full fine-tuning (0)
 alpha       LoRA alpha (2 x rank)
-targets     linear layers that get adapters, joined by ``+`` (BERT: query+value; Llama:
-            q_proj+v_proj)
+targets     linear layers that get adapters, joined by ``+`` (BERT: query+value; the
+            decoders: q_proj+v_proj)
 base        storage of frozen weights under LoRA: fp32, bf16, int8 or nf4 (fp32)
 adapter     a directory holding a LoRA adapter in PEFT's layout (``adapter_config.json``,
             ``adapter_model.safetensors``) to start from: its rank and targets must be the
@@ -42,6 +42,7 @@ from typing import Any
 
 from ravnest_node.errors import ConfigError
 from ravnest_node.models.lora import LoRAConfig
+from ravnest_node.models.pretrained.llama import FAMILIES as DECODERS
 
 __all__ = [
     "PREFIX",
@@ -80,7 +81,7 @@ class PretrainedSpec:
 
 _FAMILY_DEFAULTS = {
     "bert": ("masked-lm", ("query", "value"), "wordpiece"),
-    "llama": ("causal-lm", ("q_proj", "v_proj"), ""),
+    **{family: ("causal-lm", ("q_proj", "v_proj"), "") for family in DECODERS},
 }
 """Per family: its default task, LoRA targets and tokenizer ("": bpe where the directory has a
 ``tokenizer.json``)."""
