@@ -24,7 +24,7 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.models.lora import LoRALinear
 from ravnest_node.models.pretrained import PretrainedModel, check_allowed, local_paths
-from ravnest_node.models.safetensors import read_header
+from ravnest_node.models.weight_files import tensor_table
 from ravnest_node.pipeline.run import TrainConfig
 
 from .conftest import NODE_ENV, demo_summaries, ravnest, require_module
@@ -95,7 +95,7 @@ def test_an_exported_adapter_loads_in_peft_and_computes_our_model(
     """PEFT loads every key, and its logits are our blocks' and our merged export's, and not
     the base model's."""
     src, out = trained["src"], trained["out"]
-    entries = read_header(out / "adapter_model.safetensors")[0]
+    entries = tensor_table(out / "adapter_model.safetensors")
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in entries
     assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in entries
     config = json.loads((out / "adapter_config.json").read_text())

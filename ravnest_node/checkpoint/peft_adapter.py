@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save as st_save
 
 from ravnest_node.checkpoint.export import blocks_at
 from ravnest_node.errors import ConfigError
@@ -27,7 +28,6 @@ from ravnest_node.models.pretrained.adapter import (
     ADAPTER_WEIGHTS,
     peft_config,
 )
-from ravnest_node.models.safetensors import save_tensors
 from ravnest_node.state import write_atomic
 
 __all__ = ["export_adapter"]
@@ -63,6 +63,7 @@ def export_adapter(model_name: str, state_dirs: Sequence[Path], out: Path) -> di
             tensors[a.stem + ".lora_A.weight"] = params[f"{a.path}.lora_a"].float().contiguous()
             tensors[a.stem + ".lora_B.weight"] = params[f"{a.path}.lora_b"].float().contiguous()
     out.mkdir(parents=True, exist_ok=True)
-    save_tensors(out / ADAPTER_WEIGHTS, tensors, {"format": "pt", "ravnest_step": str(step)})
+    data = st_save(tensors, metadata={"format": "pt", "ravnest_step": str(step)})
+    write_atomic(out / ADAPTER_WEIGHTS, data)
     write_atomic(out / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
     return {"step": step, "tensors": len(tensors), "file": str(out / ADAPTER_WEIGHTS)}

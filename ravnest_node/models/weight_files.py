@@ -152,6 +152,18 @@ def tensor_shape(files: Mapping[str, Path], name: str) -> tuple[int, ...]:
         raise ConfigError(f"{file}: tensor {_short(name)}: {exc}") from None
 
 
+def tensor_table(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the safetensors file `file`: name -> (shape, the file's dtype name, e.g.
+    "F32", "BF16"), from its header alone; ConfigError naming the file if the library refuses
+    it."""
+    handle = _open(file)
+    table = {}
+    for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+        part = handle.get_slice(name)
+        table[name] = (tuple(part.get_shape()), str(part.get_dtype()))
+    return table
+
+
 def load_tensors(
     files: Mapping[str, Path], names: Iterable[str], *, device: torch.device | None = None
 ) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from torch import nn
 from ravnest_node.errors import ConfigError
 from ravnest_node.models.lora import LoRAConfig, LoRALinear
 from ravnest_node.models.pretrained.spec import PretrainedSpec
-from ravnest_node.models.safetensors import TensorEntry, load_tensors, read_header
+from ravnest_node.models.weight_files import load_tensors, tensor_table
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -104,6 +104,10 @@ def peft_config(spec: PretrainedSpec, base_model: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+"""The safetensors dtype names an adapter's A and B may be stored in."""
+
+
 class AdapterSource:
     """A PEFT LoRA adapter directory checked against a run's model, whose A and B a block's
     adapters start from (`fill`)."""
@@ -115,10 +119,7 @@ class AdapterSource:
         self.directory = directory
         self.file = directory / ADAPTER_WEIGHTS
         self.scaling = _read_scaling(directory / ADAPTER_CONFIG, lora)
-        try:
-            self.entries: dict[str, TensorEntry] = read_header(self.file)[0]
-        except OSError as exc:
-            raise ConfigError(f"{self.file}: cannot read it: {exc}") from None
+        self.entries = tensor_table(self.file)  # ConfigError naming the file if unreadable
         self.layers = dict(layers)
         self._check(lora)
 
@@ -139,12 +140,13 @@ class AdapterSource:
         for key, shape in wanted.items():
             if key not in self.entries:
                 raise ConfigError(f"{self.file}: no tensor {key!r} (the run adapts that layer)")
-            if self.entries[key].shape != shape:
+            found, dtype = self.entries[key]
+            if found != shape:
                 raise ConfigError(
-                    f"{self.file}: tensor {key!r} has shape {self.entries[key].shape}, the "
+                    f"{self.file}: tensor {key!r} has shape {found}, the "
                     f"run's model has {shape} (an adapter of another base model?)"
                 )
-            if not self.entries[key].dtype.is_floating_point:
+            if dtype not in _FLOAT_DTYPES:
                 raise ConfigError(f"{self.file}: tensor {key!r} is not floating point")
 
     def fill(self, i: int, block: nn.Module) -> None:
@@ -154,7 +156,7 @@ class AdapterSource:
             module = block.get_submodule(a.path)
             assert isinstance(module, LoRALinear)
             keys = (a.stem + ".lora_A.weight", a.stem + ".lora_B.weight")
-            values = load_tensors(self.entries, keys)
+            values = load_tensors(dict.fromkeys(keys, self.file), keys)
             with torch.no_grad():
                 module.lora_a.copy_(values[keys[0]].float())
                 module.lora_b.copy_(values[keys[1]].float() * (self.scaling / module.scaling))
