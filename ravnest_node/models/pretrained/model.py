@@ -305,7 +305,9 @@ class PretrainedModel(BlockModel):
     # -- data --
     def dataset(self, *, seed: int, shard: int = 0, num_shards: int = 1, num_samples: int = 0
                 ) -> Any:  # fmt: skip
-        """The task's data (ravnest_node/data/text/), tokenised as the model expects."""
+        """The task's data (ravnest_node/data/text/), tokenised as the model expects; a
+        causal-LM data file of conversations or prompt/completion pairs is chat data, rendered
+        with the model's chat template, the loss on the assistant's tokens (data/text/chat.py)."""
         from ravnest_node.data import text
 
         spec = self.spec
@@ -324,6 +326,14 @@ class PretrainedModel(BlockModel):
                 examples, seq_len=spec.seq_len, pad_id=int(pad_id),
                 cls_id=first_id(tokenizer), sep_id=last_id(tokenizer),
                 num_labels=spec.num_labels, **common,
+            )  # fmt: skip
+        chat = None
+        if spec.task == "causal-lm" and spec.data:
+            chat = text.read_chat_lines(Path(spec.data))
+        if chat is not None:  # conversations or prompt/completion pairs: the loss on replies
+            return text.chat_dataset(
+                chat, path=Path(spec.data), directory=spec.directory, config=spec.config,
+                tokenizer=tokenizer, seq_len=spec.seq_len, **common,
             )  # fmt: skip
         corpus = text.read_texts([Path(spec.data)]) if spec.data else text.stdlib_docstrings()
         ids = text.tokenize_corpus(tokenizer, corpus)
