@@ -34,7 +34,8 @@ CHATML = (
 around what the assistant writes (for transformers' own assistant mask)."""
 
 CITIES = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
-          ("Peru", "Lima"), ("Egypt", "Cairo"), ("Kenya", "Nairobi"), ("Chile", "Santiago")]  # fmt: skip
+          ("Peru", "Lima"), ("Egypt", "Cairo"), ("Kenya", "Nairobi"),
+          ("Chile", "Santiago")]  # fmt: skip
 
 
 def conversation(k: int) -> list[dict[str, str]]:
@@ -93,8 +94,13 @@ def make_model(directory: Path, *, template: str | None = CHATML) -> Any:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    model = transformers.LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # weights larger than transformers' init: a model with something to
+        for name, p in model.named_parameters():  # adapt, whose logits are not all alike
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.3 * noise)
+    model.save_pretrained(directory)
     return fast
 
 
@@ -183,7 +189,7 @@ def test_prompt_completion_lines(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     fast = make_model(plain, template=None)
     data = data_of(plain, write_jsonl(tmp_path / "pc.jsonl", [row]), 40, fast)
-    (x, y), = counted(data)  # fmt: skip
+    (_, y), = counted(data)  # fmt: skip
     n = len(fast.encode(row["prompt"]))
     assert (y[: n - 1] == -100).all()
     assert fast.decode([int(i) for i in y if i != -100]) == "Lima.<|im_end|>"
@@ -214,8 +220,11 @@ def test_a_template_that_fails_is_named_with_the_line(tmp_path: Path) -> None:
     fast = make_model(tmp_path, template=refusing)
     rows = [{"messages": conversation(0)}, {"messages": conversation(1)[1:]}]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
-    with pytest.raises(ConfigError, match=r"chat\.jsonl:2: the chat template \(.*chat_template"
-                                          r"\.jinja\) fails to render it: .*needs a system turn"):
+    with pytest.raises(
+        ConfigError,
+        match=r"chat\.jsonl:2: the chat template \(.*chat_template"
+        r"\.jinja\) fails to render it: .*needs a system turn",
+    ):
         data_of(tmp_path, path, 64, fast)  # fmt: skip
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0].nothing.deeper }}")
     with pytest.raises(ConfigError, match=r"chat\.jsonl:1: the chat template"):
@@ -232,8 +241,8 @@ def test_the_template_in_tokenizer_config_and_a_text_file(tmp_path: Path) -> Non
     fast = make_model(tmp_path)
     (tmp_path / "chat_template.jinja").unlink()
     settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**settings,
-                                                                "chat_template": CHATML}))  # fmt: skip
+    settings["chat_template"] = CHATML
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
     template = ChatTemplate.from_directory(tmp_path)
     assert template is not None
     assert template.render(conversation(0), add_generation_prompt=False) == (
@@ -273,7 +282,7 @@ def test_three_node_processes_learn_the_replies(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(k)} for k in range(16)])
     name = f"hf:{tmp_path / 'llama'},seq=64,lora=8,data={path}"
     runs = {"chat": ("--nodes", "3", "--seed", "0", "--max-staleness", "0", "--codec", "none",
-                     "--model", name, "--steps", "8", "--lr", "1e-2")}  # fmt: skip
+                     "--model", name, "--steps", "30", "--lr", "3e-2")}  # fmt: skip
     s = demo_summaries(tmp_path, runs)["chat"]
     model = get_model(name)
     x, y = model.dataset(seed=0).batch(0, 16)
@@ -283,4 +292,4 @@ def test_three_node_processes_learn_the_replies(tmp_path: Path) -> None:
         first = sum(float(model.loss(run_blocks(blocks, x[i : i + 4]), y[i : i + 4]))
                     for i in range(0, 16, 4)) / 4  # fmt: skip
     assert math.isclose(s["loss_history"][0], first, rel_tol=1e-5)
-    assert s["final_loss"] < 0.8 * s["initial_loss"], s["loss_history"]
+    assert s["final_loss"] < 0.5 * s["initial_loss"], s["loss_history"]

@@ -86,10 +86,10 @@ class ChatTemplate:
         jinja = directory / "chat_template.jinja"
         if jinja.is_file():
             try:
-                source = jinja.read_text(encoding="utf-8")
+                text = jinja.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise ConfigError(f"{jinja}: cannot read it: {exc}") from None
-            return cls(source, where=str(jinja), special=special)
+            return cls(text, where=str(jinja), special=special)
         where = f"{directory / 'tokenizer_config.json'} (chat_template)"
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates, as some older files hold them
@@ -134,7 +134,7 @@ def assistant_samples(template: ChatTemplate, messages: Sequence[Mapping[str, An
     joint: list[tuple[int, int]] = []
     alone: list[Sample] = []
     for i in turns:
-        before = template.render(messages[:i], add_generation_prompt=True)
+        before = _prompt(template, messages[:i])
         upto = (
             full
             if i == turns[-1]
@@ -150,6 +150,18 @@ def assistant_samples(template: ChatTemplate, messages: Sequence[Mapping[str, An
             alone.append((upto[:end], [(start, end)]))
     samples = ([(full, joint)] if joint else []) + alone
     return samples, len(samples) > 1
+
+
+def _prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> str:
+    """What the template writes before the assistant's turn that follows `messages`; "" when
+    the conversation opens with that turn and the template cannot render no message at all
+    (many read ``messages[0]`` unguarded)."""
+    if messages:
+        return template.render(messages, add_generation_prompt=True)
+    try:
+        return template.render(messages, add_generation_prompt=True)
+    except Exception:  # the template's own failure: nothing comes before the turn
+        return ""
 
 
 def _common_prefix(a: str, b: str) -> int:
