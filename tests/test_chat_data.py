@@ -17,6 +17,7 @@ from ravnest_node.data.text import ChatData, chat_dataset, read_chat_lines
 from ravnest_node.data.text.chat_template import ChatTemplate, assistant_samples
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, run_blocks
+from ravnest_node.models.pretrained import local_paths as pretrained_paths
 
 from .conftest import demo_summaries, require_module
 
@@ -293,3 +294,48 @@ def test_three_node_processes_learn_the_replies(tmp_path: Path) -> None:
                     for i in range(0, 16, 4)) / 4  # fmt: skip
     assert math.isclose(s["loss_history"][0], first, rel_tol=1e-5)
     assert s["final_loss"] < 0.5 * s["initial_loss"], s["loss_history"]
+
+
+def test_a_held_out_share_or_file_gives_the_eval_data(tmp_path: Path) -> None:
+    """eval=FRACTION holds out that share of the lines (the same whatever the seed, never
+    trained on); eval=FILE reads a file of its own; text data holds out its last tokens."""
+    make_model(tmp_path / "llama")
+    more = [[{"role": "user", "content": f"And {k}?"}, {"role": "assistant", "content": f"{k}."}]
+            for k in range(16)]  # fmt: skip
+    lines = [{"messages": conversation(k)[:3] + more[k]} for k in range(16)]
+    path = write_jsonl(tmp_path / "chat.jsonl", lines)
+    base = f"hf:{tmp_path / 'llama'},seq=64,data={path}"
+    model = get_model(f"{base},eval=0.25")
+    train, held = model.dataset(seed=0), model.dataset(seed=0, split="eval")
+    assert (train.num_samples, held.num_samples) == (12, 4)
+    again = get_model(f"{base},eval=0.25").dataset(seed=5, split="eval")
+    assert held.fingerprint == again.fingerprint  # whatever the seed
+    rows = {tuple(r.tolist()) for r in train._rows}
+    assert not rows & {tuple(r.tolist()) for r in held._rows}
+    assert len(rows | {tuple(r.tolist()) for r in held._rows}) == 16
+    assert get_model(base).dataset(seed=0, split="eval") is None
+
+    other = write_jsonl(tmp_path / "eval.jsonl", [{"messages": conversation(3)}])
+    model = get_model(f"{base},eval={other}")
+    assert model.dataset(seed=0, split="eval").num_samples == 1
+    assert model.dataset(seed=0).num_samples == 16  # a file of its own leaves data whole
+    assert other in pretrained_paths(f"{base},eval={other}")
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    text_model = get_model(f"hf:{tmp_path / 'llama'},seq=16,data={corpus},eval=0.1")
+    whole = get_model(f"hf:{tmp_path / 'llama'},seq=16,data={corpus}").dataset(seed=0)
+    a, b = text_model.dataset(seed=0), text_model.dataset(seed=0, split="eval")
+    assert a.num_tokens + b.num_tokens == whole.num_tokens
+    assert b.num_tokens == round(0.1 * whole.num_tokens)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (",eval=1.5", "eval must be a fraction between 0 and 1"),
+    (",eval=0", "eval must be a fraction between 0 and 1"),
+    (",eval=0.1", r"eval=0.1 holds out a share of data=FILE"),
+])  # fmt: skip
+def test_bad_eval_options(tmp_path: Path, options: str, message: str) -> None:
+    make_model(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        get_model(f"hf:{tmp_path},seq=16{options}")

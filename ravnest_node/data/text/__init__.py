@@ -27,7 +27,7 @@ chat_template.py (chat data).
 """
 
 from ravnest_node.data.text.causal_lm import CausalLMData
-from ravnest_node.data.text.chat import ChatData, chat_dataset, read_chat_lines
+from ravnest_node.data.text.chat import ChatData, chat_dataset, hold_out, read_chat_lines
 from ravnest_node.data.text.classification import ClassificationData
 from ravnest_node.data.text.corpus import (
     Tokenizer,
@@ -49,6 +49,7 @@ __all__ = [
     "MaskingVocab",
     "Tokenizer",
     "chat_dataset",
+    "hold_out",
     "read_chat_lines",
     "read_jsonl",
     "read_texts",

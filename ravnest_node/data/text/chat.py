@@ -37,7 +37,7 @@ from ravnest_node.data.text.masked_lm import IGNORE_INDEX
 from ravnest_node.data.text.sampling import Epochs, check_batch, check_sharding, derive_seed
 from ravnest_node.errors import ConfigError
 
-__all__ = ["ROLES", "ChatData", "ChatTokenizer", "chat_dataset", "encode_sample",
+__all__ = ["ROLES", "ChatData", "ChatTokenizer", "chat_dataset", "encode_sample", "hold_out",
            "read_chat_lines"]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,21 @@ def _messages(where: str, messages: Any) -> list[dict[str, Any]]:
         if not (isinstance(content, str | list) or (content is None and m.get("tool_calls"))):
             raise ConfigError(f"{where}: message {k} has no content")
     return messages
+
+
+def hold_out(
+    lines: Sequence[Line], fraction: float, *, where: str
+) -> tuple[list[Line], list[Line]]:
+    """(the lines to train on, the held-out ones): round(fraction x lines) of them, at least
+    one, drawn by a seed of the line count alone, so every node holds out the same lines
+    whatever the run's seed; both keep file order. ConfigError if no line is left to train."""
+    held = max(1, round(fraction * len(lines)))
+    if held >= len(lines):
+        raise ConfigError(f"{where}: eval={fraction} of {len(lines)} lines leaves none to train")
+    generator = torch.Generator().manual_seed(derive_seed("chat-eval", len(lines)))
+    chosen = set(torch.randperm(len(lines), generator=generator)[:held].tolist())
+    return ([x for k, x in enumerate(lines) if k not in chosen],
+            [x for k, x in enumerate(lines) if k in chosen])  # fmt: skip
 
 
 def encode_sample(tokenizer: ChatTokenizer, sample: Sample) -> tuple[list[int], list[bool]]:

@@ -17,7 +17,10 @@ targets     linear layers that get adapters, joined by ``+`` (BERT: query+value;
             q_proj+v_proj)
 base        storage of frozen weights under LoRA: fp32, bf16, int8 or nf4 (fp32)
 data        a local ``.txt`` file (language modelling) or ``.jsonl`` file with ``text`` and
-            ``label`` (classification); default: the docstrings of the standard library
+            ``label`` (classification); for causal-lm also a ``.jsonl`` file of conversations
+            (``messages``) or ``prompt`` and ``completion`` pairs (data/text/chat.py);
+            default: the docstrings of the standard library
+eval        held-out data (causal-lm): a fraction of ``data`` (``0.05``) or a file like it
 tokenizer   ``wordpiece`` (from ``vocab.txt``; cased if ``tokenizer_config.json`` says
             ``do_lower_case: false``; BERT's default), ``bpe`` (from ``tokenizer.json``:
             Llama 3's byte-level BPE, Llama 2's with byte fallback, data/bpe.py; Llama's
@@ -45,6 +48,7 @@ __all__ = [
     "TASKS",
     "PretrainedSpec",
     "check_allowed",
+    "eval_fraction",
     "local_paths",
     "parse_spec",
     "read_config",
@@ -69,6 +73,7 @@ class PretrainedSpec:
     num_labels: int = 2
     lora: LoRAConfig | None = None
     data: str = ""
+    eval: str = ""
     tokenizer: str = "wordpiece"
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -104,6 +109,7 @@ def parse_spec(name: str) -> PretrainedSpec:
         num_labels=_int(values.get("labels", "2"), "labels", name, minimum=2, maximum=1 << 16),
         lora=lora,
         data=values.get("data", ""),
+        eval=_held_out(name, values),
         tokenizer=values.get(
             "tokenizer", tokenizer or ("bpe" if (path / "tokenizer.json").is_file() else "")
         ),
@@ -125,7 +131,29 @@ def _family(path: Path, config: Mapping[str, Any]) -> str:
     return family
 
 
-_OPTION_KEYS = ("task", "seq", "labels", "lora", "alpha", "targets", "base", "data", "tokenizer")
+_OPTION_KEYS = ("task", "seq", "labels", "lora", "alpha", "targets", "base", "data", "eval",
+                "tokenizer")  # fmt: skip
+
+
+def eval_fraction(value: str) -> float | None:
+    """The share of the data an ``eval=`` option holds out, or None if it names a file."""
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def _held_out(name: str, values: Mapping[str, str]) -> str:
+    """The ``eval=`` option: a fraction in (0, 1) of a ``data=`` file, or a file; ConfigError
+    for another number, or for a fraction without a data file."""
+    value = values.get("eval", "")
+    fraction = eval_fraction(value) if value else None
+    if fraction is not None and not 0 < fraction < 1:
+        raise ConfigError(f"model {name!r}: eval must be a fraction between 0 and 1 (or a "
+                          f"file), got {value!r}")  # fmt: skip
+    if fraction is not None and not values.get("data"):
+        raise ConfigError(f"model {name!r}: eval={value} holds out a share of data=FILE")
+    return value
 
 
 def _options(name: str, options: Sequence[str]) -> dict[str, str]:
@@ -203,12 +231,14 @@ def _float(text: str, key: str, name: str) -> float:
 
 def local_paths(name: str) -> list[Path]:
     """The local files and directories an ``hf:`` model name makes a node read (its directory,
-    its data file); [] for other names. Parses nothing beyond the name."""
+    its data and eval files); [] for other names. Parses nothing beyond the name."""
     if not name.startswith(PREFIX):
         return []
     directory, *options = name[len(PREFIX) :].split(",")
     paths = [Path(directory).expanduser()]
     paths += [Path(o[len("data=") :]).expanduser() for o in options if o.startswith("data=")]
+    paths += [Path(o[len("eval=") :]).expanduser() for o in options
+              if o.startswith("eval=") and eval_fraction(o[len("eval=") :]) is None]  # fmt: skip
     return paths
 
 
