@@ -34,6 +34,14 @@ CHATML = (
 """ChatML, as Qwen's templates write it, with transformers' ``{% generation %}`` markers
 around what the assistant writes (for transformers' own assistant mask)."""
 
+LLAMA3 = (
+    "{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + "
+    "'<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+"""Llama 3's template, abridged: no generation markers, the BOS token written by the template."""
+
 CITIES = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
           ("Peru", "Lima"), ("Egypt", "Cairo"), ("Kenya", "Nairobi"),
           ("Chile", "Santiago")]  # fmt: skip
@@ -67,20 +75,24 @@ class Wrapped:
 
 
 def make_tokenizer(directory: Path, *, template: str | None = CHATML) -> Any:
-    """A byte-level BPE with ChatML's special tokens, trained by the `tokenizers` library and
-    saved by transformers (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+    """A byte-level BPE with ChatML's and Llama 3's special tokens, trained by the `tokenizers`
+    library and saved by transformers (tokenizer.json, tokenizer_config.json and
+    chat_template.jinja)."""
     corpus = " ".join(" ".join(m["content"] for m in conversation(k)) for k in range(8)) * 4
     tokenizer = tk.Tokenizer(tk.models.BPE())
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
         vocab_size=400, initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
+                        "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        show_progress=False,
     )  # fmt: skip
     tokenizer.train_from_iterator([corpus], trainer)
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        bos_token="<|begin_of_text|>",
+    )  # fmt: skip
     if template is not None:
         fast.chat_template = template
     fast.save_pretrained(directory)
@@ -148,6 +160,29 @@ def test_the_loss_counts_exactly_the_assistant_tokens(tmp_path: Path) -> None:
         assert text == "".join(m["content"] + "<|im_end|>" for m in conv
                                if m["role"] == "assistant")  # fmt: skip
         assert sum(int(i) == end for i in y) == 2  # the two turns' ends, not the user's
+
+
+def test_a_template_without_generation_markers(tmp_path: Path) -> None:
+    """Llama 3's template marks nothing: each run of counted targets, decoded, is one assistant
+    turn and its <|eot_id|>, in order; every system and user text lies outside them."""
+    fast = make_model(tmp_path, template=LLAMA3)
+    convs = [conversation(k) for k in range(3)]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])
+    data = data_of(tmp_path, path, 100, fast)
+    for conv, (x, y) in zip(convs, counted(data), strict=True):
+        ids = fast.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"]
+        assert x[: len(ids) - 1].tolist() == ids[:-1] and ids[0] == fast.bos_token_id
+        runs: list[list[int]] = []
+        for t, target in enumerate(y.tolist()):
+            if target != -100:
+                if not runs or y[t - 1] == -100:
+                    runs.append([])
+                runs[-1].append(target)
+        assert [fast.decode(r) for r in runs] == [
+            m["content"] + "<|eot_id|>" for m in conv if m["role"] == "assistant"
+        ]
+        rest = fast.decode([i for t, i in enumerate(ids[1:]) if y[t] == -100])
+        assert all(m["content"] in rest for m in conv if m["role"] != "assistant")
 
 
 def test_a_cut_conversation_keeps_the_assistant_tokens_inside_seq(tmp_path: Path) -> None:
