@@ -160,6 +160,10 @@ class ChatData:
     counts and `IGNORE_INDEX` elsewhere, both padded at the end (`pad_id`, IGNORE_INDEX)."""
 
     kind = "chat"
+    cut = 0
+    """Samples cut to fit seq_len + 1 tokens (by `from_samples`)."""
+    skipped = 0
+    """Samples skipped, no assistant token left to learn (by `from_samples`)."""
 
     def __init__(self, rows: torch.Tensor, targets: torch.Tensor, *, seed: int, shard: int = 0,
                  num_shards: int = 1) -> None:  # fmt: skip
@@ -208,11 +212,6 @@ class ChatData:
                    num_shards=num_shards)  # fmt: skip
         data.cut, data.skipped = cut, skipped
         return data
-
-    cut = 0
-    """Samples cut to fit seq_len + 1 tokens."""
-    skipped = 0
-    """Samples skipped: no assistant token left to learn."""
 
     @property
     def fingerprint(self) -> str:

@@ -5,9 +5,10 @@ The template is Jinja source from the model directory: ``chat_template.jinja`` (
 transformers saves it there) or ``tokenizer_config.json``'s ``chat_template``. It runs in
 Jinja's immutable sandbox with what transformers gives a template (``apply_chat_template``):
 trim_blocks and lstrip_blocks, the loopcontrols extension, ``raise_exception``, ``tojson``,
-``strftime_now``, the variables ``messages``, ``add_generation_prompt``, ``tools``,
-``documents`` and the tokenizer's special tokens (``bos_token``, ``eos_token``...). A
-``{% generation %}`` block renders its body unchanged. Nothing in a template reaches Python
+``strftime_now`` (of a fixed day: the data must not change with the day a node starts), the
+variables ``messages``, ``add_generation_prompt``, ``tools``, ``documents`` and the
+tokenizer's special tokens (``bos_token``, ``eos_token``...). A ``{% generation %}`` block
+renders its body unchanged. Nothing in a template reaches Python
 beyond what the sandbox allows.
 """
 
@@ -26,6 +27,10 @@ __all__ = ["ChatTemplate", "Sample", "assistant_samples", "read_tokenizer_config
 Sample = tuple[str, list[tuple[int, int]]]
 """A text to train on and the character spans ``[start, end)`` in it whose tokens the loss
 counts."""
+
+_FIXED_NOW = datetime(2024, 7, 26)
+"""What ``strftime_now`` tells a template (Llama 3.1's writes today's date): one fixed day, the
+default of Llama 3.1's own template, so that every node renders the same data on any day."""
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                  "mask_token")  # fmt: skip
@@ -71,7 +76,7 @@ class ChatTemplate:
         )  # fmt: skip
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.globals["strftime_now"] = _FIXED_NOW.strftime
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateError as exc:
