@@ -18,11 +18,16 @@ shards one by one.
 The corpora are local files (`read_texts`, `read_jsonl`) or `stdlib_docstrings`, English text
 that every Python install has.
 
+A causal-LM data file of conversations or prompt/completion pairs (JSON Lines) is chat data
+(`ChatData`): rendered with the model's own chat template, the loss on the assistant's tokens.
+
 Modules: corpus.py (reading and tokenizing a corpus), sampling.py (windows, epochs, seeds,
-shards), masked_lm.py, causal_lm.py and classification.py (the three datasets).
+shards), masked_lm.py, causal_lm.py and classification.py (the three datasets), chat.py and
+chat_template.py (chat data).
 """
 
 from ravnest_node.data.text.causal_lm import CausalLMData
+from ravnest_node.data.text.chat import ChatData, chat_dataset, hold_out, read_chat_lines
 from ravnest_node.data.text.classification import ClassificationData
 from ravnest_node.data.text.corpus import (
     Tokenizer,
@@ -38,10 +43,14 @@ __all__ = [
     "IGNORE_INDEX",
     "TOKEN_SHARD_CHUNK",
     "CausalLMData",
+    "ChatData",
     "ClassificationData",
     "MaskedLMData",
     "MaskingVocab",
     "Tokenizer",
+    "chat_dataset",
+    "hold_out",
+    "read_chat_lines",
     "read_jsonl",
     "read_texts",
     "stdlib_docstrings",

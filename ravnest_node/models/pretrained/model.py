@@ -41,7 +41,7 @@ from ravnest_node.models.pretrained.llama import (
     LlamaLayer,
     LlamaLMHead,
 )
-from ravnest_node.models.pretrained.spec import parse_spec
+from ravnest_node.models.pretrained.spec import eval_fraction, parse_spec
 from ravnest_node.models.pretrained.tokenizer import first_id, last_id, load_tokenizer
 from ravnest_node.models.weight_files import index_directory, load_tensors, tensor_shape
 
@@ -340,12 +340,22 @@ class PretrainedModel(BlockModel):
         )  # fmt: skip
 
     # -- data --
-    def dataset(self, *, seed: int, shard: int = 0, num_shards: int = 1, num_samples: int = 0
-                ) -> Any:  # fmt: skip
-        """The task's data (ravnest_node/data/text/), tokenised as the model expects."""
+    def dataset(self, *, seed: int, shard: int = 0, num_shards: int = 1, num_samples: int = 0,
+                split: str = "train") -> Any:  # fmt: skip
+        """The task's data (ravnest_node/data/text/), tokenised as the model expects; a
+        causal-LM data file of conversations or prompt/completion pairs is chat data, rendered
+        with the model's chat template, the loss on the assistant's tokens (data/text/chat.py).
+        ``split="eval"``: the held-out data the spec's ``eval=`` names (a share of the data
+        file, left out of the training split, or a file of its own), None without one."""
         from ravnest_node.data import text
 
         spec = self.spec
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        if spec.eval and spec.task != "causal-lm":
+            raise ConfigError(f"model {self.name!r}: eval= holds out causal-lm data only")
+        if split == "eval" and not spec.eval:
+            return None
         tokenizer = self.tokenizer()
         common: dict[str, Any] = dict(seed=seed, shard=shard, num_shards=num_shards)
         if spec.task == "classification":
@@ -362,11 +372,26 @@ class PretrainedModel(BlockModel):
                 cls_id=first_id(tokenizer), sep_id=last_id(tokenizer),
                 num_labels=spec.num_labels, **common,
             )  # fmt: skip
-        corpus = text.read_texts([Path(spec.data)]) if spec.data else text.stdlib_docstrings()
+        fraction = eval_fraction(spec.eval) if spec.eval else None
+        source = spec.eval if split == "eval" and fraction is None else spec.data
+        path = Path(source)
+        chat = text.read_chat_lines(path) if spec.task == "causal-lm" and source else None
+        if chat is not None:  # conversations or prompt/completion pairs: the loss on replies
+            if fraction is not None:
+                train, held = text.hold_out(chat, fraction, where=str(path))
+                chat = held if split == "eval" else train
+            return text.chat_dataset(
+                chat, path=path, directory=spec.directory, config=spec.config,
+                tokenizer=tokenizer, seq_len=spec.seq_len, **common,
+            )  # fmt: skip
+        corpus = text.read_texts([path]) if source else text.stdlib_docstrings()
         ids = text.tokenize_corpus(tokenizer, corpus)
         if spec.task == "masked-lm":
             return text.MaskedLMData(ids, seq_len=spec.seq_len, tokenizer=tokenizer,
                                      num_samples=num_samples, **common)  # fmt: skip
+        if fraction is not None:  # the last share of the tokens is held out
+            cut = round(len(ids) * (1 - fraction))
+            ids = ids[cut:] if split == "eval" else ids[:cut]
         return text.CausalLMData(ids, seq_len=spec.seq_len, num_samples=num_samples, **common)
 
     def tokenizer(self) -> Any:

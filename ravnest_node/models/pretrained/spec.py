@@ -20,7 +20,10 @@ adapter     a directory holding a LoRA adapter in PEFT's layout (``adapter_confi
             ``adapter_model.safetensors``) to start from: its rank and targets must be the
             run's (adapter.py); none by default
 data        a local ``.txt`` file (language modelling) or ``.jsonl`` file with ``text`` and
-            ``label`` (classification); default: the docstrings of the standard library
+            ``label`` (classification); for causal-lm also a ``.jsonl`` file of conversations
+            (``messages``) or ``prompt`` and ``completion`` pairs (data/text/chat.py);
+            default: the docstrings of the standard library
+eval        held-out data (causal-lm): a fraction of ``data`` (``0.05``) or a file like it
 tokenizer   ``wordpiece`` (from ``vocab.txt``; cased if ``tokenizer_config.json`` says
             ``do_lower_case: false``; BERT's default), ``bpe`` (from ``tokenizer.json``,
             whatever model it names, read by the ``tokenizers`` library, data/tokenizer.py;
@@ -49,6 +52,7 @@ __all__ = [
     "TASKS",
     "PretrainedSpec",
     "check_allowed",
+    "eval_fraction",
     "local_paths",
     "parse_spec",
     "read_config",
@@ -75,6 +79,7 @@ class PretrainedSpec:
     adapter: str = ""
     """A PEFT LoRA adapter directory the adapters start from ("": B starts at zero)."""
     data: str = ""
+    eval: str = ""
     tokenizer: str = "wordpiece"
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -111,6 +116,7 @@ def parse_spec(name: str) -> PretrainedSpec:
         lora=lora,
         adapter=values.get("adapter", ""),
         data=values.get("data", ""),
+        eval=_held_out(name, values),
         tokenizer=values.get(
             "tokenizer", tokenizer or ("bpe" if (path / "tokenizer.json").is_file() else "")
         ),
@@ -133,7 +139,28 @@ def _family(path: Path, config: Mapping[str, Any]) -> str:
 
 
 _OPTION_KEYS = ("task", "seq", "labels", "lora", "alpha", "targets", "base", "adapter", "data",
-                "tokenizer")  # fmt: skip
+                "eval", "tokenizer")  # fmt: skip
+
+
+def eval_fraction(value: str) -> float | None:
+    """The share of the data an ``eval=`` option holds out, or None if it names a file."""
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def _held_out(name: str, values: Mapping[str, str]) -> str:
+    """The ``eval=`` option: a fraction in (0, 1) of a ``data=`` file, or a file; ConfigError
+    for another number, or for a fraction without a data file."""
+    value = values.get("eval", "")
+    fraction = eval_fraction(value) if value else None
+    if fraction is not None and not 0 < fraction < 1:
+        raise ConfigError(f"model {name!r}: eval must be a fraction between 0 and 1 (or a "
+                          f"file), got {value!r}")  # fmt: skip
+    if fraction is not None and not values.get("data"):
+        raise ConfigError(f"model {name!r}: eval={value} holds out a share of data=FILE")
+    return value
 
 
 def _options(name: str, options: Sequence[str]) -> dict[str, str]:
@@ -211,13 +238,15 @@ def _float(text: str, key: str, name: str) -> float:
 
 def local_paths(name: str) -> list[Path]:
     """The local files and directories an ``hf:`` model name makes a node read (its directory,
-    its data file, its adapter); [] for other names. Parses nothing beyond the name."""
+    its data and eval files, its adapter); [] for other names. Parses nothing beyond the name."""
     if not name.startswith(PREFIX):
         return []
     directory, *options = name[len(PREFIX) :].split(",")
     paths = [Path(directory).expanduser()]
     for key in ("data=", "adapter="):
         paths += [Path(o[len(key) :]).expanduser() for o in options if o.startswith(key)]
+    paths += [Path(o[len("eval=") :]).expanduser() for o in options
+              if o.startswith("eval=") and eval_fraction(o[len("eval=") :]) is None]  # fmt: skip
     return paths
 
 
