@@ -32,6 +32,7 @@ from torch import nn
 
 from ravnest_node.errors import ConfigError
 from ravnest_node.models.lora import LoRAConfig, LoRALinear
+from ravnest_node.models.pretrained.llama import FAMILIES
 from ravnest_node.models.pretrained.spec import PretrainedSpec
 from ravnest_node.models.weight_files import load_tensors, tensor_table
 
@@ -69,10 +70,10 @@ class Adapted:
     b_shape: tuple[int, ...]
 
 
-MODEL_PREFIX = {"llama": "model.", "bert": "bert."}
+MODEL_PREFIX = {"bert": "bert."} | dict.fromkeys(FAMILIES, "model.")
 """The path of a family's base model inside its task model (``LlamaForCausalLM.model``,
-``BertForMaskedLM.bert``): PEFT names modules by where they are in the task model, whatever
-prefix the checkpoint's tensors have."""
+``Qwen3ForCausalLM.model``, ``BertForMaskedLM.bert``): PEFT names modules by where they are in
+the task model, whatever prefix the checkpoint's tensors have."""
 
 
 def adapted_layers(block: nn.Module, names: Mapping[str, str]) -> list[Adapted]:
