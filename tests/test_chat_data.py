@@ -15,6 +15,7 @@ import torch
 
 from ravnest_node.data.text import ChatData, chat_dataset, read_chat_lines
 from ravnest_node.data.text.chat_template import ChatTemplate, assistant_samples
+from ravnest_node.data.tokenizer import TextTokenizer
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, run_blocks
 from ravnest_node.models.pretrained import local_paths as pretrained_paths
@@ -369,8 +370,64 @@ def test_a_held_out_share_or_file_gives_the_eval_data(tmp_path: Path) -> None:
     (",eval=1.5", "eval must be a fraction between 0 and 1"),
     (",eval=0", "eval must be a fraction between 0 and 1"),
     (",eval=0.1", r"eval=0.1 holds out a share of data=FILE"),
+    (",eval=", r"eval= needs a fraction or a file"),
+    (",task=classification,eval=0.1", r"eval= holds out causal-lm data; task is classification"),
 ])  # fmt: skip
 def test_bad_eval_options(tmp_path: Path, options: str, message: str) -> None:
     make_model(tmp_path)
     with pytest.raises(ConfigError, match=message):
         get_model(f"hf:{tmp_path},seq=16{options}")
+
+
+@pytest.mark.parametrize("hostile", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.append(1) }}",
+    "{{ cycler.__init__.__globals__ }}",
+])  # fmt: skip
+def test_a_template_that_reaches_for_python_is_refused(tmp_path: Path, hostile: str) -> None:
+    """The sandbox: a template reaching for Python's internals, or changing the messages, is
+    refused naming the data line, and nothing is trained on it."""
+    fast = make_model(tmp_path, template=hostile + CHATML)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(0)}])
+    with pytest.raises(ConfigError, match=r"chat\.jsonl:1: the chat template .* fails to render"):
+        data_of(tmp_path, path, 64, fast)
+
+
+def test_a_conversation_holding_the_pad_token_is_refused(tmp_path: Path) -> None:
+    """config.json's pad token inside a sample would be taken for padding by the blocks (an
+    all-zero row): refused, naming the line."""
+    fast = make_model(tmp_path)
+    talk = conversation(0)
+    talk[2] = {"role": "assistant", "content": "Paris<|endoftext|> again."}
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(1)}, {"messages": talk}])
+    with pytest.raises(ConfigError, match=r"chat\.jsonl:2: the rendered sample holds the pad "):
+        data_of(tmp_path, path, 64, fast)
+
+
+def test_without_an_eos_in_the_config_the_tokenizers_own_ends_a_completion(
+    tmp_path: Path,
+) -> None:
+    """No template, no eos_token or pad_token in tokenizer_config.json and no pad_token_id in
+    config.json: the completion still ends with the EOS the tokenizer knows (data/tokenizer.py
+    guesses it from its name), counted in the loss, and rows are padded with the tokenizer's
+    own pad token. (With config.json's pad_token_id on that same token the sample would be
+    refused: the blocks would take the EOS for padding.)"""
+    plain = tmp_path / "plain"
+    make_model(plain, template=None)
+    settings = json.loads((plain / "tokenizer_config.json").read_text())
+    del settings["eos_token"], settings["pad_token"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(settings))
+    config = json.loads((plain / "config.json").read_text())
+    config["pad_token_id"] = None
+    (plain / "config.json").write_text(json.dumps(config))
+    tokenizer = TextTokenizer.from_file(plain / "tokenizer.json")
+    assert tokenizer.eos_id is not None
+    row = {"prompt": "What is the capital of Peru?", "completion": "Lima."}
+    lines = read_chat_lines(write_jsonl(tmp_path / "pc.jsonl", [row]))
+    assert lines is not None
+    data = chat_dataset(lines, path=tmp_path / "pc.jsonl", directory=plain,
+                        config=json.loads((plain / "config.json").read_text()),
+                        tokenizer=tokenizer, seq_len=40, seed=0)  # fmt: skip
+    (_, y), = counted(data)  # fmt: skip
+    kept = [int(i) for i in y if i != -100]
+    assert kept[-1] == tokenizer.eos_id and tokenizer.decode(kept[:-1]) == "Lima."

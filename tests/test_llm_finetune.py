@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+from ravnest_node.data.text.chat_template import ChatTemplate
+from ravnest_node.models import get_model
+
 from .conftest import NODE_ENV, demo_summaries, ravnest, require_module
 from .test_chat_data import conversation, make_tokenizer, write_jsonl
 
@@ -76,3 +79,12 @@ def test_three_nodes_fine_tune_a_qwen3_on_chat_and_peft_loads_the_adapter(tmp_pa
     print(f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}; P(first reply "
           f"token) base {p_base:.4f}, with the adapter {p_tuned:.4f}")  # fmt: skip
     assert p_tuned > p_base
+
+    # The merged export renders chat as the source did: its template travels with it.
+    merged = tmp_path / "merged"
+    done = subprocess.run(ravnest("export", "--model", name, "--out", str(merged), *nodes),
+                          env=NODE_ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert ChatTemplate.from_directory(merged) is not None
+    again = get_model(f"hf:{merged},seq=64,data={data}").dataset(seed=0)
+    assert again.fingerprint == get_model(name).dataset(seed=0).fingerprint

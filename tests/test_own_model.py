@@ -28,7 +28,7 @@ from ravnest_node.models import (
     model_names,
     registry,
 )
-from ravnest_node.models.installed import ENTRY_POINT_GROUP, InstalledModels
+from ravnest_node.models.installed import ENTRY_POINT_GROUP, InstalledModels, is_project_name
 
 from .conftest import NODE_ENV, Procs, demo_summaries
 from .training import assert_same_training, demo_run, plain_training
@@ -251,3 +251,11 @@ def test_the_docs_show_the_example_package_as_it_is() -> None:
         "ravnest-node start --model tiny-mlp",
     ):
         assert command in section
+
+
+def test_only_a_package_name_from_the_coordinator_is_quoted() -> None:
+    """JoinReply.model_package comes from the network: a node quotes it in its message only if
+    it is a distribution name."""
+    assert is_project_name("ravnest-tiny-mlp") and is_project_name("a.b_c-1")
+    for text in ("", "x" * 101, "evil; rm -rf /", "-lead", "name\n", "pkg==1.0"):
+        assert not is_project_name(text)

@@ -346,6 +346,27 @@ def test_unreadable_files_are_config_errors(saved: dict[str, Path], tmp_path: Pa
         TextTokenizer.from_file(path)
 
 
+def test_a_file_the_library_reads_but_cannot_run_is_a_config_error(tmp_path: Path) -> None:
+    """A WordLevel model whose unknown token is not in its vocabulary parses, and fails on the
+    first text it does not know: a ConfigError naming the file, not the library's bare
+    Exception."""
+    tk = require_module("tokenizers")
+    path = tmp_path / "tokenizer.json"
+    for vocab in ({"x": 0, "y": 1}, {"a": 0, "b": 1}):
+        library = tk.Tokenizer(tk.models.WordLevel(vocab, unk_token="[UNK]"))
+        library.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+        library.save(str(path))
+        if "a" not in vocab:  # the wrapper's own first encode ("a") fails
+            with pytest.raises(ConfigError, match=r"tokenizer\.json: the tokenizers library "
+                                                  "cannot use it"):  # fmt: skip
+                TextTokenizer.from_file(path)
+            continue
+        tokenizer = TextTokenizer.from_file(path)
+        assert tokenizer.encode("a b") == [0, 1]
+        with pytest.raises(ConfigError, match=r"the tokenizer cannot encode 'a c'"):
+            tokenizer.encode("a c")
+
+
 def test_a_bert_vocabulary_without_its_special_tokens(tmp_path: Path) -> None:
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("[PAD]\n[UNK]\nhello\n")

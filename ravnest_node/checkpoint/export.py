@@ -34,7 +34,10 @@ __all__ = ["export_pretrained"]
 log = logging.getLogger(__name__)
 
 _COPIED = ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
-           "special_tokens_map.json")  # fmt: skip
+           "special_tokens_map.json", "chat_template.jinja", "generation_config.json")  # fmt: skip
+"""The source directory's files an export carries over (where present): the template that
+transformers 5 saves beside the tokenizer (`chat_template.jinja`) included, so that the
+result renders chat data as the source did."""
 
 
 def blocks_at(state_dirs: Sequence[Path], model: BlockModel

@@ -39,6 +39,7 @@ from ravnest_node.coordination.planning.shapes import (
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model, model_names
 from ravnest_node.models.pretrained import PretrainedModel, parse_spec, without_lora
+from ravnest_node.models.pretrained.llama import FAMILIES
 from ravnest_node.transport.options import TransportConfig
 from ravnest_node.units import rate_text
 
@@ -196,16 +197,15 @@ def resolve_model(args: argparse.Namespace) -> ModelShape:
 
 def pretrained_shape(name: str) -> ModelShape:
     """The shape of a local Hugging Face model (`models/pretrained/`), before any LoRA (the
-    plan's --mode says how it trains): a Llama-family decoder by the presets' formulas from its
-    config.json; a BERT-style encoder measured like a registered model, on its timing blocks
-    (one layer, initial values: no weight is read)."""
+    plan's --mode says how it trains): a Llama-shaped decoder (Llama, Mistral, Qwen) by the
+    presets' formulas from its config.json; a BERT-style encoder, or a decoder whose head_dim
+    is not hidden/heads (Qwen3's), measured like a registered model, on its timing blocks (one
+    layer, initial values: no weight is read)."""
     spec = parse_spec(name)
     c = spec.config
-    if spec.family == "llama":
-        heads = int(c["num_attention_heads"])
-        if int(c.get("head_dim") or 0) not in (0, int(c["hidden_size"]) // heads):
-            raise ConfigError(f"model {name!r}: a head_dim other than hidden/heads is not "
-                              "planned yet")  # fmt: skip
+    heads = int(c.get("num_attention_heads") or 1)
+    head_dim = int(c.get("head_dim") or 0)
+    if spec.family in FAMILIES and head_dim in (0, int(c["hidden_size"]) // heads):
         llama = LlamaConfig(
             layers=int(c["num_hidden_layers"]),
             hidden=int(c["hidden_size"]),

@@ -111,7 +111,12 @@ class TextTokenizer:
             raise ConfigError(f"{path}: the tokenizers library cannot read it: {exc}") from None
         config_path = path.with_name("tokenizer_config.json")
         config = _read_config(config_path) if config_path.is_file() else {}
-        return cls(library, config, where=f"{config_path}: ")
+        try:  # the first encodes: a model the library parses but cannot run (no [UNK] in it)
+            return cls(library, config, where=f"{config_path}: ")
+        except ConfigError:
+            raise
+        except Exception as exc:  # the library raises a bare Exception
+            raise ConfigError(f"{path}: the tokenizers library cannot use it: {exc}") from None
 
     @classmethod
     def from_vocab(cls, path: Path, *, lowercase: bool | None = None) -> TextTokenizer:
@@ -184,7 +189,10 @@ class TextTokenizer:
         """The ids of `text` without the template's tokens; added and special tokens written in
         the text are matched as their ids (the library's ``encode(text, add_special_tokens=
         False)``)."""
-        return self._library.encode(text, add_special_tokens=False).ids
+        try:
+            return self._library.encode(text, add_special_tokens=False).ids
+        except Exception as exc:  # the library raises a bare Exception (a token it lacks)
+            raise ConfigError(f"the tokenizer cannot encode {text[:40]!r}: {exc}") from None
 
     def token_to_id(self, token: str) -> int | None:
         """The id of `token` (of the vocabulary or an added token), None if it has none."""

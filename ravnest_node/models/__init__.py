@@ -2,7 +2,7 @@
 
 from ravnest_node.models.base import BlockModel, TensorSpec, run_blocks
 from ravnest_node.models.bytelm import ByteLM, ByteLMConfig
-from ravnest_node.models.installed import lacking_model
+from ravnest_node.models.installed import is_project_name, lacking_model
 from ravnest_node.models.registry import (
     MODEL_PRESETS,
     get_model,
@@ -19,6 +19,7 @@ __all__ = [
     "TensorSpec",
     "get_model",
     "installed_models",
+    "is_project_name",
     "lacking_model",
     "model_names",
     "register_model",

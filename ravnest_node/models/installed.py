@@ -16,6 +16,7 @@ installed on purpose.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from importlib.metadata import EntryPoint, entry_points
 from ravnest_node.errors import ConfigError
 from ravnest_node.models.base import BlockModel
 
-__all__ = ["ENTRY_POINT_GROUP", "Installed", "InstalledModels", "lacking_model"]
+__all__ = ["ENTRY_POINT_GROUP", "Installed", "InstalledModels", "is_project_name", "lacking_model"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,16 @@ class Installed:
     def origin(self) -> str:
         """E.g. ``ravnest-tiny-mlp 0.1.0 (ravnest_tiny_mlp.model:make_model)``."""
         return f"{self.distribution} ({self.value})"
+
+
+_PROJECT_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,98}[A-Za-z0-9])?")
+
+
+def is_project_name(text: str) -> bool:
+    """Whether `text` is a distribution name as PEP 508 allows one (at most 100 characters):
+    the coordinator's `model_package` comes from the network and is quoted in a message only
+    if it is one."""
+    return _PROJECT_NAME.fullmatch(text) is not None
 
 
 def lacking_model(name: str, project: str) -> str:

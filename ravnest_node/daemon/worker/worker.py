@@ -60,7 +60,7 @@ from ravnest_node.errors import (
     RunFailed,
     Unreachable,
 )
-from ravnest_node.models import get_model, lacking_model, model_names
+from ravnest_node.models import get_model, is_project_name, lacking_model, model_names
 from ravnest_node.models.pretrained import check_allowed
 from ravnest_node.pipeline.stage import StageRuntime
 from ravnest_node.proto import control_pb2 as pb
@@ -332,7 +332,7 @@ class Worker:
             model = get_model(reply.model)
         except ConfigError as exc:
             why = str(exc)
-            if reply.model_package and reply.model not in model_names():
+            if is_project_name(reply.model_package) and reply.model not in model_names():
                 why = lacking_model(reply.model, reply.model_package)
             raise RunFailed(f"coordinator {self.coordinator_address}: {why}") from None
         precision = resolve_precision(reply.precision or "auto", self.device)

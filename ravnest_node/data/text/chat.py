@@ -262,7 +262,11 @@ def chat_dataset(lines: Sequence[Line], *, path: Path, directory: Path,
         where = f"{path}:{number}"
         if messages is None and template is None:
             text = prompt + completion + (eos or "")
-            samples.append(encode_sample(tokenizer, (text, [(len(prompt), len(text))])))
+            ids, counted = encode_sample(tokenizer, (text, [(len(prompt), len(text))]))
+            eos_id = getattr(tokenizer, "eos_id", None)
+            if eos is None and eos_id is not None:  # the tokenizer's own, not in its config
+                ids, counted = [*ids, eos_id], [*counted, True]
+            samples.append(_without_pad(ids, counted, config, where))
             continue
         if template is None:
             raise ConfigError(f"{where}: a conversation, and the model in {directory} has no "
@@ -279,13 +283,26 @@ def chat_dataset(lines: Sequence[Line], *, path: Path, directory: Path,
         split += apart
         if not found:
             samples.append(([], []))  # no assistant turn: counted as skipped
-        samples += [encode_sample(tokenizer, s) for s in found]
+        samples += [_without_pad(*encode_sample(tokenizer, s), config, where) for s in found]
     if split:
         log.info("%s: the chat template writes earlier turns otherwise; %d conversations train "
                  "each assistant turn as a sample of its own", path, split)  # fmt: skip
     return ChatData.from_samples(samples, seq_len=seq_len, pad_id=_pad_id(config, settings,
                                  tokenizer, directory), seed=seed, shard=shard,
                                  num_shards=num_shards, where=str(path))  # fmt: skip
+
+
+def _without_pad(ids: list[int], counted: list[bool], config: Mapping[str, Any], where: str
+                 ) -> tuple[list[int], list[bool]]:  # fmt: skip
+    """(ids, counted) unchanged; ConfigError if the ids hold config.json's pad token, which the
+    model's blocks take for padding (an all-zero row nobody attends to: models/pretrained/
+    padding.py), so a conversation holding it would not compute what transformers computes."""
+    pad = config.get("pad_token_id")
+    if pad is not None and int(pad) in ids:
+        raise ConfigError(f"{where}: the rendered sample holds the pad token (config.json's "
+                          f"pad_token_id {pad}), which this model's blocks take for padding; "
+                          "set pad_token_id to a token the data never holds")  # fmt: skip
+    return ids, counted
 
 
 def _pad_id(config: Mapping[str, Any], settings: Mapping[str, Any], tokenizer: ChatTokenizer,
@@ -297,6 +314,9 @@ def _pad_id(config: Mapping[str, Any], settings: Mapping[str, Any], tokenizer: C
         token = special_token(settings, key)
         if token is not None and (found := tokenizer.token_to_id(token)) is not None:
             return found
+    for attribute in ("pad_id", "eos_id"):  # the tokenizer's own guesses (data/tokenizer.py)
+        if (found := getattr(tokenizer, attribute, None)) is not None:
+            return int(found)
     raise ConfigError(f"{directory}: chat samples are padded, and neither config.json's "
                       "pad_token_id nor tokenizer_config.json's pad_token or eos_token names a "
                       "token")  # fmt: skip

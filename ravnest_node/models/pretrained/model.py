@@ -365,7 +365,7 @@ class PretrainedModel(BlockModel):
             if pad_id is None:
                 raise ConfigError(f"model {self.name!r}: classification pads its samples, and "
                                   "the model's config.json has no pad_token_id")  # fmt: skip
-            rows = text.read_jsonl(Path(spec.data))
+            rows = text.read_jsonl(Path(spec.data).expanduser())
             examples = [(tokenizer.encode(t), label) for t, label in rows]
             return text.ClassificationData(
                 examples, seq_len=spec.seq_len, pad_id=int(pad_id),
@@ -374,7 +374,7 @@ class PretrainedModel(BlockModel):
             )  # fmt: skip
         fraction = eval_fraction(spec.eval) if spec.eval else None
         source = spec.eval if split == "eval" and fraction is None else spec.data
-        path = Path(source)
+        path = Path(source).expanduser()
         chat = text.read_chat_lines(path) if spec.task == "causal-lm" and source else None
         if chat is not None:  # conversations or prompt/completion pairs: the loss on replies
             if fraction is not None:

@@ -116,7 +116,7 @@ def parse_spec(name: str) -> PretrainedSpec:
         lora=lora,
         adapter=values.get("adapter", ""),
         data=values.get("data", ""),
-        eval=_held_out(name, values),
+        eval=_held_out(name, values, task),
         tokenizer=values.get(
             "tokenizer", tokenizer or ("bpe" if (path / "tokenizer.json").is_file() else "")
         ),
@@ -150,9 +150,14 @@ def eval_fraction(value: str) -> float | None:
         return None
 
 
-def _held_out(name: str, values: Mapping[str, str]) -> str:
+def _held_out(name: str, values: Mapping[str, str], task: str) -> str:
     """The ``eval=`` option: a fraction in (0, 1) of a ``data=`` file, or a file; ConfigError
-    for another number, or for a fraction without a data file."""
+    for another number, a fraction without a data file, an empty value, or a task other than
+    causal-lm (the only one with held-out data)."""
+    if "eval" in values and not values["eval"]:
+        raise ConfigError(f"model {name!r}: eval= needs a fraction or a file")
+    if "eval" in values and task != "causal-lm":
+        raise ConfigError(f"model {name!r}: eval= holds out causal-lm data; task is {task}")
     value = values.get("eval", "")
     fraction = eval_fraction(value) if value else None
     if fraction is not None and not 0 < fraction < 1:
@@ -244,9 +249,11 @@ def local_paths(name: str) -> list[Path]:
     directory, *options = name[len(PREFIX) :].split(",")
     paths = [Path(directory).expanduser()]
     for key in ("data=", "adapter="):
-        paths += [Path(o[len(key) :]).expanduser() for o in options if o.startswith(key)]
+        paths += [Path(o[len(key) :]).expanduser() for o in options
+                  if o.startswith(key) and o[len(key) :]]  # fmt: skip
     paths += [Path(o[len("eval=") :]).expanduser() for o in options
-              if o.startswith("eval=") and eval_fraction(o[len("eval=") :]) is None]  # fmt: skip
+              if o.startswith("eval=") and o[len("eval=") :]
+              and eval_fraction(o[len("eval=") :]) is None]  # fmt: skip
     return paths
 
 
