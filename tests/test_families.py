@@ -16,6 +16,7 @@ import torch
 from ravnest_node.blocks import export_blocks
 from ravnest_node.checkpoint import CheckpointDir
 from ravnest_node.checkpoint.export import export_pretrained
+from ravnest_node.cli.plan import pretrained_shape
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.models.lora import LoRALinear
@@ -152,3 +153,12 @@ def test_a_family_we_do_not_have_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model_type 'gemma3' is not supported; supported: "
                                           r"bert, llama, mistral, qwen2, qwen3"):  # fmt: skip
         get_model(f"hf:{tmp_path}")
+
+
+@pytest.mark.parametrize("case", ["mistral-window", "qwen3"])
+def test_plan_counts_every_parameter_of_the_family(tmp_path: Path, case: str) -> None:
+    """`plan` of hf:DIR: Mistral by the Llama formulas, Qwen3 (whose head_dim is not
+    hidden/heads) measured on its timing blocks; both count the model's parameters."""
+    _family(case, "ForCausalLM", tmp_path / case)
+    name = f"hf:{tmp_path / case},seq={SEQ}"
+    assert pretrained_shape(name).params == get_model(name).num_parameters()
