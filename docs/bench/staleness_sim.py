@@ -12,6 +12,8 @@ Environment knobs (all optional):
   CUTS="0,3,5,8"  block boundaries of the stages (default: the pipeline's three stages)
   STAGES="01"     indices of the stages that see the delay (default: all but the last)
   WU=20           synchronous warm-up steps before the delay applies
+  WUL=0.6         instead, a measured end: the warm-up lasts until the mean training loss of
+                  the last 5 steps is at most WUL x the first step's (printed: the step it ended)
   PRED=1          forwards of delayed stages use weights predicted PRED steps ahead from
                   AdamW's moments (w - PRED * lr * (m_hat / (sqrt(v_hat) + eps) + wd * w))
   LRS, ELRS       learning-rate multipliers of the middle stages and of the first stage
@@ -50,6 +52,9 @@ bounds = [int(c) for c in env("CUTS", "0,3,5,8").split(",")]
 stages = [torch.nn.Sequential(*blocks[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 delayed = env("STAGES", "".join(str(i) for i in range(len(stages) - 1)))
 warmup, predict = int(env("WU", "0")), float(env("PRED", "0"))
+loss_ratio = float(env("WUL", "0"))
+if loss_ratio:
+    warmup = 1 << 30  # until the loss says otherwise
 beta1 = float(env("B1", "0.9"))
 stale_beta1 = float(env("SB1", str(beta1)))
 beta2 = float(env("B2", "0.999"))
@@ -142,6 +147,12 @@ for step in range(steps):
     opt.step()
     opt.zero_grad()
     losses.append(loss.item())
+    recent = losses[-5:]
+    if loss_ratio and warmup > step and len(recent) == 5 and (
+        sum(recent) / 5 <= loss_ratio * losses[0]
+    ):
+        warmup = step + 1
+        print(f"warm-up ended after step {warmup} (loss {sum(recent) / 5:.3f})")
 
 if env("TRACE"):
     print(" ".join(f"{v:.3f}" for v in losses))
