@@ -58,23 +58,6 @@ def conversation(k: int) -> list[dict[str, str]]:
             {"role": "assistant", "content": f"{city}."}]  # fmt: skip
 
 
-class Wrapped:
-    """The tokenizer contract chat data codes against, over a `tokenizers.Tokenizer`."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tk = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tk.encode(text, add_special_tokens=False).ids)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tk.token_to_id(token)  # type: ignore[no-any-return]
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._tk.get_vocab_size())
-
-
 def make_tokenizer(directory: Path, *, template: str | None = CHATML) -> Any:
     """A byte-level BPE with ChatML's and Llama 3's special tokens, trained by the `tokenizers`
     library and saved by transformers (tokenizer.json, tokenizer_config.json and
@@ -123,12 +106,14 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
     return path
 
 
-def data_of(directory: Path, path: Path, seq: int, fast: Any) -> ChatData:
+def data_of(directory: Path, path: Path, seq: int) -> ChatData:
+    """The chat data of `path` for the model in `directory`, with the tokenizer a node loads."""
     lines = read_chat_lines(path)
     assert lines is not None
     return chat_dataset(lines, path=path, directory=directory,
                         config=json.loads((directory / "config.json").read_text()),
-                        tokenizer=Wrapped(fast.backend_tokenizer), seq_len=seq, seed=0)  # fmt: skip
+                        tokenizer=TextTokenizer.from_file(directory / "tokenizer.json"),
+                        seq_len=seq, seed=0)  # fmt: skip
 
 
 def counted(data: ChatData) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -143,7 +128,7 @@ def test_the_loss_counts_exactly_the_assistant_tokens(tmp_path: Path) -> None:
     fast = make_model(tmp_path)
     convs = [conversation(k) for k in range(4)]
     data = data_of(tmp_path, write_jsonl(tmp_path / "chat.jsonl",
-                                         [{"messages": c} for c in convs]), 100, fast)  # fmt: skip
+                                         [{"messages": c} for c in convs]), 100)  # fmt: skip
     assert data.cut == data.skipped == 0
     end = fast.convert_tokens_to_ids("<|im_end|>")
     for conv, (x, y) in zip(convs, counted(data), strict=True):
@@ -169,7 +154,7 @@ def test_a_template_without_generation_markers(tmp_path: Path) -> None:
     fast = make_model(tmp_path, template=LLAMA3)
     convs = [conversation(k) for k in range(3)]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])
-    data = data_of(tmp_path, path, 100, fast)
+    data = data_of(tmp_path, path, 100)
     for conv, (x, y) in zip(convs, counted(data), strict=True):
         ids = fast.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"]
         assert x[: len(ids) - 1].tolist() == ids[:-1] and ids[0] == fast.bos_token_id
@@ -200,14 +185,14 @@ def test_a_cut_conversation_keeps_the_assistant_tokens_inside_seq(tmp_path: Path
     short = [conv[1], {"role": "assistant", "content": "Paris."}]
     late = [{"role": "user", "content": "What is the capital of France? " * 6}, conv[2]]
     rows = [{"messages": conv}, {"messages": late}, {"messages": conv[:2]}, {"messages": short}]
-    data = data_of(tmp_path, write_jsonl(tmp_path / "chat.jsonl", rows), seq, fast)
+    data = data_of(tmp_path, write_jsonl(tmp_path / "chat.jsonl", rows), seq)
     assert (data.cut, data.skipped, data.num_samples) == (2, 2, 2)
     (x, y), _ = counted(data)
     assert x.tolist() == ids[:seq]
     assert y.tolist() == [ids[t + 1] if mask[t + 1] else -100 for t in range(seq)]
     assert sum(int(i) != -100 for i in y) == 3
     with pytest.raises(ConfigError, match=r"chat\.jsonl: no sample .*\(2 skipped\)"):
-        data_of(tmp_path, write_jsonl(tmp_path / "chat.jsonl", rows[1:3]), seq, fast)
+        data_of(tmp_path, write_jsonl(tmp_path / "chat.jsonl", rows[1:3]), seq)
 
 
 def test_prompt_completion_lines(tmp_path: Path) -> None:
@@ -215,24 +200,24 @@ def test_prompt_completion_lines(tmp_path: Path) -> None:
     completion and EOS, the loss on the latter."""
     fast = make_model(tmp_path)
     row = {"prompt": "What is the capital of Peru?", "completion": "Lima."}
-    data = data_of(tmp_path, write_jsonl(tmp_path / "pc.jsonl", [row]), 40, fast)
+    data = data_of(tmp_path, write_jsonl(tmp_path / "pc.jsonl", [row]), 40)
     (_, y), = counted(data)  # fmt: skip
     assert fast.decode([int(i) for i in y if i != -100]) == "Lima.<|im_end|>"
     messages = [{"role": "user", "content": row["prompt"]},
                 {"role": "assistant", "content": row["completion"]}]  # fmt: skip
     assert data.fingerprint == data_of(tmp_path, write_jsonl(
-        tmp_path / "m.jsonl", [{"messages": messages}]), 40, fast).fingerprint  # fmt: skip
+        tmp_path / "m.jsonl", [{"messages": messages}]), 40).fingerprint  # fmt: skip
 
     plain = tmp_path / "plain"
     fast = make_model(plain, template=None)
-    data = data_of(plain, write_jsonl(tmp_path / "pc.jsonl", [row]), 40, fast)
+    data = data_of(plain, write_jsonl(tmp_path / "pc.jsonl", [row]), 40)
     (_, y), = counted(data)  # fmt: skip
     n = len(fast.encode(row["prompt"]))
     assert (y[: n - 1] == -100).all()
     assert fast.decode([int(i) for i in y if i != -100]) == "Lima.<|im_end|>"
     with pytest.raises(ConfigError, match=r"chat\.jsonl:1: a conversation, and the model .* "
                                           "has no chat template"):  # fmt: skip
-        data_of(plain, write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}]), 40, fast)
+        data_of(plain, write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}]), 40)
 
 
 @pytest.mark.parametrize(("line", "message"), [
@@ -254,7 +239,7 @@ def test_a_template_that_fails_is_named_with_the_line(tmp_path: Path) -> None:
     file and line, and the template's file; one that is not Jinja: the template's file."""
     refusing = ("{%- if messages[0]['role'] != 'system' %}{{ raise_exception('needs a system "
                 "turn') }}{%- endif %}" + CHATML)  # fmt: skip
-    fast = make_model(tmp_path, template=refusing)
+    make_model(tmp_path, template=refusing)
     rows = [{"messages": conversation(0)}, {"messages": conversation(1)[1:]}]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     with pytest.raises(
@@ -262,14 +247,14 @@ def test_a_template_that_fails_is_named_with_the_line(tmp_path: Path) -> None:
         match=r"chat\.jsonl:2: the chat template \(.*chat_template"
         r"\.jinja\) fails to render it: .*needs a system turn",
     ):
-        data_of(tmp_path, path, 64, fast)  # fmt: skip
+        data_of(tmp_path, path, 64)  # fmt: skip
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0].nothing.deeper }}")
     with pytest.raises(ConfigError, match=r"chat\.jsonl:1: the chat template"):
-        data_of(tmp_path, path, 64, fast)
+        data_of(tmp_path, path, 64)
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
     with pytest.raises(ConfigError, match=r"chat_template\.jinja: the chat template is not "
                                           "valid Jinja"):  # fmt: skip
-        data_of(tmp_path, path, 64, fast)
+        data_of(tmp_path, path, 64)
 
 
 def test_the_template_in_tokenizer_config_and_a_text_file(tmp_path: Path) -> None:
@@ -387,21 +372,21 @@ def test_bad_eval_options(tmp_path: Path, options: str, message: str) -> None:
 def test_a_template_that_reaches_for_python_is_refused(tmp_path: Path, hostile: str) -> None:
     """The sandbox: a template reaching for Python's internals, or changing the messages, is
     refused naming the data line, and nothing is trained on it."""
-    fast = make_model(tmp_path, template=hostile + CHATML)
+    make_model(tmp_path, template=hostile + CHATML)
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(0)}])
     with pytest.raises(ConfigError, match=r"chat\.jsonl:1: the chat template .* fails to render"):
-        data_of(tmp_path, path, 64, fast)
+        data_of(tmp_path, path, 64)
 
 
 def test_a_conversation_holding_the_pad_token_is_refused(tmp_path: Path) -> None:
     """config.json's pad token inside a sample would be taken for padding by the blocks (an
     all-zero row): refused, naming the line."""
-    fast = make_model(tmp_path)
+    make_model(tmp_path)
     talk = conversation(0)
     talk[2] = {"role": "assistant", "content": "Paris<|endoftext|> again."}
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(1)}, {"messages": talk}])
     with pytest.raises(ConfigError, match=r"chat\.jsonl:2: the rendered sample holds the pad "):
-        data_of(tmp_path, path, 64, fast)
+        data_of(tmp_path, path, 64)
 
 
 def test_without_an_eos_in_the_config_the_tokenizers_own_ends_a_completion(
@@ -423,11 +408,7 @@ def test_without_an_eos_in_the_config_the_tokenizers_own_ends_a_completion(
     tokenizer = TextTokenizer.from_file(plain / "tokenizer.json")
     assert tokenizer.eos_id is not None
     row = {"prompt": "What is the capital of Peru?", "completion": "Lima."}
-    lines = read_chat_lines(write_jsonl(tmp_path / "pc.jsonl", [row]))
-    assert lines is not None
-    data = chat_dataset(lines, path=tmp_path / "pc.jsonl", directory=plain,
-                        config=json.loads((plain / "config.json").read_text()),
-                        tokenizer=tokenizer, seq_len=40, seed=0)  # fmt: skip
+    data = data_of(plain, write_jsonl(tmp_path / "pc.jsonl", [row]), 40)
     (_, y), = counted(data)  # fmt: skip
     kept = [int(i) for i in y if i != -100]
     assert kept[-1] == tokenizer.eos_id and tokenizer.decode(kept[:-1]) == "Lima."

@@ -13,19 +13,25 @@ from typing import Any
 import pytest
 import torch
 
-from ravnest_node.blocks import export_blocks
-from ravnest_node.checkpoint import CheckpointDir
-from ravnest_node.checkpoint.export import export_pretrained
 from ravnest_node.cli.plan import pretrained_shape
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
 from ravnest_node.models.lora import LoRALinear
 from ravnest_node.models.pretrained import PretrainedModel
 from ravnest_node.models.weight_files import index_directory
-from ravnest_node.pipeline.run import TrainConfig
 
 from .conftest import require_module
-from .test_transformers_interop import SEQ, TOL, _ids, _padded, _randomise, _run, _theirs, _train
+from .test_transformers_interop import (
+    SEQ,
+    TOL,
+    _export_two_stages,
+    _ids,
+    _padded,
+    _randomise,
+    _run,
+    _theirs,
+    _train,
+)
 
 transformers = require_module("transformers")
 
@@ -130,16 +136,9 @@ def test_a_merged_lora_export_loads_in_transformers(tmp_path: Path, case: str) -
     blocks = model.build_blocks(0)
     ids, mask = _padded(_ids(3, model.vocab, seed=10), [SEQ, 12, 7])
     before = _run(blocks, ids)
-    steps, cut, n = 3, 2, model.num_blocks()
+    steps = 3
     opt = _train(model, blocks, steps)
-    run = TrainConfig(model=name).to_proto("fingerprint")
-    for stage, (a, b) in enumerate(((0, cut), (cut, n))):
-        weights = export_blocks(torch.nn.Sequential(*blocks[a:b]), a, opt, steps)
-        CheckpointDir(tmp_path / f"node-{stage}").save(
-            weights, step=steps, run=run, pipeline=0, stage=stage, plan_epoch=1
-        )
-    out = tmp_path / "exported"
-    assert export_pretrained(name, [tmp_path / "node-0", tmp_path / "node-1"], out)["step"] == 3
+    out = _export_two_stages(tmp_path, name, blocks, opt, steps, cut=2)
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert type(loaded).__name__ == FAMILIES[case][1] + "ForCausalLM"
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys

@@ -285,20 +285,12 @@ def test_an_exported_run_loads_in_transformers(
     blocks = model.build_blocks(0)
     ids, mask = _padded(_ids(3, model.vocab, seed=10), [SEQ, 12, 7])
     before = _run(blocks, ids)
-    steps, cut, n = 3, 2, model.num_blocks()
+    steps, cut = 3, 2
     opt = _train(model, blocks, steps)
     if ",lora=" in options:  # the adapters trained (B starts at zero)
         adapters = [m for b in blocks for m in b.modules() if isinstance(m, LoRALinear)]
         assert adapters and all(bool(m.lora_b.detach().abs().max() > 0) for m in adapters)
-    run = TrainConfig(model=name).to_proto("fingerprint")
-    for stage, (a, b) in enumerate(((0, cut), (cut, n))):
-        weights = export_blocks(torch.nn.Sequential(*blocks[a:b]), a, opt, steps)
-        CheckpointDir(tmp_path / f"node-{stage}").save(
-            weights, step=steps, run=run, pipeline=0, stage=stage, plan_epoch=1
-        )
-    out = tmp_path / "exported"
-    result = export_pretrained(name, [tmp_path / "node-0", tmp_path / "node-1"], out)
-    assert result["step"] == steps
+    out = _export_two_stages(tmp_path, name, blocks, opt, steps, cut)
 
     loaded, info = getattr(transformers, auto).from_pretrained(out, output_loading_info=True)
     assert type(loaded).__name__ == source
@@ -315,3 +307,20 @@ def test_an_exported_run_loads_in_transformers(
         torch.testing.assert_close(ours[real], theirs[real], **TOL)
     # And the exported directory loads as a model of its own, in our code too.
     torch.testing.assert_close(_run(_ours(out, options.split(",lora")[0])[1], ids), ours, **TOL)
+
+
+def _export_two_stages(
+    tmp_path: Path, name: str, blocks: list[torch.nn.Module], opt: Any, steps: int, cut: int
+) -> Path:
+    """`blocks` trained `steps` steps with `opt`, checkpointed as two stages cut at `cut` (as
+    two nodes would) and merged by `export_pretrained`: the exported directory."""
+    run = TrainConfig(model=name).to_proto("fingerprint")
+    for stage, (a, b) in enumerate(((0, cut), (cut, len(blocks)))):
+        weights = export_blocks(torch.nn.Sequential(*blocks[a:b]), a, opt, steps)
+        CheckpointDir(tmp_path / f"node-{stage}").save(
+            weights, step=steps, run=run, pipeline=0, stage=stage, plan_epoch=1
+        )
+    out = tmp_path / "exported"
+    result = export_pretrained(name, [tmp_path / "node-0", tmp_path / "node-1"], out)
+    assert result["step"] == steps
+    return out

@@ -33,6 +33,7 @@ from ravnest_node.data.text.chat_template import (
     read_tokenizer_config,
     special_token,
 )
+from ravnest_node.data.text.corpus import json_lines, json_object
 from ravnest_node.data.text.masked_lm import IGNORE_INDEX
 from ravnest_node.data.text.sampling import Epochs, check_batch, check_sharding, derive_seed
 from ravnest_node.errors import ConfigError
@@ -57,6 +58,16 @@ class ChatTokenizer(Protocol):
         """The id of `token`, or None."""
         ...
 
+    @property
+    def eos_id(self) -> int | None:
+        """The tokenizer's own end-of-sequence id (data/tokenizer.py), or None."""
+        ...
+
+    @property
+    def pad_id(self) -> int | None:
+        """The tokenizer's own padding id, or None."""
+        ...
+
 
 Line = tuple[int, list[dict[str, Any]] | None, str, str]
 """A line of a chat file: its number, its messages (None for a prompt/completion line), its
@@ -68,11 +79,7 @@ def read_chat_lines(path: Path) -> list[Line] | None:
     non-blank line is not a JSON object with ``messages``, or ``prompt`` and ``completion``):
     such a file stays text. Blank lines are skipped. ConfigError naming the file and line for
     a line that is not JSON, lacks messages or roles, or has a role outside `ROLES`."""
-    try:
-        content = Path(path).read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read the data file {path}: {exc}") from exc
-    numbered = [(n, line) for n, line in enumerate(content.split("\n"), start=1) if line.strip()]
+    numbered = json_lines(path)
     if not numbered or not _is_chat(numbered[0][1]):
         return None
     return [_line(f"{path}:{n}", n, text) for n, text in numbered]
@@ -87,12 +94,7 @@ def _is_chat(line: str) -> bool:
 
 
 def _line(where: str, number: int, text: str) -> Line:
-    try:
-        row = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError(f"{where}: not a JSON object: {exc}") from None
-    if not isinstance(row, dict):
-        raise ConfigError(f"{where}: a JSON {type(row).__name__}, expected an object")
+    row: dict[str, Any] = json_object(where, text)
     if "messages" in row:
         return number, _messages(where, row["messages"]), "", ""
     prompt, completion = row.get("prompt"), row.get("completion")
@@ -263,9 +265,8 @@ def chat_dataset(lines: Sequence[Line], *, path: Path, directory: Path,
         if messages is None and template is None:
             text = prompt + completion + (eos or "")
             ids, counted = encode_sample(tokenizer, (text, [(len(prompt), len(text))]))
-            eos_id = getattr(tokenizer, "eos_id", None)
-            if eos is None and eos_id is not None:  # the tokenizer's own, not in its config
-                ids, counted = [*ids, eos_id], [*counted, True]
+            if eos is None and tokenizer.eos_id is not None:  # the tokenizer's own
+                ids, counted = [*ids, tokenizer.eos_id], [*counted, True]
             samples.append(_without_pad(ids, counted, config, where))
             continue
         if template is None:
@@ -314,8 +315,8 @@ def _pad_id(config: Mapping[str, Any], settings: Mapping[str, Any], tokenizer: C
         token = special_token(settings, key)
         if token is not None and (found := tokenizer.token_to_id(token)) is not None:
             return found
-    for attribute in ("pad_id", "eos_id"):  # the tokenizer's own guesses (data/tokenizer.py)
-        if (found := getattr(tokenizer, attribute, None)) is not None:
+    for found in (tokenizer.pad_id, tokenizer.eos_id):  # its own guesses (data/tokenizer.py)
+        if found is not None:
             return int(found)
     raise ConfigError(f"{directory}: chat samples are padded, and neither config.json's "
                       "pad_token_id nor tokenizer_config.json's pad_token or eos_token names a "

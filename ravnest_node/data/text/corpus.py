@@ -22,7 +22,15 @@ import torch
 from ravnest_node.data.stdlib_bytes import stdlib_dir
 from ravnest_node.errors import ConfigError
 
-__all__ = ["Tokenizer", "read_jsonl", "read_texts", "stdlib_docstrings", "tokenize_corpus"]
+__all__ = [
+    "Tokenizer",
+    "json_lines",
+    "json_object",
+    "read_jsonl",
+    "read_texts",
+    "stdlib_docstrings",
+    "tokenize_corpus",
+]
 
 
 class Tokenizer(Protocol):
@@ -108,6 +116,27 @@ def read_texts(paths: Sequence[Path]) -> str:
     return "\n\n".join(texts)
 
 
+def json_lines(path: Path) -> list[tuple[int, str]]:
+    """The non-blank lines of JSON Lines file `path` with their numbers (from 1); ConfigError
+    naming the file if it cannot be read as UTF-8."""
+    try:
+        content = Path(path).read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the JSON Lines file {path}: {exc}") from exc
+    return [(n, line) for n, line in enumerate(content.split("\n"), start=1) if line.strip()]
+
+
+def json_object(where: str, line: str) -> dict[str, object]:
+    """The JSON object on `line`; ConfigError naming `where` (file:line) for anything else."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"{where}: not a JSON object: {exc}") from None
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: a JSON {type(row).__name__}, expected an object")
+    return row
+
+
 def read_jsonl(
     path: Path, *, text_field: str = "text", label_field: str = "label"
 ) -> list[tuple[str, int | str]]:
@@ -115,21 +144,10 @@ def read_jsonl(
     under `text_field` and an int or a string under `label_field`; blank lines are skipped.
     Raises `ConfigError` naming the file and the line of the first bad line, or if the file
     cannot be read or holds no example."""
-    try:
-        content = Path(path).read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read the JSON Lines file {path}: {exc}") from exc
     examples: list[tuple[str, int | str]] = []
-    for number, line in enumerate(content.split("\n"), start=1):
-        if not line.strip():
-            continue
+    for number, line in json_lines(path):
         where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError) as exc:
-            raise ConfigError(f"{where}: not a JSON object: {exc}") from exc
-        if not isinstance(row, dict):
-            raise ConfigError(f"{where}: a JSON {type(row).__name__}, expected an object")
+        row = json_object(where, line)
         text, label = row.get(text_field), row.get(label_field)
         if not isinstance(text, str):
             raise ConfigError(f"{where}: {text_field!r} must be a string, got {text!r:.60}")
