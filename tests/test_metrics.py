@@ -45,6 +45,9 @@ SAMPLE = StageMetrics(
     device="cuda:0 (NVIDIA H100, 79.1 GiB)",
     precision="bf16",
     steps_skipped=2,
+    eval_step=20,
+    eval_loss=2.25,
+    evals_lost=1,
     stream_resumes=3,
     frames_resent=11,
 )

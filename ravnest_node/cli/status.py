@@ -92,6 +92,9 @@ def describe(status: pb.NodeStatus) -> str:
             f"{s['plan_epoch']}, weight version {s['version']}, "
             f"{s['microbatches_in_flight']} microbatches in flight{done}"
         )
+    if s["eval_step"]:
+        lines.append(f"evaluation on held-out data after step {s['eval_step']}: "
+                     f"loss {s['eval_loss']:.4f}")  # fmt: skip
     if s["security"] == "mtls":
         lines.append(f"security: protected (mutual TLS); {s['refused_connections']} "
                      "connections refused")  # fmt: skip
@@ -195,6 +198,8 @@ def swarm_dict(
         "samples": view.samples,
         "samples_per_s": view.samples_per_s,
         "done": view.done,
+        # Evaluations on held-out data (--eval-every): [step, mean loss] each.
+        "evals": [[s, v] for s, v in zip(view.eval_steps, view.eval_losses, strict=True)],
         "members": members,
         # Relays a node behind NAT may choose (--no-inbound without --relay).
         "relays": [{"node_id": r.node_id, "address": r.address} for r in view.relays],
@@ -257,6 +262,8 @@ def describe_swarm(s: dict[str, Any]) -> str:
         (f"plan epoch {s['plan_epoch']}" if s["plan_epoch"] else "no plan yet")
         + f", {len(s['members'])} of {s['swarm_size']} members; step {s['step']}, "
         f"{s['samples']} samples, {s['samples_per_s']:.1f} samples/s"
+        + (f", eval loss {s['evals'][-1][1]:.4f} after step {s['evals'][-1][0]}"
+           if s["evals"] else "")
         + (", run done" if s["done"] else ""),
         "security: "
         + (

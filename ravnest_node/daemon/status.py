@@ -150,6 +150,9 @@ async def _worker_status(worker: Worker, status: pb.NodeStatus, brief: bool) -> 
         status.microbatches_in_flight = runtime.in_flight
         status.frames_accepted = runtime.frames_accepted
         status.run_done = runtime.done
+        evals = runtime.evaluations
+        if evals.step:
+            status.eval_step, status.eval_loss = evals.step, evals.loss
         if not brief:  # the digest waits for the compute thread
             status.params_sha256 = await runtime.params_digest()
 

@@ -191,6 +191,14 @@ def stage_families(
         families.append(
             Family("ravnest_loss", "Training loss of the last step.").add(loss, **stage)
         )
+    if m.eval_step:
+        families += [
+            Family("ravnest_eval_loss", "Mean loss of the newest evaluation on held-out "
+                   "data.").add(m.eval_loss, **stage),
+            Family("ravnest_eval_step", "The step the newest evaluation followed.").add(
+                m.eval_step, **stage
+            ),
+        ]  # fmt: skip
     return families
 
 
@@ -222,6 +230,7 @@ def swarm_page_data(swarm: str, view: pb.SwarmView) -> dict[str, Any]:
         "done": view.done,
         "members": members,
         "loss": [[s, v] for s, v in zip(view.loss_steps, view.losses, strict=True)],
+        "eval_loss": [[s, v] for s, v in zip(view.eval_steps, view.eval_losses, strict=True)],
         "stages": [_stage_row(r) for r in view.stages],
     }
 

@@ -325,8 +325,10 @@ class Demo:
 
 def _progress_line(event: pb.Progress) -> str:
     rate = event.samples / event.wall_s if event.wall_s > 0 else 0.0
+    evaluation = (f"  eval {event.eval_loss:7.4f} (step {event.eval_step})"
+                  if event.eval_step else "")  # fmt: skip
     return (
-        f"step {event.step:>5}/{event.steps}  loss {event.loss:7.4f}  "
+        f"step {event.step:>5}/{event.steps}  loss {event.loss:7.4f}{evaluation}  "
         f"{rate:6.1f} samples/s  sent {_human_bytes(event.bytes_on_wire)}"
     )
 

@@ -137,6 +137,15 @@ class BlockModel(ABC):
             num_shards=num_shards, num_samples=num_samples,
         )  # fmt: skip
 
+    @property
+    def held_out(self) -> bool:
+        """Whether the model has held-out data to evaluate on (`eval_dataset`)."""
+        return False
+
+    def eval_dataset(self, *, seed: int) -> Any:
+        """The held-out data, with `dataset`'s interface; None if the model has none."""
+        return None
+
     def build_stage(
         self, seed: int, start: int, stop: int, *, device: torch.device | None = None
     ) -> list[torch.nn.Module]:

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from ravnest_node.compression import Codec, encoder
+from ravnest_node.compression import Codec, encoder, get_codec
 from ravnest_node.compression.auto import (
     AUTO,
     AUTO_LADDER,
@@ -127,6 +127,16 @@ class CodecChoice:
         codec, state = self._current
         self.frames = {**self.frames, codec.name: self.frames.get(codec.name, 0) + 1}
         return Outgoing(tensor_name, tensor, codec, state, deflate=self.deflate)
+
+    def stateless(self, tensor_name: str, tensor: torch.Tensor) -> Outgoing:
+        """The tensor for a frame outside the stream's sequence (an evaluation's): with the
+        codec the next frame would use where that keeps no sender state, int8-block otherwise
+        (a stateful codec's receiver mirrors its sender's state, which such a frame must not
+        move). Changes nothing here."""
+        codec, state = self._current
+        if state is not None:
+            codec = get_codec("int8-block")
+        return Outgoing(tensor_name, tensor, codec, None)
 
     def sent(
         self, packing: str, *, nbytes: int | None = None, coding_s: float | None = None

@@ -215,6 +215,31 @@ class StageCompute:
         self.step_loss += loss.item()
         return self._grad_frame(seq, used, first)
 
+    def _eval_output(self, received: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The stage's output on an evaluation's microbatch: the current weights, no graph."""
+        x = self._to_device(received[HIDDEN])
+        x = x.float() if x.is_floating_point() else x
+        with torch.no_grad(), autocast(self.device, self.precision):
+            out: torch.Tensor = self.blocks(x, self._tokens(received))  # (its own parameters)
+        return out
+
+    def eval_forward(
+        self, seq: int, version: int, received: dict[str, torch.Tensor]
+    ) -> Future[bytes]:
+        """Microbatch `seq` of the evaluation after step `version` forward, nothing kept; its
+        frame for the next stage (being encoded)."""
+        out = self._outgoing(self._eval_output(received))
+        targets = self._to_device(received[TARGETS])
+        tokens = self._tokens(received)
+        return self.encoder.submit_eval(seq, version, out, targets, tokens)
+
+    def eval_loss(self, received: dict[str, torch.Tensor]) -> float:
+        """Last stage: the loss of an evaluation's microbatch (the model's mean, as a training
+        microbatch's)."""
+        out = self._eval_output(received)
+        with torch.no_grad():
+            return float(self._model.loss(out, self._to_device(received[TARGETS])).item())
+
     def backward(self, seq: int, grad: torch.Tensor) -> tuple[int, Future[bytes] | None]:
         """Microbatch `seq` backward from the gradient of its output; the version its forward
         used, and its gradient frame for the previous stage (being encoded; None on the first

@@ -71,6 +71,17 @@ class FrameEncoder:
         must not modify `out`, `targets` or `tokens` in place until the frame is done."""
         return self._coder.submit(self.forward, seq, version, out, targets, samples, tokens)
 
+    def submit_eval(
+        self,
+        seq: int,
+        version: int,
+        out: torch.Tensor,
+        targets: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+    ) -> Future[bytes]:
+        """`evaluation` on the coder thread, after the frames submitted before it."""
+        return self._coder.submit(self.evaluation, seq, version, out, targets, tokens)
+
     def submit_backward(self, seq: int, version: int, grad: torch.Tensor) -> Future[bytes]:
         """`backward` on the coder thread, after the frames submitted before it. The caller
         must not modify `grad` in place until the frame is done."""
@@ -96,6 +107,24 @@ class FrameEncoder:
         if tokens is not None:
             tensors.append(Outgoing(TOKENS, tokens, self._raw))
         return self._encode(FrameKind.FORWARD, seq, version, tensors, self.activation, samples)
+
+    def evaluation(
+        self,
+        seq: int,
+        version: int,
+        out: torch.Tensor,
+        targets: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+    ) -> bytes:
+        """Microbatch `seq` of the evaluation after step `version`: its activation with a
+        stateless codec (`CodecChoice.stateless`), left out of the codec choice's measures and
+        of the byte counts of training (the link counts it)."""
+        tensors = [self.activation.stateless(HIDDEN, out), Outgoing(TARGETS, targets, self._raw)]
+        if tokens is not None:
+            tensors.append(Outgoing(TOKENS, tokens, self._raw))
+        with self._copying(tensors):
+            return encode_frame(FrameKind.EVAL, seq, version, tensors,
+                                lz4_min_ratio=self._lz4_ratio)  # fmt: skip
 
     def backward(self, seq: int, version: int, grad: torch.Tensor) -> bytes:
         """The gradient frame of microbatch `seq`, whose forward used weights of `version`."""

@@ -54,6 +54,8 @@ class Inbox:
         # The schedule bounds each queue by the window: a peer that sends more is refused.
         self.forwards: deque[Received] = deque()
         self.backwards: deque[Received] = deque()
+        self.evals: deque[Received] = deque()
+        """Evaluation frames (pipeline 0's later stages): forwards without gradients."""
         self.wake = asyncio.Event()
         """Set whenever there may be new work or room."""
         self.accepted = 0
@@ -67,15 +69,21 @@ class Inbox:
     @property
     def queued(self) -> int:
         """Admitted frames waiting for the compute loop."""
-        return len(self.forwards) + len(self.backwards)
+        return len(self.forwards) + len(self.backwards) + len(self.evals)
+
+    def _queue(self, kind: FrameKind) -> deque[Received]:
+        if kind is FrameKind.EVAL:
+            return self.evals
+        return self.forwards if kind is FrameKind.FORWARD else self.backwards
 
     async def check(self, frame: Frame) -> None:
         """FrameError where `admit` would refuse the frame now, its payload decoded; nothing is
         admitted, and the receiver state does not change (a test's fuzzer, stage.py)."""
         self._schedule.check_frame(frame)
-        queue = self.forwards if frame.kind is FrameKind.FORWARD else self.backwards
-        self._schedule.check_room(len(queue))
-        await asyncio.to_thread(frame.decode_with, self._references)
+        self._schedule.check_room(len(self._queue(frame.kind)), frame.kind)
+        await asyncio.to_thread(
+            frame.decode_with, {} if frame.kind is FrameKind.EVAL else self._references
+        )
 
     async def admit(self, frame: Frame) -> None:
         """Check a received frame against the plan and the schedule, decode it, and queue it;
@@ -83,19 +91,22 @@ class Inbox:
         checks and the bookkeeping run on the event loop, so they never race the compute loop;
         frames of one stream are admitted one at a time, in order."""
         self._schedule.check_frame(frame)
-        queue = self.forwards if frame.kind is FrameKind.FORWARD else self.backwards
-        self._schedule.check_room(len(queue))
+        queue = self._queue(frame.kind)
+        self._schedule.check_room(len(queue), frame.kind)
         # Decoding validates the payload's content (codes, scales, indices, lz4); do it before
         # anything changes, off the event loop and off the compute thread.
         started = time.perf_counter()
-        tensors, commit = await asyncio.to_thread(frame.decode_with, self._references)
+        # (An evaluation's frame is outside its stream's sequence: it neither reads nor moves
+        # the receiver state that mirrors the sender's.)
+        references = {} if frame.kind is FrameKind.EVAL else self._references
+        tensors, commit = await asyncio.to_thread(frame.decode_with, references)
         decode_s = time.perf_counter() - started
-        self._schedule.check_room(len(queue))
+        self._schedule.check_room(len(queue), frame.kind)
         # No await from the check above to here: the frame's effect on receiver state
         # (aq-delta references) is applied only now that it is admitted.
         commit()
         self._counts.frame_decode_s += decode_s
         queue.append(Received(frame.kind, frame.seq, frame.version, tensors, frame.samples))
-        self._schedule.admitted(frame.kind, frame.seq)
+        self._schedule.admitted(frame.kind, frame.seq, frame.version)
         self.accepted += 1
         self.wake.set()

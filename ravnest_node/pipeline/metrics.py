@@ -158,6 +158,20 @@ class StageMetrics:
     )
     """Optimizer steps skipped because a gradient was not finite (the fixed fp16 loss scale
     overflowed); the weights did not change in them."""
+    eval_step: int = 0
+    """The last stage of pipeline 0 with `--eval-every`: the step its newest evaluation on
+    held-out data followed (0: none yet)."""
+    eval_loss: float = 0.0
+    """That evaluation's mean loss (meaningful once eval_step > 0)."""
+    evals_lost: int = field(
+        default=0,
+        metadata=series(
+            "ravnest_evals_lost_total",
+            "Evaluations missing a microbatch (a broken stream or a plan's end), not reported.",
+        ),
+    )
+    """Evaluations this stage began that missed a microbatch (lost on a broken stream, which
+    does not resend them, or cut off by a plan's end): counted, never reported."""
     stream_resumes: int = field(
         default=0,
         metadata=series(

@@ -136,6 +136,15 @@ class TrainConfig:
     AdamW state; activations and gradients then travel in that dtype. fp16 multiplies the loss
     by the fixed FP16_LOSS_SCALE (gradients travel scaled) and a stage skips a step whose
     gradients are not finite."""
+    eval_every: int = 0
+    """Evaluate on the model's held-out data (an hf: model's eval=) every this many steps and
+    after the last: pipeline 0's first stage sends eval_batches batches of it forward through
+    the pipeline, each stage with the weights it holds then (within max_staleness steps of the
+    first stage's), no gradients; the mean loss shows in the progress lines, status, /metrics
+    and the page. 0 (the default): no evaluation."""
+    eval_batches: int = 2
+    """Batches (of batch_size samples) of held-out data one evaluation runs: the same ones each
+    time, so that evaluations compare."""
     recompute: bool = False
     """Activation recomputation: a stage keeps only the input of each microbatch in flight and
     runs its forward again in the backward (one more forward for far less memory: the
@@ -155,6 +164,7 @@ class TrainConfig:
         self._check_stages()
         self._check_warmup()
         self._check_faults()
+        self._check_eval()
         resolve_precision(self.precision, torch.device("cpu"))  # ConfigError naming the choices
 
     def _check_batches(self) -> None:
@@ -268,6 +278,17 @@ class TrainConfig:
                 f"staleness_warmup_steps={self.staleness_warmup_steps}: must not be negative"
             )
 
+    def _check_eval(self) -> None:
+        if not 0 <= self.eval_every <= 1_000_000:
+            raise ConfigError(f"eval_every={self.eval_every}: must be 0 to 1000000")
+        if not 1 <= self.eval_batches <= 64:
+            raise ConfigError(f"eval_batches={self.eval_batches}: must be 1 to 64")
+        if self.eval_every and not get_model(self.model).held_out:
+            raise ConfigError(
+                f"eval_every={self.eval_every}: model {self.model!r} has no held-out data; "
+                "name some with eval= (an hf: model's share of its data=, or a file)"
+            )
+
     def _check_faults(self) -> None:
         """The test-only fault injections."""
         if not 0 <= self.fault_slow_ms <= 60_000:
@@ -306,6 +327,16 @@ class TrainConfig:
         return 0 if step < self.staleness_warmup_steps else self.max_staleness
 
     @property
+    def eval_microbatches(self) -> int:
+        """Microbatches of one evaluation."""
+        return self.eval_batches * self.microbatches
+
+    def evaluates_at(self, step: int) -> bool:
+        """An evaluation follows `step` (applied): every eval_every steps and the run's last."""
+        every = self.eval_every
+        return bool(every) and 0 < step <= self.steps and (step % every == 0 or step == self.steps)
+
+    @property
     def window(self) -> int:
         """Most microbatches a stage may hold between forward and backward, and most frames of
         one direction that may wait for it: (max_staleness + 1) steps of microbatches."""
@@ -339,6 +370,8 @@ class TrainConfig:
             checkpoint_every=self.checkpoint_every,
             recompute=self.recompute,
             precision=self.precision,
+            eval_every=self.eval_every,
+            eval_batches=self.eval_batches,
         )
         if self.fault_skip_step_stage is not None:
             spec.fault_skip_step_stage = self.fault_skip_step_stage
@@ -384,6 +417,8 @@ class TrainConfig:
             checkpoint_every=spec.checkpoint_every,
             recompute=spec.recompute,
             precision=spec.precision or "auto",
+            eval_every=spec.eval_every,
+            eval_batches=spec.eval_batches or 2,
             fault_skip_step_stage=(
                 spec.fault_skip_step_stage if spec.HasField("fault_skip_step_stage") else None
             ),

@@ -18,6 +18,14 @@ decoded (`check_frame`, `check_room`): its kind, its tensors' names and shapes, 
 next forward in order; a gradient only for a microbatch sent downstream and not answered yet),
 its weight version (within the bound of its step), and its sample ids. A refused frame raises
 FrameError and changes nothing.
+
+**Evaluations** (`run.eval_every`) ride the same streams: after step t where the run evaluates,
+pipeline 0's first stage sends `eval_microbatches` EVAL frames (version = t, seq = the
+microbatch within the evaluation) that every stage runs forward without gradients, out of the
+forwards' seq order and the staleness bound, and that are never resent on a resumed stream (an
+evaluation that loses one is counted lost, not retried). At the run's end a later stage of
+pipeline 0 is done only once the last evaluation has passed it (or its upstream has ended its
+stream: nothing more comes).
 """
 
 from __future__ import annotations
@@ -139,6 +147,16 @@ class Schedule:
         """The plan's last step, once known (`stop_at`); the run's until then."""
         self.feed_limit = run.steps
         """First stage: feeds no microbatch of this step or later."""
+        self.evaluates = run.eval_every > 0 and spec.pipeline == 0
+        """This stage's pipeline evaluates on held-out data."""
+        self.last_eval = (start_step, -1)
+        """(version, seq) of the last EVAL frame admitted (or produced, on the first stage)."""
+        self.evals_through = start_step
+        """The last evaluation (its step) that has passed this stage whole."""
+        self.upstream_closed = False
+        """The upstream ended its stream cleanly: no frame of any kind comes any more."""
+        self.evals_waiting = 0
+        """Evaluation microbatches admitted and not finished here yet."""
         self.step_done = 0
         """Microbatches of the current step (`version`) whose backward is done."""
 
@@ -178,8 +196,21 @@ class Schedule:
 
     @property
     def done(self) -> bool:
-        """This plan's part of the run is done."""
-        return self.version >= self.stop_step
+        """This plan's part of the run is done: its last step applied and, at the run's end
+        on pipeline 0, the last evaluation passed on (or the upstream gone quiet)."""
+        if self.version < self.stop_step:
+            return False
+        final_eval = (
+            self.evaluates
+            and not self.spec.is_first
+            and self.stop_step == self.run.steps
+            and self.run.evaluates_at(self.run.steps)
+        )
+        return (
+            not final_eval
+            or self.evals_through >= self.run.steps
+            or (self.upstream_closed and not self.evals_waiting)
+        )
 
     @property
     def run_done(self) -> bool:
@@ -197,6 +228,9 @@ class Schedule:
         queue: `check_room`)."""
         if frame.kind is FrameKind.FORWARD:
             self._check_forward(frame)
+        elif frame.kind is FrameKind.EVAL:
+            self._check_eval(frame)
+            return
         else:
             if self.spec.is_last:
                 raise FrameError("the last stage takes no gradient frames")
@@ -227,6 +261,26 @@ class Schedule:
             raise FrameError(f"forward seq {frame.seq}, expected {self.next_forward_seq}")
         self._check_samples(frame)
 
+    def _check_eval(self, frame: Frame) -> None:
+        """An evaluation's frame: of pipeline 0, after a step where the run evaluates and this
+        plan's first stage has applied, in (version, seq) order (gaps allowed: a frame lost
+        on a broken stream is not resent), carrying no sample ids."""
+        if self.spec.is_first or not self.evaluates:
+            raise FrameError("this stage takes no evaluation frames")
+        check_tensors(frame, _as_sent(frame, self._forward))
+        version, seq = frame.version, frame.seq
+        if not (self.start_step < version <= self.stop_step and self.run.evaluates_at(version)):
+            raise FrameError(f"evaluation frame after step {version}: the run does not "
+                             f"evaluate there in this plan")  # fmt: skip
+        if seq >= self.run.eval_microbatches:
+            raise FrameError(f"evaluation frame {seq}, but an evaluation has "
+                             f"{self.run.eval_microbatches} microbatches")  # fmt: skip
+        if (version, seq) <= self.last_eval:
+            raise FrameError(f"evaluation frame ({version}, {seq}) after "
+                             f"{self.last_eval}: out of order")  # fmt: skip
+        if frame.samples:
+            raise FrameError("evaluation frames list no sample ids")
+
     def _check_samples(self, frame: Frame) -> None:
         """Forward frames of a fixed-dataset run list their rows' sample ids; others list none."""
         n = self.run.dataset_samples
@@ -236,18 +290,29 @@ class Schedule:
         if any(s >= n for s in frame.samples) or len(set(frame.samples)) != len(frame.samples):
             raise FrameError(f"forward frame's sample ids must be distinct and below {n}")
 
-    def check_room(self, queued: int) -> None:
-        """FrameError if `queued` frames of a direction already wait: the schedule bounds each
-        queue by the window, and a peer that sends more is refused."""
-        if queued >= self.window:
+    def check_room(self, queued: int, kind: FrameKind = FrameKind.FORWARD) -> None:
+        """FrameError if `queued` frames of a kind already wait: the schedule bounds each
+        queue by the window (evaluations: two evaluations' microbatches), and a peer that
+        sends more is refused."""
+        room = 2 * self.run.eval_microbatches if kind is FrameKind.EVAL else self.window
+        if queued >= room:
             raise FrameError("more frames in flight than the schedule allows")
 
-    def admitted(self, kind: FrameKind, seq: int) -> None:
+    def admitted(self, kind: FrameKind, seq: int, version: int = 0) -> None:
         """A frame that passed the checks was queued."""
         if kind is FrameKind.FORWARD:
             self.next_forward_seq += 1
+        elif kind is FrameKind.EVAL:
+            self.last_eval = (version, seq)
+            self.evals_waiting += 1
         else:
             self.awaiting_grad.discard(seq)
+
+    def eval_passed(self, version: int, seq: int) -> None:
+        """This stage finished microbatch `seq` of the evaluation after step `version`."""
+        self.evals_waiting -= 1
+        if seq == self.run.eval_microbatches - 1:
+            self.evals_through = max(self.evals_through, version)
 
     # ----- progress ----------------------------------------------------------------------------
     def produce(self) -> int:

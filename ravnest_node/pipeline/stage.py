@@ -11,7 +11,8 @@ The runtime composes the parts that do this, each in its own module:
 - inbox.py: received frames, admitted, decoded and queued for the loop;
 - compute.py and weights.py: the torch work on the compute thread, weight stashing and weight
   prediction; encoder.py: the frames it sends, through the codec choices;
-- replica_rounds.py: averaging with the replica group; counters.py: the metrics it keeps.
+- replica_rounds.py: averaging with the replica group; counters.py: the metrics it keeps;
+- evaluation.py: the evaluations on held-out data the last stage has finished.
 
 **The schedule** (1F1B): backward work first (it frees memory and unblocks the stages upstream),
 then a forward the bound allows, then (first stage) a new microbatch. The compute loop waits on
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,11 +40,12 @@ from typing import Any
 import torch
 
 from ravnest_node.blocks import BlockWeights
-from ravnest_node.errors import FrameError
+from ravnest_node.errors import ConfigError, FrameError
 from ravnest_node.models import BlockModel
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.compute import StageCompute
 from ravnest_node.pipeline.counters import StageCounters
+from ravnest_node.pipeline.evaluation import Evaluations
 from ravnest_node.pipeline.inbox import Inbox, Received
 from ravnest_node.pipeline.metrics import StageMetrics, StepReport
 from ravnest_node.pipeline.replica_rounds import Averaging, ReplicaRounds
@@ -60,6 +63,8 @@ from ravnest_node.transport.frames import Frame, FrameKind
 from ravnest_node.transport.resume import ResumeState
 
 __all__ = ["GRAD", "HIDDEN", "TARGETS", "Averaging", "StageRuntime", "StageSpec"]
+
+log = logging.getLogger(__name__)
 
 
 def _dataset(model: BlockModel, spec: StageSpec, run: TrainConfig) -> Any:
@@ -118,6 +123,13 @@ class StageRuntime:
         # Metrics; the compute thread keeps its own (compute_s, the encoder's byte counts).
         self._counters = StageCounters(run.max_staleness)
         self._inbox = Inbox(self._schedule, self._counters.counts)
+        self._evals = Evaluations(run.eval_microbatches)
+        self._eval_data = None
+        if spec.is_first and self._schedule.evaluates:
+            self._eval_data = model.eval_dataset(seed=run.seed)
+            if self._eval_data is None:
+                raise ConfigError(f"eval_every={run.eval_every}: model {model.name!r} has no "
+                                  "held-out data")  # fmt: skip
         self._rounds = (
             ReplicaRounds(averaging, self._compute, self._counters, self._inbox.wake, spec.index)
             if averaging is not None
@@ -220,21 +232,30 @@ class StageRuntime:
         stream)."""
         return ResumeState(awaiting=tuple(sorted(self._schedule.awaiting_grad)))
 
+    @property
+    def evaluations(self) -> Evaluations:
+        """The evaluations this stage finished (the last stage of pipeline 0)."""
+        return self._evals
+
     def metrics(self) -> StageMetrics:
         links = [link for link in (self.upstream, self.downstream) if link is not None]
+        evals = self._evals
         return dataclasses.replace(
             self._counters.record(self.spec, self._compute),
             stream_resumes=sum(link.resumes for link in links),
             frames_resent=sum(link.frames_resent for link in links),
+            eval_step=evals.step,
+            eval_loss=evals.loss if evals.step else 0.0,
+            evals_lost=evals.lost,
         )
 
     # ----- decisions, on the event loop -------------------------------------------------------
     async def accept_from_upstream(self, frame: Frame) -> None:
         """Admit a frame from the previous stage: only activations travel that way."""
-        if frame.kind is not FrameKind.FORWARD:
+        if frame.kind not in (FrameKind.FORWARD, FrameKind.EVAL):
             raise FrameError("only forward frames travel downstream")
         await self._inbox.admit(frame)
-        if self.upstream is not None:
+        if self.upstream is not None and frame.kind is FrameKind.FORWARD:
             # The upstream computed this forward at a version >= its step - max_staleness:
             # it has admitted every gradient of the steps before that (resume.py).
             m = self.run_config.microbatches
@@ -244,7 +265,7 @@ class StageRuntime:
     async def check_from_upstream(self, frame: Frame) -> None:
         """Test only (a node's fault_fuzz_upstream): FrameError where `accept_from_upstream`
         would refuse the frame now, its payload decoded; nothing is admitted or changed."""
-        if frame.kind is not FrameKind.FORWARD:
+        if frame.kind not in (FrameKind.FORWARD, FrameKind.EVAL):
             raise FrameError("only forward frames travel downstream")
         await self._inbox.check(frame)
 
@@ -265,6 +286,12 @@ class StageRuntime:
         """This plan ends once `step` steps are applied (the coordinator's answer to the
         first stages' `drain_step`). ValueError if this stage is already past it."""
         self._schedule.stop_at(step)
+        self._inbox.wake.set()
+
+    def upstream_finished(self) -> None:
+        """The previous stage ended its stream cleanly: no frame comes any more (an
+        evaluation this stage waits for at the run's end was lost on the way)."""
+        self._schedule.upstream_closed = True
         self._inbox.wake.set()
 
     def upstream_ended(self) -> bool:
@@ -317,6 +344,7 @@ class StageRuntime:
             for waiter in waiters:  # the loop ended first: no snapshot for them
                 if not waiter.done():
                     waiter.set_result({})
+        self._evals.end()  # (an evaluation still missing microbatches will not get them)
         if self._rounds is not None and self._rounds.in_flight:  # the run ends with it applied
             await self._rounds.finish()
         if self.run_done:
@@ -355,6 +383,8 @@ class StageRuntime:
                 await self._rounds.finish()
             elif inbox.backwards:  # 1F1B: backward work first
                 await self._on_backward(inbox.backwards.popleft())
+            elif inbox.evals:  # no gradient to wait for, and no bound
+                await self._on_eval(inbox.evals.popleft())
             elif inbox.forwards and schedule.may_forward(inbox.forwards[0].seq):
                 received = inbox.forwards.popleft()
                 await self._on_forward(received.seq, received.tensors, received.samples)
@@ -406,6 +436,37 @@ class StageRuntime:
             assert self.downstream is not None
             await self._send(self.downstream, message, seq, activations=True)
 
+    async def _evaluate(self, step: int) -> None:
+        """First stage of pipeline 0, step `step` just applied: the evaluation after it, its
+        microbatches sent down the pipeline (a single stage takes their losses itself). The
+        same held-out batches every time."""
+        assert self._eval_data is not None
+        run, schedule = self.run_config, self._schedule
+        mb = run.microbatch_size
+        for b in range(run.eval_batches):
+            x, y = self._eval_data.batch(b, run.batch_size)
+            for i in range(run.microbatches):
+                seq, rows = b * run.microbatches + i, slice(i * mb, (i + 1) * mb)
+                schedule.admitted(FrameKind.EVAL, seq, step)
+                tensors = {HIDDEN: x[rows], TARGETS: y[rows]}
+                await self._on_eval(Received(FrameKind.EVAL, seq, step, tensors))
+
+    async def _on_eval(self, frame: Received) -> None:
+        """Microbatch `frame.seq` of the evaluation after step `frame.version`: forward with
+        the current weights and on downstream, or (last stage) its loss."""
+        compute = self._compute
+        if self.spec.is_last:
+            loss = await compute.call(compute.eval_loss, frame.tensors)
+            if self._evals.add(frame.version, frame.seq, loss):
+                log.info("evaluation after step %d: loss %.4f", self._evals.step, self._evals.loss)
+        else:
+            message = await compute.call(
+                compute.eval_forward, frame.seq, frame.version, frame.tensors
+            )
+            assert self.downstream is not None
+            await self._send(self.downstream, message, None, activations=True)
+        self._schedule.eval_passed(frame.version, frame.seq)
+
     async def _on_backward(self, frame: Received) -> None:
         compute = self._compute
         forward_version, message = await compute.call(
@@ -425,12 +486,13 @@ class StageRuntime:
         await self._send(self.upstream, message, seq, activations=False)
 
     async def _send(
-        self, link: BoundaryLink, message: Future[bytes], seq: int, *, activations: bool
+        self, link: BoundaryLink, message: Future[bytes], seq: int | None, *, activations: bool
     ) -> None:
-        """Queue microbatch `seq`'s frame on a link once it is coded, after the link's frames
-        before it; returns when the link's frame before this one is queued. Time spent waiting
-        for that (its coding, or room in the outbox: a slow neighbour, or one unreachable while
-        its stream is resumed) counts as idle on that side."""
+        """Queue microbatch `seq`'s frame (None: an evaluation's, never resent) on a link
+        once it is coded, after the link's frames before it; returns when the link's frame
+        before this one is queued. Time spent waiting for that (its coding, or room in the
+        outbox: a slow neighbour, or one unreachable while its stream is resumed) counts as
+        idle on that side."""
         previous = self._sends.get(id(link))
         self._sends[id(link)] = asyncio.create_task(
             self._queue_when_coded(previous, link, message, seq, activations)
@@ -445,14 +507,16 @@ class StageRuntime:
         previous: asyncio.Task[None] | None,
         link: BoundaryLink,
         message: Future[bytes],
-        seq: int,
+        seq: int | None,
         activations: bool,
     ) -> None:
         if previous is not None:
             await previous
         frame = await asyncio.wrap_future(message)
         counts = self._counters.counts
-        if activations:
+        if seq is None:  # an evaluation's frame: the link's counters have it, not training's
+            pass
+        elif activations:
             counts.activation_bytes_sent += len(frame)
         else:
             counts.gradient_bytes_sent += len(frame)
@@ -472,6 +536,8 @@ class StageRuntime:
             return
         loss = await self._compute.call(self._compute.optimizer_step)
         self._schedule.stepped()
+        if self._eval_data is not None and self.run_config.evaluates_at(self.version):
+            await self._evaluate(self.version)
         loss = loss if self.spec.is_last else math.nan
         self.last_loss = loss
         self._inbox.wake.set()  # the bound moved: forwards may be allowed now

@@ -281,7 +281,7 @@ class WatchPlanRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s", "staleness_warmup_steps", "fault_slow_link", "fault_link_kbps", "checkpoint_every", "fault_poison_pipeline", "recompute", "stages", "weight_prediction", "precision")
+    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s", "staleness_warmup_steps", "fault_slow_link", "fault_link_kbps", "checkpoint_every", "fault_poison_pipeline", "recompute", "stages", "weight_prediction", "precision", "eval_every", "eval_batches")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,8 @@ class RunSpec(_message.Message):
     STAGES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_PREDICTION_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
+    EVAL_BATCHES_FIELD_NUMBER: _ClassVar[int]
     model: str
     steps: int
     batch_size: int
@@ -346,7 +348,9 @@ class RunSpec(_message.Message):
     stages: int
     weight_prediction: bool
     precision: str
-    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., fault_poison_pipeline: _Optional[int] = ..., recompute: _Optional[bool] = ..., stages: _Optional[int] = ..., weight_prediction: _Optional[bool] = ..., precision: _Optional[str] = ...) -> None: ...
+    eval_every: int
+    eval_batches: int
+    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., fault_poison_pipeline: _Optional[int] = ..., recompute: _Optional[bool] = ..., stages: _Optional[int] = ..., weight_prediction: _Optional[bool] = ..., precision: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline", "relayed", "unpacks_deflate", "member_key_sha256", "decodes_klt")
@@ -393,7 +397,7 @@ class Plan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., restore: _Optional[bool] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness_histogram", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps", "checkpoint_step", "activation_deflated_frames", "gradient_deflated_frames", "activation_fp32_bytes", "gradient_fp32_bytes", "frame_decode_s", "device", "precision", "steps_skipped", "stream_resumes", "frames_resent")
+    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness_histogram", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps", "checkpoint_step", "activation_deflated_frames", "gradient_deflated_frames", "activation_fp32_bytes", "gradient_fp32_bytes", "frame_decode_s", "device", "precision", "steps_skipped", "stream_resumes", "frames_resent", "eval_step", "eval_loss", "evals_lost")
     class ActivationCodecFramesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -448,6 +452,9 @@ class StageReport(_message.Message):
     STEPS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     STREAM_RESUMES_FIELD_NUMBER: _ClassVar[int]
     FRAMES_RESENT_FIELD_NUMBER: _ClassVar[int]
+    EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVALS_LOST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     stage: int
     plan_epoch: int
@@ -488,7 +495,10 @@ class StageReport(_message.Message):
     steps_skipped: int
     stream_resumes: int
     frames_resent: int
-    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ..., activation_bytes_sent: _Optional[int] = ..., gradient_bytes_sent: _Optional[int] = ..., wall_s: _Optional[float] = ..., idle_upstream_s: _Optional[float] = ..., idle_downstream_s: _Optional[float] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., max_in_flight: _Optional[int] = ..., max_weight_versions: _Optional[int] = ..., pipeline: _Optional[int] = ..., averaging_rounds: _Optional[int] = ..., averaging_rounds_incomplete: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ..., averaging_wait_s: _Optional[float] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., activation_codec_frames: _Optional[_Mapping[str, int]] = ..., gradient_codec_frames: _Optional[_Mapping[str, int]] = ..., downstream_bandwidth_bps: _Optional[float] = ..., upstream_bandwidth_bps: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., activation_deflated_frames: _Optional[int] = ..., gradient_deflated_frames: _Optional[int] = ..., activation_fp32_bytes: _Optional[int] = ..., gradient_fp32_bytes: _Optional[int] = ..., frame_decode_s: _Optional[float] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., steps_skipped: _Optional[int] = ..., stream_resumes: _Optional[int] = ..., frames_resent: _Optional[int] = ...) -> None: ...
+    eval_step: int
+    eval_loss: float
+    evals_lost: int
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ..., activation_bytes_sent: _Optional[int] = ..., gradient_bytes_sent: _Optional[int] = ..., wall_s: _Optional[float] = ..., idle_upstream_s: _Optional[float] = ..., idle_downstream_s: _Optional[float] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., max_in_flight: _Optional[int] = ..., max_weight_versions: _Optional[int] = ..., pipeline: _Optional[int] = ..., averaging_rounds: _Optional[int] = ..., averaging_rounds_incomplete: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ..., averaging_wait_s: _Optional[float] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., activation_codec_frames: _Optional[_Mapping[str, int]] = ..., gradient_codec_frames: _Optional[_Mapping[str, int]] = ..., downstream_bandwidth_bps: _Optional[float] = ..., upstream_bandwidth_bps: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., activation_deflated_frames: _Optional[int] = ..., gradient_deflated_frames: _Optional[int] = ..., activation_fp32_bytes: _Optional[int] = ..., gradient_fp32_bytes: _Optional[int] = ..., frame_decode_s: _Optional[float] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., steps_skipped: _Optional[int] = ..., stream_resumes: _Optional[int] = ..., frames_resent: _Optional[int] = ..., eval_step: _Optional[int] = ..., eval_loss: _Optional[float] = ..., evals_lost: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ()
@@ -499,7 +509,7 @@ class WatchProgressRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("step", "steps", "loss", "samples", "wall_s", "bytes_on_wire", "done", "summary_json", "error")
+    __slots__ = ("step", "steps", "loss", "samples", "wall_s", "bytes_on_wire", "done", "summary_json", "error", "eval_step", "eval_loss")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -509,6 +519,8 @@ class Progress(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_JSON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     step: int
     steps: int
     loss: float
@@ -518,7 +530,9 @@ class Progress(_message.Message):
     done: bool
     summary_json: str
     error: str
-    def __init__(self, step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., wall_s: _Optional[float] = ..., bytes_on_wire: _Optional[int] = ..., done: _Optional[bool] = ..., summary_json: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    eval_step: int
+    eval_loss: float
+    def __init__(self, step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., wall_s: _Optional[float] = ..., bytes_on_wire: _Optional[int] = ..., done: _Optional[bool] = ..., summary_json: _Optional[str] = ..., error: _Optional[str] = ..., eval_step: _Optional[int] = ..., eval_loss: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("brief",)
@@ -527,7 +541,7 @@ class StatusRequest(_message.Message):
     def __init__(self, brief: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term", "relay", "relay_address", "relayed", "relayed_bytes", "security", "refused_connections", "certificate_expires", "calls_limited", "messages_delayed", "banned_replicas", "requests_malformed", "requests_malformed_by_peer", "device", "precision")
+    __slots__ = ("node_id", "address", "plan_epoch", "stage", "first_block", "stop_block", "version", "microbatches_in_flight", "frames_accepted", "frames_refused", "bytes_sent", "params_sha256", "run_done", "upstream_node_id", "role", "swarm_name", "coordinator_address", "coordinator_found_via", "coordinator_found_from", "mdns_peers", "term", "relay", "relay_address", "relayed", "relayed_bytes", "security", "refused_connections", "certificate_expires", "calls_limited", "messages_delayed", "banned_replicas", "requests_malformed", "requests_malformed_by_peer", "device", "precision", "eval_step", "eval_loss")
     class RelayedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -591,6 +605,8 @@ class NodeStatus(_message.Message):
     REQUESTS_MALFORMED_BY_PEER_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     plan_epoch: int
@@ -626,7 +642,9 @@ class NodeStatus(_message.Message):
     requests_malformed_by_peer: _containers.ScalarMap[str, int]
     device: str
     precision: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., relayed: _Optional[_Mapping[str, str]] = ..., relayed_bytes: _Optional[_Mapping[str, int]] = ..., security: _Optional[str] = ..., refused_connections: _Optional[int] = ..., certificate_expires: _Optional[float] = ..., calls_limited: _Optional[int] = ..., messages_delayed: _Optional[int] = ..., banned_replicas: _Optional[_Mapping[str, str]] = ..., requests_malformed: _Optional[int] = ..., requests_malformed_by_peer: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
+    eval_step: int
+    eval_loss: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., version: _Optional[int] = ..., microbatches_in_flight: _Optional[int] = ..., frames_accepted: _Optional[int] = ..., frames_refused: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., params_sha256: _Optional[str] = ..., run_done: _Optional[bool] = ..., upstream_node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., swarm_name: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., coordinator_found_via: _Optional[_Union[FoundVia, str]] = ..., coordinator_found_from: _Optional[str] = ..., mdns_peers: _Optional[int] = ..., term: _Optional[int] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., relayed: _Optional[_Mapping[str, str]] = ..., relayed_bytes: _Optional[_Mapping[str, int]] = ..., security: _Optional[str] = ..., refused_connections: _Optional[int] = ..., certificate_expires: _Optional[float] = ..., calls_limited: _Optional[int] = ..., messages_delayed: _Optional[int] = ..., banned_replicas: _Optional[_Mapping[str, str]] = ..., requests_malformed: _Optional[int] = ..., requests_malformed_by_peer: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., eval_step: _Optional[int] = ..., eval_loss: _Optional[float] = ...) -> None: ...
 
 class SwarmRequest(_message.Message):
     __slots__ = ()
@@ -663,7 +681,7 @@ class SwarmMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_s: _Optional[float] = ..., speed: _Optional[float] = ..., silent_s: _Optional[float] = ..., lease_expired: _Optional[bool] = ..., left: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., measuring_since: _Optional[float] = ...) -> None: ...
 
 class SwarmView(_message.Message):
-    __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done", "relays", "loss_steps", "losses", "stages")
+    __slots__ = ("swarm_id", "swarm_size", "members", "plan", "step", "samples", "samples_per_s", "done", "relays", "loss_steps", "losses", "stages", "eval_steps", "eval_losses")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -676,6 +694,8 @@ class SwarmView(_message.Message):
     LOSS_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    EVAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSSES_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     swarm_size: int
     members: _containers.RepeatedCompositeFieldContainer[SwarmMember]
@@ -688,7 +708,9 @@ class SwarmView(_message.Message):
     loss_steps: _containers.RepeatedScalarFieldContainer[int]
     losses: _containers.RepeatedScalarFieldContainer[float]
     stages: _containers.RepeatedCompositeFieldContainer[StageReport]
-    def __init__(self, swarm_id: _Optional[str] = ..., swarm_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[SwarmMember, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., done: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayOffer, _Mapping]]] = ..., loss_steps: _Optional[_Iterable[int]] = ..., losses: _Optional[_Iterable[float]] = ..., stages: _Optional[_Iterable[_Union[StageReport, _Mapping]]] = ...) -> None: ...
+    eval_steps: _containers.RepeatedScalarFieldContainer[int]
+    eval_losses: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, swarm_id: _Optional[str] = ..., swarm_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[SwarmMember, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., done: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[RelayOffer, _Mapping]]] = ..., loss_steps: _Optional[_Iterable[int]] = ..., losses: _Optional[_Iterable[float]] = ..., stages: _Optional[_Iterable[_Union[StageReport, _Mapping]]] = ..., eval_steps: _Optional[_Iterable[int]] = ..., eval_losses: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RelayOffer(_message.Message):
     __slots__ = ("node_id", "address")

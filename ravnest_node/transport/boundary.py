@@ -130,7 +130,9 @@ class BoundaryLink:
         self._counters = counters
         # Test only: hold each message as long as a link of this rate would (0 = no pacing).
         self._pace_bps = pace_bps
-        self._outbox: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue(maxsize=outbox_size)
+        self._outbox: asyncio.Queue[tuple[int | None, bytes] | None] = asyncio.Queue(
+            maxsize=outbox_size
+        )
         self.log = SentLog(2 * outbox_size, first_seq)
         """Frames written, until the peer cannot need them again (resume.py)."""
         self.closing = False
@@ -150,9 +152,10 @@ class BoundaryLink:
         """Server side: a call carries this link now."""
         return self._running is not None
 
-    async def send(self, message: bytes, seq: int) -> None:
-        """Queue the frame of microbatch `seq`; waits while the outbox is full (the peer or
-        the link is slow, or the stream is being resumed)."""
+    async def send(self, message: bytes, seq: int | None) -> None:
+        """Queue the frame of microbatch `seq` (None: a frame never resent, an evaluation's);
+        waits while the outbox is full (the peer or the link is slow, or the stream is being
+        resumed)."""
         await self._outbox.put((seq, message))
 
     async def close(self) -> None:
@@ -182,7 +185,8 @@ class BoundaryLink:
             self.frames_resent += 1
         while not self._ended and (item := await self._outbox.get()) is not None:
             seq, message = item
-            self.log.record(seq, message)
+            if seq is not None:
+                self.log.record(seq, message)
             await self._write(write, message)
         self._ended = True
         if self.abort_reason is not None:

@@ -10,7 +10,7 @@ offset 8+H           the tensors' payloads, concatenated in header order
 ```
 
 The header is a map with the keys `kind` (1 = forward activation, 2 = activation gradient, 3 =
-parameter delta of replica averaging),
+parameter delta of replica averaging, 4 = forward activation of an evaluation),
 `seq` (microbatch sequence number), `version` (weight version the sender computed it with),
 optionally `samples` (the dataset ids of the microbatch's rows, in order: forward frames of a run
 with a fixed dataset carry them, and aq-delta needs them) and `tensors`, a list of maps with
@@ -80,6 +80,9 @@ class FrameKind(IntEnum):
     BACKWARD = 2
     DELTA = 3
     """A replica's parameter delta for one averaging round (`seq` = the round)."""
+    EVAL = 4
+    """A forward activation of an evaluation on held-out data, no gradient to come back (`seq`
+    = the microbatch within the evaluation, `version` = the step it follows)."""
 
 
 @dataclass(frozen=True, slots=True)

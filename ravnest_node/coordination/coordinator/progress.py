@@ -35,6 +35,9 @@ class RunProgress:
         self.latest: dict[StageKey, pb.StageReport] = {}
         """The latest report of each stage (SwarmView.stages)."""
         self.events: list[pb.Progress] = []
+        self.evals: dict[int, float] = {}
+        """Step -> mean loss of the evaluation on held-out data after it (pipeline 0's last
+        stage reports them; `--eval-every`)."""
         self.checkpoints: dict[StageKey, tuple[str, int]] = {}
         """(node id, step) of the newest checkpoint each stage's owner reported."""
         self.resumed_at = 0
@@ -78,6 +81,14 @@ class RunProgress:
         self.bytes_sent[request.node_id] = max(previous, request.bytes_sent)
         if request.checkpoint_step > self.checkpoints.get(key, ("", 0))[1]:
             self.checkpoints[key] = (request.node_id, request.checkpoint_step)
+        # (Each report carries its stage's newest evaluation: kept once, finite ones only.)
+        if (
+            key[0] == 0
+            and 0 < request.eval_step <= self._train.steps
+            and request.eval_step not in self.evals
+            and math.isfinite(request.eval_loss)
+        ):
+            self.evals[request.eval_step] = request.eval_loss
 
     def record_final(self, key: StageKey, request: pb.StageReport) -> None:
         """Stage `key`'s final report; Refusal FAILED_PRECONDITION if it has one already or
@@ -120,6 +131,7 @@ class RunProgress:
     def event(self, step: int, loss: float) -> pb.Progress:
         """The progress event of `step` (counters as of now)."""
         t = self._train
+        eval_step = max(self.evals, default=0)
         return pb.Progress(
             step=step,
             steps=t.steps,
@@ -127,6 +139,8 @@ class RunProgress:
             samples=(step - self.resumed_at) * t.batch_size * t.pipelines,
             wall_s=self._clock() - self.started_at,
             bytes_on_wire=sum(self.bytes_sent.values()),
+            eval_step=eval_step,
+            eval_loss=self.evals.get(eval_step, 0.0),
         )
 
     # ----- faults -----------------------------------------------------------------------------

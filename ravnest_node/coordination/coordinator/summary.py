@@ -93,6 +93,11 @@ def _figures(t: TrainConfig, plan: pb.Plan, progress: RunProgress, wall_s: float
             [progress.pipeline_losses.get(p, {}).get(s, math.nan) for s in trained]
             for p in range(t.pipelines)
         ],
+        # Evaluations on held-out data (--eval-every): [step, mean loss] each, in order, and
+        # the last one's loss (NaN without); evaluations lost on the way are per stage.
+        "eval_every": t.eval_every,
+        "eval_history": [[step, loss] for step, loss in sorted(progress.evals.items())],
+        "final_eval_loss": progress.evals.get(t.steps, math.nan),
     }
 
 

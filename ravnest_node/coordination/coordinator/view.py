@@ -46,6 +46,9 @@ def swarm_view(s: SwarmState) -> pb.SwarmView:
     for event in thin(curve, LOSS_POINTS):
         view.loss_steps.append(event.step)
         view.losses.append(event.loss)
+    for step, loss in sorted(s.progress.evals.items()):
+        view.eval_steps.append(step)
+        view.eval_losses.append(loss)
     plan = s.book.current
     if plan is not None:
         view.plan.CopyFrom(plan)

@@ -351,6 +351,8 @@ class Sessions:
         # A clean end is the upstream's way of saying it is done (with the run, or with its
         # plan: then at a step boundary, where this stage's plan ends too). The link stays the
         # session's: if the last gradients did not get through, the upstream resumes for them.
+        if error is None:
+            runtime.upstream_finished()
         if error is None and (runtime.received_all_forwards or runtime.upstream_ended()):
             return
         if error is None or isinstance(error, (FrameError, LinkAborted)) or session.opens_upstream:

@@ -394,6 +394,15 @@ class PretrainedModel(BlockModel):
             ids = ids[cut:] if split == "eval" else ids[:cut]
         return text.CausalLMData(ids, seq_len=spec.seq_len, num_samples=num_samples, **common)
 
+    @property
+    def held_out(self) -> bool:
+        """The spec names held-out data (``eval=``)."""
+        return bool(self.spec.eval)
+
+    def eval_dataset(self, *, seed: int) -> Any:
+        """The held-out data (``eval=``), None without."""
+        return self.dataset(seed=seed, split="eval")
+
     def tokenizer(self) -> Any:
         """The tokenizer the spec names: WordPiece from vocab.txt, BPE from tokenizer.json, or
         bytes (tokenizer.py)."""
