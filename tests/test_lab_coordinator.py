@@ -128,6 +128,18 @@ def test_the_coordinator_command_needs_a_state_dir(tmp_path: Path) -> None:
     assert "keeps its state in --state-dir" in result.stderr
 
 
+def test_a_lab_coordinator_stopped_before_any_member_came_exits_cleanly(
+    tmp_path: Path, procs: Procs
+) -> None:
+    # (It holds no stage and had planned nothing: once, its stop found no task to end and
+    # failed with a traceback.)
+    proc, _ = procs.start_node(tmp_path / "coord", "--swarm-size", "3", command="coordinator")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    log = (tmp_path / "coord" / "node.log").read_text()
+    assert "Traceback" not in log
+
+
 def test_a_killed_lab_coordinator_restarts_and_its_nodes_reattach(
     tmp_path: Path, procs: Procs
 ) -> None:

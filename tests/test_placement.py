@@ -265,6 +265,37 @@ def test_a_sixteen_node_eighty_block_instance_gives_a_valid_plan() -> None:
     assert plan.step_s <= 80 * 2 / 16 / 0.5
 
 
+def test_the_local_search_of_a_public_swarm_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thousand members (40 pipelines of 25 stages): the pairwise swaps would be half a
+    million a pass; the search evaluates at most SEARCH_BUDGET placements, never swaps two
+    nodes that only their ids tell apart, and still improves on the speed-sorted start."""
+    from ravnest_node.coordination.planning import placement
+
+    evaluations = 0
+    value = placement._Instance.value
+
+    def counted(self: object, *args: object) -> float:
+        nonlocal evaluations
+        evaluations += 1
+        return value(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(placement._Instance, "value", counted)
+    rng = random.Random(1)
+    blocks = [Block(1.0, 10**6, 10**8) for _ in range(26)]
+    same = [NodeCaps(f"s{i}", 1.0, 10**10) for i in range(1000)]
+    plan = plan_swarm(blocks, same, pipelines=40, stages=25)
+    assert evaluations < 20  # nodes alike, and groups of them, are never swapped
+    assert plan.step_s == 2.0  # (one stage of two blocks: 26 blocks in 25 stages)
+    evaluations = 0
+    mixed = [NodeCaps(f"m{i}", rng.uniform(0.5, 2.0), 10**10) for i in range(1000)]
+    plan = plan_swarm(blocks, mixed, pipelines=40, stages=25)
+    check_valid(plan, blocks, mixed, Links())
+    assert evaluations <= placement.SEARCH_BUDGET + 10  # (+ the starts' own values)
+    # The fastest 1,000 of them all hold a stage; the slowest replica of the two-block stage
+    # sets the pace, no slower than the slowest member would.
+    assert plan.step_s <= 2.0 / min(n.speed for n in mixed)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

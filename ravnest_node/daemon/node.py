@@ -444,7 +444,8 @@ class NodeDaemon:
         # server's side of that call ends: grpc.aio finishes the client's cancel only then.
         # Seen as a stop that never finished, a few times in a hundred; so if the tasks do
         # not end promptly, end the server's calls first.
-        _, lingering = await asyncio.wait(tasks, timeout=STOP_TASKS_S)
+        # (A lab coordinator that was stopped before its swarm planned has no task at all.)
+        _, lingering = await asyncio.wait(tasks, timeout=STOP_TASKS_S) if tasks else (set(), set())
         if lingering:
             log.info("stopping: ending this node's calls so %d task(s) can end", len(lingering))
             await server.stop(0)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +53,11 @@ EXACT_LIMIT = 2000
 RESTARTS = 4
 # Relative improvement below which two plans count as equally fast (so fewer stages win).
 TIE = 1e-9
+# Placements a local search may evaluate in one `plan_swarm` call, all its searches together
+# (bench/swarm_size.py): its pairwise swaps are O(nodes^2) a pass, 26,000 evaluations (18 s)
+# for 100 heterogeneous members of a 25-stage pipeline, hours for 1,000, and the coordinator
+# plans on its event loop. Swarms of a few dozen nodes never reach it.
+SEARCH_BUDGET = 3000
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,12 +279,22 @@ def _start_order(nodes: Sequence[NodeCaps], stages: int, pipelines: int) -> list
     return order + rest
 
 
-def _local_search(inst: _Instance, order: list[int], stages: int, pipelines: int) -> float:
+def _local_search(
+    inst: _Instance, order: list[int], stages: int, pipelines: int, budget: list[int]
+) -> float:
     """Improve `order` in place by pairwise swaps (at least one side used), and by swapping
-    two stages' whole replica groups, until none helps. (A group swap is many node swaps at
-    once: a group of small-memory nodes holding the stage with the largest block cannot get
-    out of it one node at a time, since every single swap still leaves one of them there.)"""
+    two stages' whole replica groups, until none helps or `budget[0]` evaluations are spent.
+    (A group swap is many node swaps at once: a group of small-memory nodes holding the stage
+    with the largest block cannot get out of it one node at a time, since every single swap
+    still leaves one of them there.) Two nodes of equal speed and memory whose links were
+    not measured, or two groups of such nodes, are never swapped: the placement's value
+    cannot change."""
     used = stages * pipelines
+    linked = {n for pair in inst.links.pairs for n in pair}
+    kind = [
+        (node.speed, node.memory_bytes) if node.node_id not in linked else (v,)
+        for v, node in enumerate(inst.nodes)
+    ]
 
     def positions(stage: int) -> list[int]:
         return [p * stages + stage for p in range(pipelines)]
@@ -288,14 +303,29 @@ def _local_search(inst: _Instance, order: list[int], stages: int, pipelines: int
         for i, j in zip(a, b, strict=True):
             order[i], order[j] = order[j], order[i]
 
+    def moves() -> Iterator[tuple[list[int], list[int]]]:
+        # (Made as they are tried: a thousand nodes have half a million pairs.)
+        for a in range(used):
+            for b in range(a + 1, len(order)):
+                if kind[order[a]] != kind[order[b]]:
+                    yield [a], [b]
+        if pipelines > 1:
+            for x in range(stages):
+                for y in range(x + 1, stages):
+                    group_x, group_y = positions(x), positions(y)
+                    if sorted(kind[order[i]] for i in group_x) != sorted(
+                        kind[order[i]] for i in group_y
+                    ):
+                        yield group_x, group_y
+
     value = inst.value(order, stages, pipelines)
-    moves = [([a], [b]) for a in range(used) for b in range(a + 1, len(order))]
-    if pipelines > 1:
-        moves += [(positions(x), positions(y)) for x in range(stages) for y in range(x + 1, stages)]
     improved = True
     while improved:
         improved = False
-        for a, b in moves:
+        for a, b in moves():
+            if budget[0] <= 0:
+                return value
+            budget[0] -= 1
             swap(a, b)
             candidate = inst.value(order, stages, pipelines)
             if candidate < value * (1 - TIE):
@@ -345,14 +375,17 @@ def plan_swarm(
         # fit smaller nodes, so that is where a swap or two most likely makes one fit.
         ranked = sorted(starts, key=lambda r: (r[0], r[1] if math.isfinite(r[0]) else -r[1]))[:3]
         refined = []
+        budget = [SEARCH_BUDGET]
         for _, s, order in ranked:
-            refined.append((_local_search(inst, order, s, pipelines), s, order))
+            refined.append((_local_search(inst, order, s, pipelines, budget), s, order))
         rng = random.Random(0)  # restarts are seeded: the same input gives the same plan
         for _ in range(RESTARTS):
+            if budget[0] <= 0:
+                break
             _, s, order = min(refined, key=lambda r: (r[0], r[1]))
             order = order[:]
             rng.shuffle(order)
-            refined.append((_local_search(inst, order, s, pipelines), s, order))
+            refined.append((_local_search(inst, order, s, pipelines, budget), s, order))
         value = min(r[0] for r in refined)
         best = min((r for r in refined if r[0] <= value * (1 + TIE)), key=lambda r: r[1])
     assert best is not None
