@@ -40,6 +40,7 @@ from ravnest_node.devices import autocast, autocast_dtype, describe, resolve_pre
 from ravnest_node.models import BlockModel
 from ravnest_node.models.base import Chain
 from ravnest_node.pipeline.encoder import FrameEncoder
+from ravnest_node.pipeline.lies import lie
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.pipeline.schedule import HIDDEN, TARGETS, TOKENS, StageSpec
 from ravnest_node.pipeline.weights import StageWeights, Weights
@@ -103,6 +104,7 @@ class StageCompute:
         """Seconds spent in `call`s (written by the compute thread only)."""
         self.steps_skipped = 0
         """Optimizer steps skipped for gradients that were not finite (fp16)."""
+        self._lied = False  # (test only: the dishonest stage said so once)
         self.encoder = FrameEncoder(spec, run, compute_s=lambda: self.compute_s)
         self.blocks = Chain(*blocks).to(self.device)
         self.weights = StageWeights(
@@ -191,7 +193,7 @@ class StageCompute:
             with autocast(self.device, self.precision):
                 out = torch.func.functional_call(self.blocks, weights, (x, tokens))
             self.in_flight[seq] = InFlight(used, weights, first, out)
-        sent = self._outgoing(out.detach())
+        sent = self._lying(self._outgoing(out.detach()), used)
         # (Neither `out`, kept for the backward, nor `targets` or `tokens` is ever modified
         # in place.)
         return self.encoder.submit_forward(seq, used, sent, targets, samples, tokens)
@@ -283,7 +285,20 @@ class StageCompute:
             return None
         assert x.grad is not None
         # (x is the microbatch's received input, dropped after this: its gradient stays as is.)
-        return self.encoder.submit_backward(seq, version, self._outgoing(x.grad))
+        grad = self._lying(self._outgoing(x.grad), version)
+        return self.encoder.submit_backward(seq, version, grad)
+
+    def _lying(self, sent: torch.Tensor, version: int) -> torch.Tensor:
+        """Test only: what the stage sends, a plausibly wrong copy if this is the dishonest
+        stage (`fault_lie_stage` of pipeline 0) at or after `fault_lie_after` (lies.py)."""
+        run, spec = self._run, self._spec
+        if run.fault_lie_stage != spec.index or spec.pipeline or version < run.fault_lie_after:
+            return sent
+        if not self._lied:
+            log.warning("fault injection: stage %d sends %s activations and gradients from "
+                        "step %d", spec.index, run.fault_lie_kind, version)  # fmt: skip
+            self._lied = True
+        return lie(sent, run.fault_lie_kind)
 
     def _slow_down(self) -> None:
         """Test only: the stage named by fault_slow_stage works fault_slow_ms longer per

@@ -19,6 +19,7 @@ from ravnest_node.compression.auto import AUTO
 from ravnest_node.devices import resolve_precision
 from ravnest_node.errors import ConfigError
 from ravnest_node.models import get_model
+from ravnest_node.pipeline.lies import LIES
 from ravnest_node.proto import control_pb2 as pb
 
 ScheduleName = Literal["gpipe", "sequential"]
@@ -106,6 +107,15 @@ class TrainConfig:
     fault_poison_pipeline: int | None = None
     """Test only: the replicas in the pipeline with this index push deltas 10^4 times their
     size to the others while training honestly themselves (a poisoning member)."""
+    fault_lie_stage: int | None = None
+    """Test only: the node owning the stage with this index in pipeline 0 sends plausibly wrong
+    activations and gradients (fault_lie_kind) from step fault_lie_after on (a dishonest
+    member; pipeline/lies.py)."""
+    fault_lie_after: int = 0
+    """Test only: the step from which fault_lie_stage lies."""
+    fault_lie_kind: str = "rotate"
+    """Test only: how fault_lie_stage lies: rotate (features shifted by half their width: the
+    honest norm, another direction), negate or scale (x2)."""
     stages: int = 0
     """Stages per pipeline. 0 (the default): the planner chooses from the members' measured
     speeds, memory and links, and may leave members spare where that is clearly faster (one
@@ -291,6 +301,11 @@ class TrainConfig:
 
     def _check_faults(self) -> None:
         """The test-only fault injections."""
+        if self.fault_lie_kind not in LIES or self.fault_lie_after < 0:
+            raise ConfigError(
+                f"fault_lie_kind={self.fault_lie_kind!r}: choose one of {', '.join(LIES)}; "
+                "fault_lie_after must not be negative"
+            )
         if not 0 <= self.fault_slow_ms <= 60_000:
             raise ConfigError(f"fault_slow_ms={self.fault_slow_ms}: must be 0 to 60000")
         if (self.fault_slow_link is None) != (self.fault_link_kbps == 0) or not (
@@ -383,6 +398,10 @@ class TrainConfig:
             spec.fault_link_kbps = self.fault_link_kbps
         if self.fault_poison_pipeline is not None:
             spec.fault_poison_pipeline = self.fault_poison_pipeline
+        if self.fault_lie_stage is not None:
+            spec.fault_lie_stage = self.fault_lie_stage
+            spec.fault_lie_after = self.fault_lie_after
+            spec.fault_lie_kind = self.fault_lie_kind
         return spec
 
     @classmethod
@@ -429,6 +448,9 @@ class TrainConfig:
             fault_poison_pipeline=(
                 spec.fault_poison_pipeline if spec.HasField("fault_poison_pipeline") else None
             ),
+            fault_lie_stage=spec.fault_lie_stage if spec.HasField("fault_lie_stage") else None,
+            fault_lie_after=spec.fault_lie_after if spec.HasField("fault_lie_stage") else 0,
+            fault_lie_kind=spec.fault_lie_kind or "rotate",
         )
 
     def link_pace_bps(self, from_stage: int) -> float:

@@ -113,8 +113,15 @@ class Leases:
         """The coordinator hears no other member now, while two or more others are members:
         its own link is down, and silence proves nothing of theirs. (With one other member
         its silence and a deaf coordinator look alike: silence counts, as it always did.)"""
-        others = [k for k in self.heard if k != self.own_id and k not in self.left]
-        if len(others) < 2 or self.last_other is None:
+        if self.last_other is None:
+            return False
+        others = 0
+        for k in self.heard:  # (two are enough to know: a heartbeat asks, of a 1,000)
+            if k != self.own_id and k not in self.left:
+                others += 1
+                if others == 2:
+                    break
+        if others < 2:
             return False
         return now - self.last_other > DEAF_AFTER_INTERVALS * heartbeat_interval(self.lease_s)
 

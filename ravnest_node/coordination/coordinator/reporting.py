@@ -28,7 +28,7 @@ def report(s: SwarmState, request: pb.StageReport) -> bool:
     lost, or this coordinator restarted from its store after answering): nothing changed.
     Refusal if its plan or stage is not its sender's, or it does not fit the run."""
     plan = s.book.plan_of_report(request.plan_epoch, request.step, request.done)
-    owner = next((st for st in plan.stages if st.node_id == request.node_id), None)
+    owner = _owners(plan).get(request.node_id)
     if owner is None or (owner.pipeline, owner.index) != (request.pipeline, request.stage):
         raise Refusal(
             grpc.StatusCode.PERMISSION_DENIED,
@@ -49,6 +49,22 @@ def report(s: SwarmState, request: pb.StageReport) -> bool:
         progress.record_loss(owner.pipeline, request.step, request.loss)
     _save_report(s, request, key, last, events_before)
     return True
+
+
+_OWNERS: list[tuple[pb.Plan, int, dict[str, pb.StageAssignment]]] = []
+"""The last plans asked about, with each node's first stage in them (every report asks)."""
+
+
+def _owners(plan: pb.Plan) -> dict[str, pb.StageAssignment]:
+    """Node id -> its (first) stage in `plan`."""
+    for held, epoch, owners in _OWNERS:
+        if held is plan and epoch == plan.epoch and len(owners) <= len(plan.stages):
+            return owners
+    owners = {}
+    for st in plan.stages:
+        owners.setdefault(st.node_id, st)
+    _OWNERS[:] = [*_OWNERS[-1:], (plan, plan.epoch, owners)]  # the current and the previous
+    return owners
 
 
 def _save_report(

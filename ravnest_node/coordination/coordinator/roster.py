@@ -40,6 +40,8 @@ class Roster:
         relay_address: str = "",
     ) -> None:
         self.members: list[Member] = []
+        self._places: dict[str, int] = {}
+        """node id -> its index in `members`, as last seen (`index` checks it)."""
         self.capabilities: dict[str, pb.Capabilities] = {}
         """Node id -> what it measured (its last Join with capabilities)."""
         self.leases = Leases(lease_s, own_id=node_id)
@@ -67,7 +69,14 @@ class Roster:
     # ----- who is a member --------------------------------------------------------------------
     def index(self, node_id: str) -> int | None:
         """`node_id`'s place in the roster (None: not a member)."""
-        return next((i for i, m in enumerate(self.members) if m.node_id == node_id), None)
+        # (Every member's call asks this: a dict of where each member was, checked against the
+        # list before it is believed, and made again when it is wrong.)
+        members = self.members
+        i = self._places.get(node_id)
+        if i is not None and i < len(members) and members[i].node_id == node_id:
+            return i
+        self._places = {m.node_id: i for i, m in reversed(list(enumerate(members)))}
+        return self._places.get(node_id)
 
     def is_member(self, node_id: str) -> bool:
         return self.index(node_id) is not None

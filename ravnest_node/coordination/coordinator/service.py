@@ -97,6 +97,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._probing: set[str] = set()
         """Members being probed now (Suspect): not probed twice at once."""
         self._changed = asyncio.Condition()
+        """Anything changed (what Drain waits for)."""
+        # Plan streams and progress streams wait on conditions of their own, woken only when
+        # there is a plan or an event to send: with one wake-up per report for every plan
+        # stream, 1,000 members cost the coordinator a whole core (bench/swarm_size.py).
+        self._plans = asyncio.Condition()
+        self._progress = asyncio.Condition()
+        self._told = (0, 0)
+        """(announcements, events) when their watchers were last woken."""
 
     # ----- the daemon's interface -------------------------------------------------------------
     @property
@@ -160,6 +168,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+        told = (len(self._state.book.announcements), len(self._state.progress.events))
+        if told[0] != self._told[0]:
+            async with self._plans:
+                self._plans.notify_all()
+        if told[1] != self._told[1]:
+            async with self._progress:
+                self._progress.notify_all()
+        self._told = told
 
     # ----- membership and plan ----------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context: Context) -> pb.JoinReply:
@@ -281,8 +297,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return len(announcements) > sent
 
         while True:
-            async with self._changed:
-                await self._changed.wait_for(more)
+            async with self._plans:
+                await self._plans.wait_for(more)
             while sent < len(announcements):  # more may come while we yield
                 sent += 1
                 yield announcements[sent - 1]
@@ -309,8 +325,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return len(progress.events) > sent
 
         while True:
-            async with self._changed:
-                await self._changed.wait_for(new_events)
+            async with self._progress:
+                await self._progress.wait_for(new_events)
             for event in progress.events[sent:]:
                 yield event
                 if event.done:

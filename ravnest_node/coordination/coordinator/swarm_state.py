@@ -7,6 +7,7 @@ member_calls.py, reporting.py) take a `SwarmState`; service.py serves them over 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ class SwarmState:
     book: PlanBook
     faults: FaultBook
     progress: RunProgress
+    silence_checked_at: float = -math.inf
+    """When `recovery.check_lost` last looked for silent members (on `clock`)."""
 
     @classmethod
     def create(

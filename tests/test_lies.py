@@ -1,0 +1,60 @@
+"""A dishonest stage for the tests and benchmarks of audited computation (`--fault-lie-stage S
+--fault-lie-after N`, pipeline/lies.py): what it sends instead of what it computed, and what
+that does to a swarm that does not check (issue #35: nothing catches it yet)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ravnest_node.errors import ConfigError
+from ravnest_node.pipeline.lies import LIES, lie
+from ravnest_node.pipeline.run import TrainConfig
+
+from .conftest import demo_summaries
+
+
+def test_each_lie_is_plausible_and_wrong() -> None:
+    honest = torch.randn(4, 32, 64)
+    rotated = lie(honest, "rotate")
+    # Every value one the stage computed, the same norm, another direction.
+    assert torch.equal(rotated.sort(dim=-1).values, honest.sort(dim=-1).values)
+    assert torch.isclose(rotated.norm(), honest.norm())
+    cosine = torch.nn.functional.cosine_similarity(rotated.flatten(), honest.flatten(), dim=0)
+    assert abs(float(cosine)) < 0.1
+    assert torch.equal(lie(honest, "negate"), -honest)
+    assert torch.equal(lie(honest, "scale"), 2 * honest)
+    assert torch.equal(honest, honest.clone())  # (unchanged: a new tensor each time)
+    with pytest.raises(ValueError, match="unknown lie"):
+        lie(honest, "shout")
+
+
+def test_the_settings() -> None:
+    run = TrainConfig(model="tiny", fault_lie_stage=1, fault_lie_after=30, fault_lie_kind="negate")
+    back = TrainConfig.from_proto(run.to_proto(""))
+    assert (back.fault_lie_stage, back.fault_lie_after, back.fault_lie_kind) == (1, 30, "negate")
+    assert TrainConfig.from_proto(TrainConfig(model="tiny").to_proto("")).fault_lie_stage is None
+    with pytest.raises(ConfigError, match="choose one of " + ", ".join(LIES)):
+        TrainConfig(model="tiny", fault_lie_stage=1, fault_lie_kind="shout")
+
+
+def test_a_lying_stage_hurts_a_swarm_that_does_not_check(tmp_path: Path) -> None:
+    """Four nodes, two pipelines of two stages; pipeline 0's last stage sends negated gradients
+    from step 10 on (its own blocks train honestly). Synchronous and uncompressed: both runs are
+    deterministic, so the comparison is the same every time."""
+    common = ("--nodes", "4", "--pipelines", "2", "--model", "tiny", "--steps", "60",
+              "--seed", "0", "--max-staleness", "0", "--codec", "none", "--threads", "1",
+              "--lr", "3e-3")  # fmt: skip
+    runs = {"honest": common, "liar": (*common, "--fault-lie-stage", "1",
+                                       "--fault-lie-after", "10", "--fault-lie-kind", "negate")}
+    summaries = demo_summaries(tmp_path, runs)
+    honest, liar = summaries["honest"], summaries["liar"]
+    # The same run up to step 10 (the lie starts with the gradients of step 10's microbatches).
+    assert liar["loss_history"][:10] == honest["loss_history"][:10]
+    # Measured: 3.227 against 3.006 over the last 20 steps (rotate: 3.025; it is subtler).
+    late = [sum(s["loss_history"][-20:]) / 20 for s in (liar, honest)]
+    assert late[0] > 1.04 * late[1], late
+    logs = "".join(p.read_text() for p in (tmp_path / "liar").glob("node-*/node.log"))
+    assert "fault injection: stage 1 sends negate activations and gradients from step 10" in logs
