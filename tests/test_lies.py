@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ravnest_node.bench.audit_tolerance import distances
 from ravnest_node.errors import ConfigError
 from ravnest_node.pipeline.lies import LIES, lie
 from ravnest_node.pipeline.run import TrainConfig
@@ -58,3 +59,14 @@ def test_a_lying_stage_hurts_a_swarm_that_does_not_check(tmp_path: Path) -> None
     assert late[0] > 1.04 * late[1], late
     logs = "".join(p.read_text() for p in (tmp_path / "liar").glob("node-*/node.log"))
     assert "fault injection: stage 1 sends negate activations and gradients from step 10" in logs
+
+
+def test_honest_recomputations_land_far_closer_than_any_lie() -> None:
+    """The audit tolerance's evidence (bench/audit_tolerance.py) on tiny's middle blocks:
+    recomputed the same way the CPU gives the same bits; bf16 against fp32 stays within 5%;
+    every lie is at least as far as the honest tensor is long."""
+    found = distances("tiny", 1, 3, batch=4)
+    assert found["fp32 again"] == (0.0, 0.0)
+    assert all(d < 1e-5 for d in found["fp32, 2 threads"])
+    assert all(0 < d < 0.05 for d in found["bf16"] + found["bf16, 2 threads"])
+    assert all(d >= 0.99 for kind in LIES for d in found[f"lie: {kind}"])
