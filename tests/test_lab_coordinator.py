@@ -17,6 +17,7 @@ import pytest
 
 from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.coordination.coordinator.store import STORE_FILE, CoordinatorStore
+from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
@@ -229,3 +230,27 @@ def test_a_corrupt_record_of_faults_is_refused(tmp_path: Path) -> None:
                     '"dropped_steps": {}, "restores": [], "redone": 0}',))  # fmt: skip
     with pytest.raises(ConfigError, match="corrupt coordinator store"):
         _service(tmp_path, Clock())
+
+
+def test_the_store_writes_only_the_member_rows_that_changed_and_reads_back_the_list(
+    tmp_path: Path,
+) -> None:
+    store = CoordinatorStore(tmp_path)
+    store.create(run=RUN.to_proto(""), swarm_id="lab/bench-small", swarm_size=4)
+    members = [Member(f"{i:016x}", f"10.0.0.{i}:1") for i in range(4)]
+    caps = {members[1].node_id: capabilities()}
+    keys = {m.node_id: bytes([i]) * 32 for i, m in enumerate(members)}
+    writes: list[int] = []
+    for n in range(1, 5):  # joins, one at a time; then the second's capabilities
+        store.save_members(members[:n], {}, keys)
+    store.save_members(members, caps, keys)
+    # An eviction before the plan: everyone after the first moves up a place.
+    left = [members[0], *members[2:]]
+    store.save_members(left, caps, keys)
+    store._db.set_trace_callback(lambda sql: writes.append(sql.startswith("INSERT")))
+    store.save_members(left, caps, keys)  # nothing changed: the keys alone
+    assert sum(writes) == 1
+    store.close()
+    again = CoordinatorStore(tmp_path).load()
+    assert again.members == left and again.capabilities == {}
+    assert again.member_keys == keys

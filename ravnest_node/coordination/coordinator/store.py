@@ -132,6 +132,8 @@ class CoordinatorStore:
             self._db.executescript(_SCHEMA)  # each CREATE ... IF NOT EXISTS is atomic
         except sqlite3.DatabaseError as exc:
             raise ConfigError(f"{self.path}: not a coordinator store ({exc})") from None
+        self._members: list[tuple[int, str, str, bytes | None]] | None = None
+        """The member rows as this store last wrote them (None: not since it was opened)."""
 
     def close(self) -> None:
         self._db.close()
@@ -220,10 +222,20 @@ class CoordinatorStore:
             )
             for i, m in enumerate(members)
         ]
+        # Only the rows that changed since the last write (a join adds one, capabilities change
+        # one): rewriting all of them at each of 1,000 joins took seconds (bench/swarm_size.py).
+        old = self._members
         with self._transaction() as cur:
-            cur.execute("DELETE FROM members")
-            cur.executemany("INSERT INTO members VALUES (?, ?, ?, ?)", rows)
+            if old is None:
+                cur.execute("DELETE FROM members")
+                changed = rows
+            else:
+                if len(rows) < len(old):
+                    cur.execute("DELETE FROM members WHERE position >= ?", (len(rows),))
+                changed = [r for r in rows if r[0] >= len(old) or old[r[0]] != r]
+            cur.executemany("INSERT OR REPLACE INTO members VALUES (?, ?, ?, ?)", changed)
             cur.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ("member_keys", keys))
+        self._members = rows
 
     def save_plan(self, plan: pb.Plan, started_unix: float) -> None:
         rows = [("plan", plan.SerializeToString()), ("started_unix", started_unix)]

@@ -138,8 +138,12 @@ def measured_links(
         )
 
     ids = [m.node_id for m in members]
-    pairs = {(a, b): found for a in ids for b in ids
-             if a != b and (found := link(a, b)) is not None}  # fmt: skip
+    # (Without a measured uplink, a relay or a measured pair, no link is known: skip the
+    # N^2 pairs, a million at 1,000 members.)
+    pairs: dict[tuple[str, str], Link] = {}
+    if up or relay or measured:
+        pairs = {(a, b): found for a in ids for b in ids
+                 if a != b and (found := link(a, b)) is not None}  # fmt: skip
     ratio = max(wire_ratio(c) for c in codecs) if codecs else 1.0
     return Links(default=DEFAULT_LINK, pairs=pairs, codec_ratio=ratio)
 
