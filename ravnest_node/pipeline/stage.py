@@ -537,7 +537,10 @@ class StageRuntime:
         loss = await self._compute.call(self._compute.optimizer_step)
         self._schedule.stepped()
         if self._eval_data is not None and self.run_config.evaluates_at(self.version):
-            await self._evaluate(self.version)
+            if self.version < self._schedule.stop_step or self.run_done:
+                await self._evaluate(self.version)
+            else:  # (the stages after it end their plan here and may be gone)
+                log.info("no evaluation after step %d: this plan ends there", self.version)
         loss = loss if self.spec.is_last else math.nan
         self.last_loss = loss
         self._inbox.wake.set()  # the bound moved: forwards may be allowed now
