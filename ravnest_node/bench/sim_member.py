@@ -7,7 +7,8 @@ node) and `Election.Vote` (the real `ElectionService`, voting as a member that l
 coordinator would) on a gRPC server of its own; joins without, then with, capabilities (one
 block time per block of the run's model); follows the plan stream; sends a heartbeat every
 third of its lease; once it owns a stage, reports a step every `step_s` (the last stage of a
-pipeline with a loss), as a stage does after each optimizer step; and leaves. Every call
+pipeline with a loss), as a stage does after each optimizer step, each at a phase of its own
+within the step; and leaves. Every call
 carries the member's own key (member_keys.py) on a connection of its own (per-peer limits
 count a loopback connection as a peer). Every call's latency is kept by kind.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import secrets
 import time
 from collections import defaultdict
@@ -148,6 +150,8 @@ class SimMember:
                        asyncio.create_task(self._reports())]  # fmt: skip
 
     async def _beats(self) -> None:
+        # (Members joined at different moments: their heartbeats keep different phases.)
+        await asyncio.sleep(random.uniform(0, heartbeat_interval(self.lease_s)))
         while True:
             await asyncio.sleep(heartbeat_interval(self.lease_s))  # the heartbeat's period
             await self.beat()
@@ -182,6 +186,9 @@ class SimMember:
             return
         last = max(s.index for s in self.plan.stages if s.pipeline == me.pipeline)
         step = self.plan.start_step
+        # The stages of a pipeline end a step one after another, not together: each member
+        # steps at its own phase within the step.
+        await asyncio.sleep(random.uniform(0, self._step_s))
         while True:
             await asyncio.sleep(self._step_s)  # one optimizer step's compute, simulated
             step += 1
