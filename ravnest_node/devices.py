@@ -34,6 +34,7 @@ __all__ = [
     "resolve_device",
     "resolve_precision",
     "synchronize",
+    "torch_threads",
     "utilisation",
 ]
 
@@ -110,6 +111,18 @@ def autocast(device: torch.device, precision: str) -> Iterator[None]:
         return
     with torch.autocast(device_type=device.type, dtype=dtype):
         yield
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Torch's CPU ops within it use `threads` threads (a sum split over more threads rounds
+    differently); the count before is restored on the way out."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def synchronize(device: torch.device) -> None:

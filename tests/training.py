@@ -9,9 +9,8 @@ runs give every process the same `--threads`, and the plain loop runs at that co
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from ravnest_node.blocks import ROLES, BlockWeights
 from ravnest_node.checkpoint import CheckpointDir
 from ravnest_node.checkpoint.export import blocks_at
+from ravnest_node.devices import torch_threads
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
 
@@ -72,16 +72,6 @@ def final_blocks(state_dirs: Sequence[Path], model_name: str) -> dict[tuple[int,
     return out
 
 
-@contextlib.contextmanager
-def _torch_threads(threads: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def plain_training(model_name: str, steps: int, *, seed: int = 0, threads: int = 1) -> Trained:
     """The run a swarm trains synchronously in fp32 (`--max-staleness 0 --codec none`, the
     other settings at TrainConfig's defaults), as a plain PyTorch loop in this process at
@@ -95,7 +85,7 @@ def plain_training(model_name: str, steps: int, *, seed: int = 0, threads: int =
     data = model.dataset(seed=seed)
     m, size = run.microbatches, run.microbatch_size
     losses = []
-    with _torch_threads(threads):
+    with torch_threads(threads):
         for step in range(steps):
             x, y = data.batch(step, run.batch_size)
             total = 0.0

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ravnest_node.devices import autocast
+from ravnest_node.devices import autocast, torch_threads
 from ravnest_node.models import get_model
 from ravnest_node.models.base import Chain
 from ravnest_node.pipeline.lies import LIES, lie
@@ -30,24 +29,14 @@ from ravnest_node.pipeline.lies import LIES, lie
 __all__ = ["distances", "main"]
 
 
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _stage_io(
     chain: Chain, x: torch.Tensor, grad_out: torch.Tensor, precision: str, threads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The stage's output and its input's gradient, as float32."""
     x = x.detach().clone().requires_grad_(True)
-    with _threads(threads), autocast(torch.device("cpu"), precision):
+    with torch_threads(threads), autocast(torch.device("cpu"), precision):
         out = chain(x)
-    with _threads(threads):
+    with torch_threads(threads):
         out.backward(grad_out.to(out.dtype))
     assert x.grad is not None
     return out.detach().float(), x.grad.float()

@@ -57,7 +57,7 @@ from ravnest_node.coordination.planning.negotiate import STASH_BYTES_PER_PARAM
 from ravnest_node.coordination.planning.placement import Link
 from ravnest_node.coordination.planning.shapes import LlamaConfig, model_shape
 from ravnest_node.daemon.worker.capabilities import available_memory_bytes
-from ravnest_node.devices import resolve_device
+from ravnest_node.devices import resolve_device, torch_threads
 from ravnest_node.launch.demo import Demo, DemoConfig
 from ravnest_node.models import BlockModel, TensorSpec, get_model, run_blocks
 from ravnest_node.models.base import to_device
@@ -138,9 +138,7 @@ def calibrate(
     costs = model.block_costs()
     heavy = max(range(len(blocks)), key=lambda i: (costs[i], -i))
     light = min(range(len(blocks)), key=lambda i: (costs[i], i))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         fixed_s = _median_s(
             _block_path(blocks[light], _block_input(model, light, microbatch)), repeats
         )
@@ -156,8 +154,6 @@ def calibrate(
             optimizer.step()
 
         step_s = _median_s(step, repeats)
-    finally:
-        torch.set_num_threads(previous)
     light_work = 3 * costs[light] * microbatch  # forward + backward, in block_costs units
     heavy_work = 3 * costs[heavy] * microbatch
     # Noise must not make the FLOP/s negative or absurd: the fixed cost is at most half.

@@ -103,9 +103,7 @@ class FrameEncoder:
         """The forward frame of microbatch `seq`, computed with weights of `version`; with
         the input token ids where given (a model that `carries_tokens`), raw."""
         self.activation_fp32_bytes += 4 * out.numel()
-        tensors = [self.activation.outgoing(HIDDEN, out), Outgoing(TARGETS, targets, self._raw)]
-        if tokens is not None:
-            tensors.append(Outgoing(TOKENS, tokens, self._raw))
+        tensors = self._with_targets(self.activation.outgoing(HIDDEN, out), targets, tokens)
         return self._encode(FrameKind.FORWARD, seq, version, tensors, self.activation, samples)
 
     def evaluation(
@@ -119,12 +117,20 @@ class FrameEncoder:
         """Microbatch `seq` of the evaluation after step `version`: its activation with a
         stateless codec (`CodecChoice.stateless`), left out of the codec choice's measures and
         of the byte counts of training (the link counts it)."""
-        tensors = [self.activation.stateless(HIDDEN, out), Outgoing(TARGETS, targets, self._raw)]
-        if tokens is not None:
-            tensors.append(Outgoing(TOKENS, tokens, self._raw))
+        tensors = self._with_targets(self.activation.stateless(HIDDEN, out), targets, tokens)
         with self._copying(tensors):
             return encode_frame(FrameKind.EVAL, seq, version, tensors,
                                 lz4_min_ratio=self._lz4_ratio)  # fmt: skip
+
+    def _with_targets(
+        self, hidden: Outgoing, targets: torch.Tensor, tokens: torch.Tensor | None
+    ) -> list[Outgoing]:
+        """What a forward or an evaluation frame carries: the activation, the targets and the
+        token ids where given, the last two raw."""
+        tensors = [hidden, Outgoing(TARGETS, targets, self._raw)]
+        if tokens is not None:
+            tensors.append(Outgoing(TOKENS, tokens, self._raw))
+        return tensors
 
     def backward(self, seq: int, version: int, grad: torch.Tensor) -> bytes:
         """The gradient frame of microbatch `seq`, whose forward used weights of `version`."""

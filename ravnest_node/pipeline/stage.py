@@ -514,12 +514,11 @@ class StageRuntime:
             await previous
         frame = await asyncio.wrap_future(message)
         counts = self._counters.counts
-        if seq is None:  # an evaluation's frame: the link's counters have it, not training's
-            pass
-        elif activations:
-            counts.activation_bytes_sent += len(frame)
-        else:
-            counts.gradient_bytes_sent += len(frame)
+        if seq is not None:  # (an evaluation's frame: the link's counters have it, not training's)
+            if activations:
+                counts.activation_bytes_sent += len(frame)
+            else:
+                counts.gradient_bytes_sent += len(frame)
         await link.send(frame, seq)
 
     async def _flush_sends(self) -> None:
