@@ -444,27 +444,30 @@ def measure_stage_memory(
 def allocator_peak_bytes(
     blocks: Sequence[torch.nn.Module], inputs: Sequence[torch.Tensor], max_staleness: int
 ) -> float:
-    """What the CUDA allocator says the same stage needs (`measure_stage_memory`'s schedule:
-    every input in flight, their backward, an AdamW step): the stage's own tensors, plus the
-    allocator's peak over that schedule above what was allocated before it (after a warm-up
-    that allocates the libraries' workspaces), plus the stash, which this does not allocate.
-    Blocks on a CUDA device only; blocks the calling thread."""
+    """What the CUDA allocator says the same stage needs in its steady state (`measure_stage_
+    memory`'s schedule after a first step: AdamW's moments already there, every input in
+    flight, their backward, an AdamW step): the stage's own tensors and moments, plus the
+    allocator's peak over that schedule above what was allocated before it (after the first
+    step, which also allocates the libraries' workspaces), plus the stash, which this does not
+    allocate. Blocks on a CUDA device only; blocks the calling thread."""
     device = inputs[0].device
     params = [p for b in blocks for p in b.parameters()]
-    _forward_backward(blocks, inputs[:1])  # warm-up: cuBLAS workspaces, kernels
-    for p in params:
-        p.grad = None
+    optimizer = torch.optim.AdamW(params, fused=True)  # as the stage's (blocks.py)
+    _forward_backward(blocks, inputs[:1])  # the first step: moments, workspaces, kernels
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     outputs = _forward_backward(blocks, inputs)
-    torch.optim.AdamW(params).step()
+    optimizer.step()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del outputs
     own = sum(t.nbytes for b in blocks for t in (*b.parameters(), *b.buffers()))
+    moments = sum(t.nbytes for st in optimizer.state.values() for t in st.values() if t.dim())
     stash = STASH_BYTES_PER_PARAM * max_staleness * sum(p.numel() for p in params)
-    return float(own + peak + stash)
+    return float(own + moments + peak + stash)
 
 
 def memory_stage(

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU check of issue 31 ("GPU nodes"), for a borrowed GPU machine without network access
-# whose python3 already has a CUDA build of torch. Under 5 minutes on one H200 with 16 cores;
+# whose python3 already has a CUDA build of torch. About 7 minutes on one H200 with 16 cores;
 # every part has its own time limit, and a part that fails or times out does not stop the next.
 #
 # Before copying the tree there, fetch the wheels of what that machine lacks (its image has
@@ -10,7 +10,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 -d .device/wheels \
 #     grpcio==1.85.3 protobuf==7.36.2 zeroconf ifaddr lz4 msgpack cryptography cffi pycparser \
-#     torchao==0.18.0 pytest-asyncio
+#     torchao==0.18.0 pytest-asyncio constriction==0.5.0
 # Then, there, from the repository root:   OUT=/some/dir bash tests/gpu/check.sh
 # Here, without a GPU (the same steps on the CPU with the tiny model, about 2 minutes):
 #   DEVICE=cpu OUT=/tmp/gpu-check bash tests/gpu/check.sh
@@ -18,8 +18,8 @@
 # It runs: pytest tests/gpu (the CUDA tests); three node processes on one device against one
 # process (fp32, staleness 0: the same losses within 1e-4 relative); bf16 against fp32 (final
 # loss within 1%); the memory of a LoRA Llama stage with an nf4 base against the plan; the GPU
-# bench on the home link. It prints every figure and writes them to $OUT (figures.json,
-# results.txt, each part's log and JSON lines).
+# bench on the home link; the audit tolerance on the device (issue 35). It prints every figure
+# and writes them to $OUT (figures.json, results.txt, each part's log and JSON lines).
 set -u
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-$PWD/gpu-check}
@@ -27,7 +27,7 @@ PY=${PY:-python3}
 if [ "$DEVICE" = cpu ]; then
   SMALL=${SMALL:-tiny}; BIG=${BIG:-tiny}; STEPS=${STEPS:-4}; BIG_STEPS=${BIG_STEPS:-3}
 else
-  SMALL=${SMALL:-bench-small}; BIG=${BIG:-llama-300m}; STEPS=${STEPS:-20}; BIG_STEPS=${BIG_STEPS:-8}
+  SMALL=${SMALL:-bench-small}; BIG=${BIG:-llama-300m}; STEPS=${STEPS:-20}; BIG_STEPS=${BIG_STEPS:-40}
 fi
 WORK=$(mktemp -d /tmp/ravnest-gpu-check.XXXXXX)
 mkdir -p "$OUT"
@@ -84,19 +84,32 @@ bench equal 60 "${equal[@]}" "${fp32[@]}"
 
 # 3. bf16 against fp32, one process each, the same steps.
 if [ ${#fp32[@]} -gt 0 ]; then
-  bench bf16 45 --model "$SMALL" --steps "$STEPS" --scenario lan --emulation relay \
+  bench bf16 40 --model "$SMALL" --steps "$STEPS" --scenario lan --emulation relay \
     --codec none --max-staleness 0 --systems compute-bound --precision bf16
 fi
 
 # 4. The memory of a LoRA Llama-shaped stage with an nf4 base against the plan.
-part memory 90 "$PY" -m ravnest_node.bench.plan_check --memory --device "$DEVICE" \
+part memory 60 "$PY" -m ravnest_node.bench.plan_check --memory --device "$DEVICE" \
   --jsonl "$OUT/memory.jsonl"
 cat "$OUT/memory.log" | grep "^|" | tee -a "$OUT/results.txt"
 
 # 5. The GPU bench on the home link (network namespaces as root, else loopback relays).
-bench bench-home 150 --scenario home --model "$BIG" --steps "$BIG_STEPS" \
+bench bench-home 180 --scenario home --model "$BIG" --steps "$BIG_STEPS" \
   --systems compute-bound,ours
 [ -f "$OUT/bench-home.md" ] && cat "$OUT/bench-home.md" | tee -a "$OUT/results.txt"
+
+# 6. The audit tolerance (issue 35): how far an honest GPU computation of a stage lands from
+# the CPU's fp32 (TF32, bf16), beside how far the lies land.
+part audit 40 "$PY" -m ravnest_node.bench.audit_tolerance --device "$DEVICE"
+part audit-llama 40 "$PY" -m ravnest_node.bench.audit_tolerance --device "$DEVICE" \
+  --model "$BIG" --first 1 --stop 3
+cat "$OUT/audit.log" "$OUT/audit-llama.log" | tee -a "$OUT/results.txt"
+
+# 7. The same model's compute-bound run on this machine's CPU cores, for GPU against CPU.
+if [ "$DEVICE" != cpu ]; then
+  part cpu-compute-bound 120 "$PY" -m ravnest_node bench --device cpu --jsonl "$OUT/cpu.jsonl" \
+    --work-dir "$WORK/cpu" --scenario home --model "$BIG" --steps 3 --systems compute-bound
+fi
 
 # Every figure, plainly, and in figures.json.
 "$PY" - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/results.txt"
@@ -131,6 +144,11 @@ for system, r in home.items():
         for key in ("samples_per_s", "step_s", "efficiency", "efficiency_this_machine",
                     "final_loss", "device", "precision"):
             figures[f"home_{system}_{key}"] = r.get(key)
+cpu = records("cpu").get("compute-bound")
+if cpu and "skipped" not in cpu and "compute-bound" in home:
+    figures["cpu_compute-bound_samples_per_s"] = cpu["samples_per_s"]
+    figures["gpu_over_cpu_compute-bound"] = (home["compute-bound"]["samples_per_s"]
+                                             / cpu["samples_per_s"])
 memory = out / "memory.jsonl"
 for r in map(json.loads, memory.read_text().splitlines() if memory.exists() else []):
     figures[f"memory_{r['stage']}_plan_over_measured"] = r["ratio"]

@@ -114,11 +114,12 @@ class LlamaConfig:
             forward_flops=float(2 * t * matrix + 4 * t * t * h),
             boundary_elements=t * h,
             # Per token: both norms' inputs, the normed inputs of the attention and MLP matmuls,
-            # the attention output (h each: 5h), K and V (2h: models/pretrained/llama.py repeats
-            # the kv heads before attention; Q is in the 5h of a fused kernel's saved inputs),
-            # and gate, up, SiLU(gate) and their product (4m); Korthikanti et al. (arXiv
-            # 2205.05198, sec. 4.1) count the same terms for GPT (34 B/token/h).
-            saved_bytes=float(t * (7 * h + 4 * m) * act),
+            # the attention output (h each: 5h), Q, K and V (3h: models/pretrained/llama.py
+            # repeats the kv heads before attention, and attention keeps its own inputs), and
+            # gate, up, SiLU(gate) and their product (4m); Korthikanti et al. (arXiv
+            # 2205.05198, sec. 4.1) count the same terms for GPT (34 B/token/h). Measured under
+            # a saved-tensors hook in fp32: on a CPU and on an H200 (benchmarks.md, GPU nodes).
+            saved_bytes=float(t * (8 * h + 4 * m) * act),
             adapted_linears=len(linears),
         )
         embedding = BlockShape(
