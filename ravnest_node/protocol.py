@@ -7,21 +7,16 @@ docs/protocol.md describes the calls these numbers bound.
 
 from __future__ import annotations
 
-import hashlib
-
 __all__ = [
     "DEFAULT_LEASE_S",
     "LOST_AFTER_LEASES",
     "MAX_EPOCH_AHEAD",
-    "MAX_MEMBER_KEY_LEN",
     "MAX_OFFERS",
     "MAX_PEER_LINKS",
-    "MEMBER_KEY_METADATA",
     "PROTOCOL",
     "UNREACHABLE_KEY",
     "heartbeat_interval",
     "hold_s",
-    "member_key_digest",
 ]
 
 PROTOCOL = "ravnest.v1"
@@ -64,17 +59,3 @@ def hold_s(lease_s: float) -> float:
     return LOST_AFTER_LEASES * lease_s
 
 
-MEMBER_KEY_METADATA = "ravnest-member-key"
-"""Call metadata of a member's calls to its coordinator (Join, Heartbeat, Report, Suspect,
-Drain, Leave): the member key that proves the caller is the member its request names. A node
-makes its key once (kept in its state directory beside its id); the coordinator keeps the
-key's sha256 from the node's first Join and refuses a member-scoped call that does not carry
-it, so a stranger who read a member's id (`status --swarm`) cannot speak for it."""
-
-MAX_MEMBER_KEY_LEN = 128
-"""Characters of a member key a coordinator reads."""
-
-
-def member_key_digest(key: str) -> bytes:
-    """What a coordinator keeps of a member key (and what plans carry): its sha256."""
-    return hashlib.sha256(key.encode()).digest()

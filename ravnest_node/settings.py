@@ -549,6 +549,8 @@ def to_env(config: object, prefix: Sequence[str] = ()) -> dict[str, str]:
         raise TypeError(f"{config!r} is not a dataclass instance")
     out: dict[str, str] = {}
     for f in dataclasses.fields(config):
+        if not f.init:  # not a setting
+            continue
         value = getattr(config, f.name)
         path = (*prefix, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):

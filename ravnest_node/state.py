@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 
 NODE_ID_FILE = "node_id"
 MEMBER_KEY_FILE = "member_key"
+"""What nodes before node keys kept (a bearer secret for the coordinator): removed."""
 MAX_NODE_ID_LEN = 64
 MAX_SWARM_NAME_LEN = 64
 
@@ -53,36 +53,15 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         os.close(dir_fd)
 
 
-def load_or_create_node_id(state_dir: Path | None) -> str:
-    """This node's stable id: kept in `state_dir`, created on first start. Without a state
-    directory the node gets a fresh id each time it starts."""
+def record_node_id(state_dir: Path | None, node_id: str) -> str | None:
+    """Write this node's id (made from its key, identity.py) to `state_dir`'s `node_id` for
+    people and tools to read. Returns the id the file held before if it was another one (a
+    state directory from before node keys: its member key, no longer used, is removed)."""
     if state_dir is None:
-        return secrets.token_hex(8)
+        return None
     path = state_dir / NODE_ID_FILE
-    if path.exists():
-        node_id = path.read_text().strip()
-        if valid_node_id(node_id):
-            return node_id
-    node_id = secrets.token_hex(8)
-    write_atomic(path, node_id.encode())
-    return node_id
-
-
-def load_or_create_member_key(state_dir: Path | None) -> str:
-    """This node's member key (protocol.MEMBER_KEY_METADATA): kept in `state_dir` readable by
-    this user only, beside the node's id, so that a restarted node is still the member it
-    was; without a state directory a fresh key each start (as the id is)."""
-    if state_dir is None:
-        return secrets.token_urlsafe(32)
-    path = state_dir / MEMBER_KEY_FILE
-    if path.exists():
-        key = path.read_text().strip()
-        if (
-            32 <= len(key) <= 128
-            and key.isascii()
-            and key.replace("-", "").replace("_", "").isalnum()
-        ):
-            return key
-    key = secrets.token_urlsafe(32)
-    write_atomic(path, key.encode(), mode=0o600)
-    return key
+    before = path.read_text().strip() if path.exists() else None
+    if before != node_id:
+        write_atomic(path, node_id.encode())
+    (state_dir / MEMBER_KEY_FILE).unlink(missing_ok=True)
+    return before if before is not None and before != node_id else None

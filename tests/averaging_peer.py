@@ -40,7 +40,6 @@ from ravnest_node.averaging.exchange import ReplicaAverager
 from ravnest_node.averaging.outer import flatten_into, param_count
 from ravnest_node.averaging.wire import SERVICE, Pusher
 from ravnest_node.compression import get_codec
-from ravnest_node.transport.boundary import NODE_ID_KEY
 from ravnest_node.transport.frames import (
     FrameKind,
     FrameLimits,
@@ -49,6 +48,7 @@ from ravnest_node.transport.frames import (
     parse_frame,
 )
 from ravnest_node.transport.options import TransportConfig, server_options
+from ravnest_node.transport.proofs import NODE_ID_KEY
 
 SHAPES = [(40, 50), (50,), (17, 13)]
 MAX_MESSAGE_BYTES = 4 * 2**20

@@ -10,7 +10,8 @@ import grpc
 
 from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.protocol import MEMBER_KEY_METADATA, PROTOCOL
+from ravnest_node.protocol import PROTOCOL
+from ravnest_node.transport.proofs import EPOCH_KEY, NODE_ID_KEY
 
 
 class Aborted(Exception):
@@ -26,14 +27,17 @@ class Aborted(Exception):
 
 
 class FakeContext:
-    """The part of grpc.aio.ServicerContext the coordinator uses. Its calls carry the member
-    key `key` (every member of a test has the same one unless the test says otherwise)."""
+    """The part of grpc.aio.ServicerContext the coordinator uses; `metadata`, what its call
+    carries (a node's proof: tests/test_identity.py)."""
 
-    def __init__(self, key: str = "test-member-key") -> None:
-        self.key = key
+    def __init__(self, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self.metadata = tuple(metadata)
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((MEMBER_KEY_METADATA, self.key),) if self.key else ()
+        return self.metadata
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
 
     async def abort(
         self,
@@ -42,6 +46,21 @@ class FakeContext:
         trailing_metadata: Sequence[tuple[str, str]] = (),
     ) -> NoReturn:
         raise Aborted(code, details, trailing_metadata)
+
+
+def unproven(context: Any, method: str, request: object) -> None:
+    """A coordinator's proof check for unit tests of its rules, whose members have readable
+    ids ("a", "b") that no key makes: it takes every call. The real check (proofs.py) is
+    tested with real keys in tests/test_identity.py and runs in every live test."""
+
+
+def claimed(context: Any, method: str) -> tuple[str, int]:
+    """A boundary server's caller check for unit tests of the streams, whose stages have
+    readable ids: (the node id, the epoch) the call claims, unchecked (proofs.caller checks
+    the proof; tests/test_identity.py and every live test run it)."""
+    metadata = dict(context.invocation_metadata() or ())
+    epoch = str(metadata.get(EPOCH_KEY, "-1"))
+    return str(metadata.get(NODE_ID_KEY, "")), int(epoch) if epoch.lstrip("-").isdigit() else -1
 
 
 class Clock:
@@ -64,12 +83,10 @@ async def join(
     node: str,
     address: str = "",
     caps: pb.Capabilities | None = None,
-    key: str = "test-member-key",
 ) -> pb.JoinReply:
-    """A node's two joins: to learn what to measure, then with what it measured (its calls
-    carry the member key `key`)."""
+    """A node's two joins: to learn what to measure, then with what it measured."""
     request = pb.JoinRequest(node_id=node, address=address or f"{node}:1", protocol=PROTOCOL)
-    ctx: Any = FakeContext(key)
+    ctx: Any = FakeContext()
     first = await svc.Join(request, ctx)
     request.capabilities.CopyFrom(caps or capabilities())
     again = await svc.Join(request, ctx)

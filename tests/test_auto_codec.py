@@ -26,10 +26,11 @@ from ravnest_node.compression.auto import (
 from ravnest_node.compression.codecs import BOTTLENECK_BLOCK, COARSE_CODES
 from ravnest_node.compression.quant import BlockQuant
 from ravnest_node.errors import ConfigError, PeerRefused
+from ravnest_node.identity import NodeKey
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.run import TrainConfig
-from ravnest_node.transport.boundary import EPOCH_KEY, NODE_ID_KEY, LinkCounters
+from ravnest_node.transport.boundary import LinkCounters
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.probe import (
     MAX_PROBE_BYTES,
@@ -42,6 +43,7 @@ from ravnest_node.transport.probe import (
     probe_sender,
 )
 from ravnest_node.transport.probe import PATH as PROBE_PATH
+from ravnest_node.transport.proofs import EPOCH_KEY, NODE_ID_KEY, provers
 
 from .conftest import demo_summary
 
@@ -200,14 +202,18 @@ async def test_probe_respects_a_small_message_limit() -> None:
 # ------------------------------------------------------------- the probe method, over gRPC
 
 
+UP, STRANGER = NodeKey.generate(), NodeKey.generate()
+"""The node that may probe, and one that may not (each proves its own id: proofs.py)."""
+
+
 class _Check:
-    """A worker's check: only node "up" may probe, under epoch 3, 1 MiB at most in all."""
+    """A worker's check: only node UP may probe, under epoch 3, 1 MiB at most in all."""
 
     def __init__(self) -> None:
         self.bytes = 0
 
     async def __call__(self, peer: str, epoch: int, nbytes: int) -> None:
-        if peer != "up" or epoch != 3:
+        if peer != UP.node_id or epoch != 3:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"unknown peer {peer!r}")
         if self.bytes + nbytes > 1 << 20:
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "probe budget spent")
@@ -231,23 +237,31 @@ async def test_probe_method_checks_peer_size_and_budget(probe_server: tuple[str,
     address, check = probe_server
     counters = LinkCounters()
     options = [("grpc.max_send_message_length", 8 << 20)]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
+    async with (
+        grpc.aio.insecure_channel(address, options=options, interceptors=provers(UP)) as up,
+        grpc.aio.insecure_channel(address, options=options,
+                                  interceptors=provers(STRANGER)) as stranger,  # fmt: skip
+    ):
 
-        def sender(node_id: str, epoch: int = 3) -> Send:
+        def sender(key: NodeKey, epoch: int = 3, node_id: str = "") -> Send:
             return probe_sender(
-                channel, peer="down", node_id=node_id, epoch=epoch, counters=counters, timeout_s=5
-            )
+                up if key is UP else stranger, peer="down", node_id=node_id or key.node_id,
+                epoch=epoch, counters=counters, timeout_s=5,
+            )  # fmt: skip
 
-        estimate = await measure_link(sender("up"), ProbePlan(max_bytes=256 << 10))
+        estimate = await measure_link(sender(UP), ProbePlan(max_bytes=256 << 10))
         assert estimate.bandwidth_bps > 0
         assert counters.bytes_sent["down"] == estimate.probe_bytes == check.bytes
-        for who, epoch in (("stranger", 3), ("up", 2)):
+        for key, epoch in ((STRANGER, 3), (UP, 2)):
             with pytest.raises(PeerRefused, match="PERMISSION_DENIED"):
-                await sender(who, epoch)(1)
+                await sender(key, epoch)(1)
+        # A stranger claiming UP's id has no proof of it (its own key signs only its own id).
+        with pytest.raises(PeerRefused, match=r"UNAUTHENTICATED.*must carry its proof"):
+            await sender(STRANGER, node_id=UP.node_id)(1)
         with pytest.raises(PeerRefused, match=r"INVALID_ARGUMENT.*exceeds the limit"):
-            await sender("up")(MAX_PROBE_BYTES + 1)
+            await sender(UP)(MAX_PROBE_BYTES + 1)
         with pytest.raises(PeerRefused, match="RESOURCE_EXHAUSTED"):
-            await sender("up")(1 << 20)
+            await sender(UP)(1 << 20)
     assert counters.bytes_sent["down"] == check.bytes  # refused probes are not counted
 
 
@@ -262,22 +276,23 @@ async def test_pulled_probes_measure_the_way_back_within_the_same_checks() -> No
     await server.start()
     counters = LinkCounters()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                             interceptors=provers(UP)) as channel:  # fmt: skip
 
-            def puller(node_id: str = "up") -> Send:
+            def puller(node_id: str = UP.node_id) -> Send:
                 return probe_sender(channel, peer="down", node_id=node_id, epoch=3,
                                     counters=counters, timeout_s=5, pull=True)  # fmt: skip
 
             estimate = await measure_link(puller(), ProbePlan(max_bytes=256 << 10))
             assert estimate.bandwidth_bps > 0 and check.bytes == estimate.probe_bytes
             assert counters.total_bytes == 0  # the peer sent them, and counts them
-            assert answered.bytes_sent == {"up": estimate.probe_bytes}
-            with pytest.raises(PeerRefused, match="PERMISSION_DENIED"):
-                await puller("stranger")(1)
+            assert answered.bytes_sent == {UP.node_id: estimate.probe_bytes}
+            with pytest.raises(PeerRefused, match="UNAUTHENTICATED"):  # (no proof for it)
+                await puller(STRANGER.node_id)(1)
             with pytest.raises(PeerRefused, match="RESOURCE_EXHAUSTED"):
                 await puller()(1 << 20)
             call = channel.unary_unary(PROBE_PATH)
-            meta = ((NODE_ID_KEY, "up"), (EPOCH_KEY, "3"))
+            meta = ((NODE_ID_KEY, UP.node_id), (EPOCH_KEY, "3"))
             for body, pull in ((b"", "-1"), (b"", "1e3"), (b"x", "1"), (b"", str(8 << 20))):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await call(body, metadata=(*meta, (PULL_KEY, pull)), timeout=5)

@@ -45,10 +45,10 @@ from ravnest_node.averaging.topology import (
 from ravnest_node.averaging.wire import PATH, PeerBehind
 from ravnest_node.compression import get_codec
 from ravnest_node.errors import ConfigError
-from ravnest_node.transport.boundary import NODE_ID_KEY
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.frames import FrameKind, Outgoing, encode_frame
 from ravnest_node.transport.options import TransportConfig, server_options
+from ravnest_node.transport.proofs import NODE_ID_KEY
 
 from .conftest import Procs, read_line, wait_for_line
 

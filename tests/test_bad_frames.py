@@ -11,13 +11,16 @@ import pytest
 import torch
 
 from ravnest_node.compression import get_codec
-from ravnest_node.transport import boundary
+from ravnest_node.identity import PROOF_METADATA, NodeKey
+from ravnest_node.transport import boundary, proofs
 from ravnest_node.transport.frames import MAGIC, FrameKind, encode_frame
 
 from .conftest import Procs, node_status, progress_events
 
 MB = 4  # tiny with batch 16 in 4 microbatches
 HIDDEN = (MB, 32, 64)
+KEYS: dict[str, NodeKey] = {}
+"""The keys of the nodes the tests speak as, by node id."""
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +33,23 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
                                     "--steps", "3")  # fmt: skip
         _, worker = procs.start_node(tmp / "n1", "--join", ready["address"])
         assert [e for e in progress_events(ready["address"]) if e.done]
+        for node in ("n0", "n1"):  # the tests speak as these nodes: they hold their keys
+            key = NodeKey.load_or_create(tmp / node)
+            KEYS[key.node_id] = key
         yield ready["address"], worker["address"]
     finally:
         procs.cleanup()
 
 
 def _send(address: str, message: bytes, node_id: str, epoch: int = 1) -> grpc.RpcError:
-    """Open a boundary stream, send one message; return the error status it ends with."""
+    """Open a boundary stream as node `node_id` (with its proof, if its key is in KEYS), send
+    one message; return the error status it ends with."""
+    metadata = [(proofs.NODE_ID_KEY, node_id), (proofs.EPOCH_KEY, str(epoch))]
+    if node_id in KEYS:
+        metadata.append((PROOF_METADATA, KEYS[node_id].prove(boundary.PATH, str(epoch), "")))
     with grpc.insecure_channel(address) as channel:
-        call = channel.stream_stream(boundary.PATH)(
-            iter([message]),
-            metadata=((boundary.NODE_ID_KEY, node_id), (boundary.EPOCH_KEY, str(epoch))),
-            timeout=30,
-        )
+        call = channel.stream_stream(boundary.PATH)(iter([message]), metadata=metadata,
+                                                    timeout=30)  # fmt: skip
         with pytest.raises(grpc.RpcError) as info:
             list(call)
         return info.value
@@ -117,9 +124,20 @@ def test_bad_frame_is_refused_and_changes_nothing(
 def test_unknown_peer_and_stale_epoch_are_refused(swarm: tuple[str, str]) -> None:
     _, node = swarm
     before = node_status(node)
-    error = _send(node, _frame(HIDDEN), "intruder")
+    intruder = NodeKey.generate()  # a node with a key of its own, not this stage's upstream
+    KEYS[intruder.node_id] = intruder
+    error = _send(node, _frame(HIDDEN), intruder.node_id)
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "unknown peer 'intruder'" in (error.details() or "")
+    assert f"unknown peer '{intruder.node_id}'" in (error.details() or "")
+    # Claiming the upstream's id without its key: refused before anything else.
+    with grpc.insecure_channel(node) as channel:
+        call = channel.stream_stream(boundary.PATH)(iter([_frame(HIDDEN)]), timeout=30, metadata=(
+            (proofs.NODE_ID_KEY, before.upstream_node_id), (proofs.EPOCH_KEY, "1"),
+            (PROOF_METADATA, intruder.prove(boundary.PATH, "1", "")),
+        ))  # fmt: skip
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     error = _send(node, _frame(HIDDEN), before.upstream_node_id, epoch=0)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     # An epoch far past any plan: refused at once, not held while the node waits for it.

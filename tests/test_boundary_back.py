@@ -24,6 +24,8 @@ from ravnest_node.transport.boundary import (
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.frames import Frame, FrameKind, FrameLimits, encode_frame
 
+from .fakes import claimed
+
 LIMITS = FrameLimits(max_message_bytes=1 << 20)
 
 
@@ -72,7 +74,7 @@ async def upstream() -> AsyncIterator[tuple[str, Upstream]]:
 
     server = grpc.aio.server()
     handler = BoundaryServer(no_session, lambda link, error: None, lambda reason: None, LIMITS,
-                             dial_in=up.dial_in)  # type: ignore[arg-type]  # fmt: skip
+                             dial_in=up.dial_in, caller=claimed)  # type: ignore[arg-type]  # fmt: skip
     server.add_generic_rpc_handlers([handler.handler()])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -26,7 +26,7 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL
 
 from .conftest import Procs, demo_summary, poll_until, progress_events, swarm_view
-from .fakes import Aborted, Clock, FakeContext, capabilities, join
+from .fakes import Aborted, Clock, FakeContext, capabilities, join, unproven
 
 STEPS = 160
 RUN = ("--model", "tiny", "--pipelines", "2", "--steps", str(STEPS), "--seed", "0",
@@ -198,6 +198,7 @@ def tiny_swarm(
     **train: Any,
 ) -> CoordinatorService:
     return CoordinatorService(
+        prove=unproven,
         train=TrainConfig(model="tiny", batch_size=16, **train), swarm_size=size,
         swarm_id="test/tiny", summary_path=None, clock=clock, probe=probe, node_id="a",
         lease_s=LEASE_S,

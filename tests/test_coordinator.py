@@ -27,11 +27,12 @@ from ravnest_node.protocol import PROTOCOL, UNREACHABLE_KEY
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.probe import PROBE_BUDGET_BYTES
 
-from .fakes import Aborted, Clock, FakeContext, capabilities, join
+from .fakes import Aborted, Clock, FakeContext, capabilities, join, unproven
 
 
 def _service(tmp_path: Path, clock: Clock, size: int = 3, steps: int = 2) -> CoordinatorService:
     return CoordinatorService(
+        prove=unproven,
         train=TrainConfig(model="bench-small", steps=steps, batch_size=16),
         swarm_size=size,
         swarm_id="test/bench-small",
@@ -170,6 +171,7 @@ async def test_reports_become_progress_and_a_summary(tmp_path: Path) -> None:
 
 async def test_two_pipelines_make_replica_groups_and_mean_losses(tmp_path: Path) -> None:
     svc = CoordinatorService(
+        prove=unproven,
         train=TrainConfig(model="bench-small", steps=2, batch_size=16, pipelines=2),
         swarm_size=4,
         swarm_id="test/bench-small",
@@ -318,6 +320,7 @@ async def test_relays_are_offered_while_their_members_stay(tmp_path: Path) -> No
     coordinator's own relay first, then theirs, and drops one whose member left. A malformed
     relay address is refused and changes nothing."""
     svc = CoordinatorService(
+        prove=unproven,
         train=TrainConfig(model="bench-small", steps=2, batch_size=16),
         swarm_size=3,
         swarm_id="test/bench-small",
@@ -390,6 +393,7 @@ async def test_a_node_the_coordinator_cannot_reach_is_refused_with_the_unreachab
         return answers.get(node_id, ProbeAnswer.REFUSED)
 
     svc = CoordinatorService(
+        prove=unproven,
         train=TrainConfig(model="bench-small", steps=2, batch_size=16), swarm_size=3,
         swarm_id="test/bench-small", summary_path=None, clock=Clock(), node_id="c", reach=reach,
     )  # fmt: skip

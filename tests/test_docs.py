@@ -28,6 +28,8 @@ def _fields(cls: type, prefix: str = "") -> Iterator[tuple[str, str, bool]]:
     section's settings are addressed as its parent's (settings.py)."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if not f.init:  # not a setting (settings.py skips it): TransportConfig.node_key
+            continue
         section = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None
         yield f"{prefix}{f.name}", docs.get(f.name, ""), section is None
         if section is not None:

@@ -29,7 +29,7 @@ from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.protocol import LOST_AFTER_LEASES, heartbeat_interval, hold_s
 from ravnest_node.transport.options import TransportConfig
 
-from .fakes import Clock, FakeContext, capabilities, join
+from .fakes import Clock, FakeContext, capabilities, join, unproven
 from .test_chaos import LEASE_S, beat, ring_offers, tiny_swarm
 
 INTERVAL_S = heartbeat_interval(LEASE_S)
@@ -198,6 +198,7 @@ async def test_a_suspect_that_answers_never_restarts_a_pipeline_with_a_dead_memb
 
     clock = Clock()
     svc = CoordinatorService(  # its own node (z) holds no stage: a may die
+        prove=unproven,
         train=TrainConfig(model="tiny", batch_size=16, steps=50), swarm_size=3,
         swarm_id="test/tiny", summary_path=None, clock=clock, probe=probe, node_id="z",
         lease_s=LEASE_S,

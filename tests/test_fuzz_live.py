@@ -8,7 +8,11 @@ it is refused before a frame is read, ALREADY_EXISTS), and a frame refused on th
 it and the plan with it. So the nodes run with --fault-fuzz-upstream FUZZER: a stream claiming
 to come from FUZZER is checked frame by frame as the upstream's is, against the stage as it
 trains (the plan's shapes, the microbatch the stage expects next, its window, the payload
-decoded), and nothing of it is admitted."""
+decoded), and nothing of it is admitted. FUZZER has a key of its own and proves its id on
+every call (identity.py); a call claiming another node's id without that node's key is refused
+UNAUTHENTICATED before anything else (the storm's "upstream", "stranger" and "none" claims;
+`_impersonate`, a stranger with a key of its own, names the middle stage on every member call
+and on a boundary stream)."""
 
 from __future__ import annotations
 
@@ -29,12 +33,14 @@ from hypothesis import strategies as st
 
 from ravnest_node.averaging import wire
 from ravnest_node.compression import get_codec
+from ravnest_node.identity import PROOF_METADATA, NodeKey
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.protocol import MEMBER_KEY_METADATA, PROTOCOL
-from ravnest_node.transport import boundary, probe
+from ravnest_node.protocol import PROTOCOL
+from ravnest_node.transport import boundary, probe, proofs
 from ravnest_node.transport.frames import MAGIC, FrameKind, Outgoing, encode_frame
 from ravnest_node.transport.options import TransportConfig
+from ravnest_node.transport.proofs import request_digest
 
 from .conftest import Procs, node_status, poll_until, progress_events, swarm_view
 from .training import assert_same_training, plain_training, trained_run
@@ -42,7 +48,8 @@ from .training import assert_same_training, plain_training, trained_run
 STEPS = 400
 TRAIN = ("--model", "tiny", "--steps", str(STEPS), "--seed", "0", "--max-staleness", "0",
          "--codec", "none")  # fmt: skip
-FUZZER = "fuzzer"
+FUZZER_KEY = NodeKey.generate()
+FUZZER = FUZZER_KEY.node_id
 EXAMPLES = 1000
 FUZZED = 500
 FLOOD = 100
@@ -151,10 +158,10 @@ class Storm:
         which would slow the storm down); FUZZER mostly claims the plan's."""
         claims = [self.epoch, self.epoch - 1, -abs(seq) - 1, abs(seq) + 2**41]
         claim = self.epoch if claimed == FUZZER and rng.random() < 0.8 else rng.choice(claims)
-        metadata = [(boundary.EPOCH_KEY, str(claim))]
+        metadata = [(proofs.EPOCH_KEY, str(claim))]
         if claimed != "none":
             ids = {"upstream": self.upstream, "stranger": "x1", FUZZER: FUZZER}
-            metadata.append((boundary.NODE_ID_KEY, ids[claimed]))
+            metadata.append((proofs.NODE_ID_KEY, ids[claimed]))
         return claim, metadata
 
     def call(self, target: int, entry: tuple[str, str], payload: bytes, seed: int, claimed: str,
@@ -165,9 +172,11 @@ class Storm:
             target = 0  # only the coordinator serves those
         rng = random.Random(seed)
         claim, metadata = (
-            (self.epoch, [(boundary.EPOCH_KEY, str(self.epoch)), (boundary.NODE_ID_KEY, FUZZER)])
+            (self.epoch, [(proofs.EPOCH_KEY, str(self.epoch)), (proofs.NODE_ID_KEY, FUZZER)])
             if messages is not None else self.claim(claimed, rng, seq)
         )  # fmt: skip
+        if (proofs.NODE_ID_KEY, FUZZER) in metadata:  # FUZZER proves its id (proofs.py)
+            metadata.append((PROOF_METADATA, FUZZER_KEY.prove(path, str(claim), "")))
         channel = self.channels[target]
         fuzzed = (path == boundary.PATH and claimed == FUZZER and claim == self.epoch
                   and self.stages[self.nodes[target]["node_id"]] > 0)  # fmt: skip
@@ -275,7 +284,8 @@ def test_a_training_swarm_shrugs_off_thousands_of_hostile_messages(
     )
     assert sum(storm.hits.values()) == EXAMPLES + 2 * FUZZED and during, "the swarm should train on"
     assert set(storm.hits) == {path for path, _ in ENTRIES} and min(storm.hits.values()) >= 20
-    for refusal in ("FAILED_PRECONDITION", "PERMISSION_DENIED", "NOT_FOUND", "INVALID_ARGUMENT"):
+    for refusal in ("FAILED_PRECONDITION", "UNAUTHENTICATED", "PERMISSION_DENIED",
+                    "INVALID_ARGUMENT"):
         assert storm.codes[refusal] >= 10, storm.codes
     # FUZZER's frames reached every check of a stage as it trained: each stream ended refused
     # by one with INVALID_ARGUMENT and why, or passed them all; the nodes counted each refusal.
@@ -283,7 +293,8 @@ def test_a_training_swarm_shrugs_off_thousands_of_hostile_messages(
     assert all(storm.fuzzed[what] >= 3 for what in ("OK", "the parser", *REFUSED_BY)), storm.fuzzed
     refused = sum(node_status(n["address"]).frames_refused for n in nodes) - refused_before
     assert refused == storm.fuzzed.total() - storm.fuzzed["OK"]
-    _impersonate(coordinator, next(n for n, i in stages.items() if i == 1), plan.epoch)
+    last = next(n["address"] for n in nodes if stages[n["node_id"]] == 2)
+    _impersonate(coordinator, next(n for n, i in stages.items() if i == 1), plan.epoch, last)
     _flood(coordinator)
     assert not node_status(middle).run_done, "the flood should hit a swarm that is still training"
     # Meanwhile, the same run in a plain PyTorch loop (one torch thread, as every node has).
@@ -298,10 +309,13 @@ def test_a_training_swarm_shrugs_off_thousands_of_hostile_messages(
         assert proc.wait(30) == 0
 
 
-def _impersonate(coordinator: str, member: str, epoch: int) -> None:
-    """Every call that speaks for a member, naming the middle stage's node, without its
-    member key or with a guessed one: each is refused (and the run's one plan, asserted at
-    the end, shows that none of them changed anything)."""
+def _impersonate(coordinator: str, member: str, epoch: int, downstream: str) -> None:
+    """Every call that speaks for a member, naming the middle stage's node, without a proof
+    or with a stranger's (a key of its own, a proof made for this very request), and a
+    boundary stream to the last stage claiming to be the middle: each is refused
+    UNAUTHENTICATED (and the run's one plan, asserted at the end, shows that none of them
+    changed anything)."""
+    stranger = NodeKey.generate()
     calls = [
         ("Leave", pb.LeaveRequest(node_id=member)),
         ("Heartbeat", pb.HeartbeatRequest(node_id=member)),
@@ -312,14 +326,22 @@ def _impersonate(coordinator: str, member: str, epoch: int) -> None:
     ]
     with grpc.insecure_channel(coordinator) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
-        for metadata, code in (
-            ((), grpc.StatusCode.UNAUTHENTICATED),
-            (((MEMBER_KEY_METADATA, "a-guess"),), grpc.StatusCode.PERMISSION_DENIED),
-        ):
-            for method, request in calls:
+        for method, request in calls:
+            signed = stranger.prove(COORDINATOR + method, request_digest(request))
+            for metadata in ((), ((PROOF_METADATA, signed),)):
                 with pytest.raises(grpc.RpcError) as refused:
                     getattr(stub, method)(request, metadata=metadata, timeout=10)
-                assert refused.value.code() == code, (method, refused.value.details())
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, (
+                    method, refused.value.details())  # fmt: skip
+    with grpc.insecure_channel(downstream) as channel:
+        metadata = [(proofs.NODE_ID_KEY, member), (proofs.EPOCH_KEY, str(epoch)),
+                    (proofs.GENERATION_KEY, "1")]  # fmt: skip
+        for proof in ((), ((PROOF_METADATA, stranger.prove(boundary.PATH, str(epoch), "1")),)):
+            frame = _frame(0, random.Random(0))
+            call = channel.stream_stream(boundary.PATH)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(call(iter([frame]), metadata=(*metadata, *proof), timeout=10))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value.details()
 
 
 def _flood(coordinator: str) -> None:

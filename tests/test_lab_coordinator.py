@@ -23,13 +23,14 @@ from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL
 from tests.conftest import NODE_ENV, Procs, node_status, progress_events, ravnest
-from tests.fakes import Aborted, Clock, FakeContext, capabilities
+from tests.fakes import Aborted, Clock, FakeContext, capabilities, unproven
 
 RUN = TrainConfig(model="bench-small", steps=2, batch_size=16)
 
 
 def _service(state_dir: Path, clock: Clock, train: TrainConfig = RUN) -> CoordinatorService:
     return CoordinatorService(
+        prove=unproven,
         train=train,
         swarm_size=2,
         swarm_id="lab/bench-small",
@@ -239,18 +240,16 @@ def test_the_store_writes_only_the_member_rows_that_changed_and_reads_back_the_l
     store.create(run=RUN.to_proto(""), swarm_id="lab/bench-small", swarm_size=4)
     members = [Member(f"{i:016x}", f"10.0.0.{i}:1") for i in range(4)]
     caps = {members[1].node_id: capabilities()}
-    keys = {m.node_id: bytes([i]) * 32 for i, m in enumerate(members)}
     writes: list[int] = []
     for n in range(1, 5):  # joins, one at a time; then the second's capabilities
-        store.save_members(members[:n], {}, keys)
-    store.save_members(members, caps, keys)
+        store.save_members(members[:n], {})
+    store.save_members(members, caps)
     # An eviction before the plan: everyone after the first moves up a place.
     left = [members[0], *members[2:]]
-    store.save_members(left, caps, keys)
+    store.save_members(left, caps)
     store._db.set_trace_callback(lambda sql: writes.append(sql.startswith("INSERT")))
-    store.save_members(left, caps, keys)  # nothing changed: the keys alone
-    assert sum(writes) == 1
+    store.save_members(left, caps)  # nothing changed: nothing written
+    assert sum(writes) == 0
     store.close()
     again = CoordinatorStore(tmp_path).load()
     assert again.members == left and again.capabilities == {}
-    assert again.member_keys == keys

@@ -20,7 +20,7 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL, heartbeat_interval
 
 from .conftest import NODE_ENV, Procs, poll_until, progress_events, ravnest, swarm_view
-from .fakes import Aborted, Clock, FakeContext
+from .fakes import Aborted, Clock, FakeContext, unproven
 
 
 def test_a_lease_runs_from_the_last_heartbeat() -> None:
@@ -45,6 +45,7 @@ def _caps() -> pb.Capabilities:
 def _service(clock: Clock) -> CoordinatorService:
     """A two-node swarm with 3 s leases."""
     return CoordinatorService(
+        prove=unproven,
         train=TrainConfig(model="bench-small"), swarm_size=2, swarm_id="s/bench-small",
         summary_path=None, clock=clock, lease_s=3.0,
     )  # fmt: skip

@@ -20,10 +20,12 @@ import torch
 
 from ravnest_node.blocks import BlockWeights, export_blocks, restore_blocks
 from ravnest_node.errors import PeerRefused
+from ravnest_node.identity import NodeKey
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.handoff import from_chunks, to_chunks
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.transport.proofs import provers
 from tests.conftest import Procs, node_status, poll_until, progress_events
 
 NEGATIVE = b"\x00\x00\x80\xbf"  # -1.0 as little-endian float32
@@ -142,17 +144,26 @@ def test_a_fourth_node_joining_mid_run_gets_a_share_of_the_work(
         view = pb_grpc.CoordinatorStub(channel).Swarm(pb.SwarmRequest(), timeout=30)
     assert view.plan.epoch == 2 and len(view.members) == 4
     assert coord.poll() is None
-    # Blocks go only to members of the current plan, for the current plan.
-    with grpc.insecure_channel(address) as channel:
-        node = pb_grpc.NodeStub(channel)
-        for request, code in (
-            (pb.BlockRequest(node_id="intruder", plan_epoch=2), grpc.StatusCode.PERMISSION_DENIED),
-            (pb.BlockRequest(node_id=fourth["node_id"], plan_epoch=1),
-             grpc.StatusCode.FAILED_PRECONDITION),
-        ):  # fmt: skip
-            with pytest.raises(grpc.RpcError) as info:
-                list(node.FetchBlock(request, timeout=30))
-            assert info.value.code() == code
+    # Blocks go only to members of the current plan, for the current plan, asked by
+    # themselves (the test speaks as the fourth node with its key; identity.py).
+    fourth_key, intruder = NodeKey.load_or_create(tmp_path / "n3"), NodeKey.generate()
+    assert fourth_key.node_id == fourth["node_id"]
+    for key, request, code in (
+        (intruder, pb.BlockRequest(node_id=intruder.node_id, plan_epoch=2),
+         grpc.StatusCode.PERMISSION_DENIED),
+        (fourth_key, pb.BlockRequest(node_id=fourth["node_id"], plan_epoch=1),
+         grpc.StatusCode.FAILED_PRECONDITION),
+        (intruder, pb.BlockRequest(node_id=fourth["node_id"], plan_epoch=2),
+         grpc.StatusCode.UNAUTHENTICATED),
+    ):  # fmt: skip
+        async def fetch(key: NodeKey = key, request: pb.BlockRequest = request) -> None:
+            async with grpc.aio.insecure_channel(address, interceptors=provers(key)) as channel:
+                async for _ in pb_grpc.NodeStub(channel).FetchBlock(request, timeout=30):
+                    pass
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            asyncio.run(fetch())
+        assert info.value.code() == code, info.value.details()
 
 
 def test_a_node_that_stops_mid_run_hands_its_blocks_over(tmp_path: Path, procs: Procs) -> None:

@@ -25,6 +25,8 @@ from ravnest_node.transport.boundary import (
 from ravnest_node.transport.frames import Frame, FrameKind, FrameLimits, encode_frame
 from ravnest_node.transport.resume import ResumeGap, ResumeState, SentLog
 
+from .fakes import claimed
+
 LIMITS = FrameLimits(max_message_bytes=1 << 20)
 CUT_AT = (10, 25)
 """The stream is cut once the opener has admitted this many gradients."""
@@ -150,7 +152,7 @@ async def serve(down: Downstream) -> tuple[grpc.aio.Server, int]:
     """A gRPC server on loopback whose boundary streams go to `down`; and its port."""
     server = grpc.aio.server()
     boundary = BoundaryServer(down.open_session, lambda link, error: None,  # type: ignore[arg-type]
-                              lambda reason: None, LIMITS)  # fmt: skip
+                              lambda reason: None, LIMITS, caller=claimed)  # fmt: skip
     server.add_generic_rpc_handlers((boundary.handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

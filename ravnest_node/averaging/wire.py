@@ -20,10 +20,11 @@ import grpc
 
 from ravnest_node.averaging.robust import BanList
 from ravnest_node.errors import PeerRefused, PeerUnavailable
-from ravnest_node.transport.boundary import NODE_ID_KEY, LinkCounters
+from ravnest_node.transport.boundary import LinkCounters
 from ravnest_node.transport.errors import UNANSWERED, Refusal
 from ravnest_node.transport.gate import peer_address, peer_host
 from ravnest_node.transport.options import TransportConfig, grpc_channel
+from ravnest_node.transport.proofs import NODE_ID_KEY
 
 log = logging.getLogger(__name__)
 

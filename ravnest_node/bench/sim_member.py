@@ -9,8 +9,9 @@ block time per block of the run's model); follows the plan stream; sends a heart
 third of its lease; once it owns a stage, reports a step every `step_s` (the last stage of a
 pipeline with a loss), as a stage does after each optimizer step, each at a phase of its own
 within the step; and leaves. Every call
-carries the member's own key (member_keys.py) on a connection of its own (per-peer limits
-count a loopback connection as a peer). Every call's latency is kept by kind.
+carries the member's proof, made with a node key of its own (identity.py: signing costs
+the members' process, verifying the coordinator's, as in a real swarm), on a connection of its
+own (per-peer limits count a loopback connection as a peer). Every call's latency is kept by kind.
 
 Written here rather than reusing the daemon's worker: a worker computes; a thousand of them
 do not fit on this machine, and the coordinator cannot tell these from real ones.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -31,9 +31,11 @@ from typing import Any
 import grpc
 
 from ravnest_node.coordination.election import Ballot, ElectionService, VoteBook
+from ravnest_node.identity import NodeKey
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.protocol import MEMBER_KEY_METADATA, PROTOCOL, heartbeat_interval
+from ravnest_node.protocol import PROTOCOL, heartbeat_interval
+from ravnest_node.transport.proofs import provers
 
 __all__ = ["Latencies", "SimMember"]
 
@@ -68,8 +70,8 @@ class SimMember:
     def __init__(
         self, swarm: str, block_s: list[float], latencies: Latencies, step_s: float
     ) -> None:
-        self.node_id = secrets.token_hex(8)
-        self._key = secrets.token_urlsafe(32)
+        self.key = NodeKey.generate()
+        self.node_id = self.key.node_id
         self._swarm = swarm
         self._block_s = block_s
         self.latencies = latencies
@@ -104,15 +106,15 @@ class SimMember:
                       plan_epoch=epoch)  # fmt: skip
 
     def connect(self, coordinator: str) -> None:
-        self._channel = grpc.aio.insecure_channel(coordinator, options=OWN_CONNECTION)
+        self._channel = grpc.aio.insecure_channel(coordinator, options=OWN_CONNECTION,
+                                                  interceptors=provers(self.key))  # fmt: skip
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.following = coordinator
 
     async def _call(self, kind: str, method: Callable[..., Any], request: Any) -> Any:
         started = time.perf_counter()
         try:
-            reply = await method(request, timeout=CALL_TIMEOUT_S,
-                                 metadata=((MEMBER_KEY_METADATA, self._key),))  # fmt: skip
+            reply = await method(request, timeout=CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             self.latencies.failed[f"{kind} {exc.code().name}"] += 1
             return None

@@ -51,6 +51,7 @@ from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
+from ravnest_node.transport.proofs import provers
 
 CPUS = sorted(os.sched_getaffinity(0))
 COORDINATOR_CPUS = set(CPUS[:1])
@@ -202,7 +203,8 @@ async def _failover(
     channels: dict[str, grpc.aio.Channel] = {}
 
     async def ask(address: str, request: pb.VoteRequest) -> pb.VoteReply:
-        channel = channels.setdefault(address, grpc.aio.insecure_channel(address))
+        channel = channels.setdefault(address, grpc.aio.insecure_channel(
+            address, interceptors=provers(candidate.key)))  # the candidate proves it asks
         reply: pb.VoteReply = await pb_grpc.ElectionStub(channel).Vote(request, timeout=30)
         return reply
 

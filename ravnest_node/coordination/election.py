@@ -38,6 +38,8 @@ from ravnest_node.errors import ConfigError, PeerError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import valid_node_id, write_atomic
+from ravnest_node.transport.errors import Refusal
+from ravnest_node.transport.proofs import check_request
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +153,10 @@ class ElectionService(pb_grpc.ElectionServicer):
             )
         if not valid_node_id(request.candidate_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "candidate_id is not a node id")
+        try:  # the candidate itself asks (transport/proofs.py)
+            check_request(context, "/ravnest.v1.Election/Vote", request)
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.reason)
         async with self._lock:
             state, granted, reason = grant_vote(
                 self._book.state,

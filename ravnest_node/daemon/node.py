@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -46,11 +46,12 @@ from ravnest_node.errors import (
     RunFailed,
     Unreachable,
 )
+from ravnest_node.identity import NodeKey
 from ravnest_node.models.pretrained import local_paths
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.protocol import PROTOCOL
-from ravnest_node.state import load_or_create_member_key, load_or_create_node_id, write_atomic
+from ravnest_node.state import record_node_id, write_atomic
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters
 from ravnest_node.transport.gate import TlsGate
 from ravnest_node.transport.limits import PeerLimiter
@@ -109,15 +110,22 @@ class NodeDaemon:
     """A running node. Create it, then `await run(on_ready)`; `stop()` ends it gracefully."""
 
     def __init__(self, config: NodeConfig) -> None:
-        self.config = config
-        self.node_id = load_or_create_node_id(config.state_dir)
-        self._member_key = load_or_create_member_key(config.state_dir)
-        """What proves to a coordinator that this node's calls are its own (member_keys.py)."""
+        self.key = NodeKey.load_or_create(config.state_dir)
+        """This node's key pair (identity.py): its id is made from it, and every call naming
+        this node carries its proof (transport/proofs.py)."""
+        self.config = replace(config, transport=config.transport.proving(self.key))
+        self.node_id = self.key.node_id
+        before = record_node_id(config.state_dir, self.node_id)
+        if before is not None:
+            log.warning(
+                "this node's id is now %s, made from its node key (it was %s): its "
+                "checkpoints stay; a coordinator sees a new member", self.node_id, before,
+            )  # fmt: skip
         self.address = ""
         self._worker: Worker | None = None
-        self.leadership = Leadership(config, self.node_id, self._coordinator_service)
+        self.leadership = Leadership(self.config, self.node_id, self._coordinator_service)
         """The coordinator this node follows, its own coordinator service, its elections."""
-        self.relays = Relays(config, self.node_id)
+        self.relays = Relays(self.config, self.node_id)
         self.counters = LinkCounters()
         self.averaging = AveragingService()
         """The Push handler, and the record of replicas banned from averaging (kept for the
@@ -244,7 +252,6 @@ class NodeDaemon:
         worker = Worker(
             averaging=self.averaging,
             node_id=self.node_id,
-            member_key=self._member_key,
             address=self.address,
             coordinator_address=found.address if found else "",
             compute_threads=torch.get_num_threads(),

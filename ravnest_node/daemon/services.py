@@ -30,8 +30,18 @@ from ravnest_node.transport.options import (
     split_host_port,
     tcp_answer,
 )
+from ravnest_node.transport.proofs import check_request
 
 T = TypeVar("T")
+
+
+async def _proven(context: grpc.aio.ServicerContext[Any, Any], method: str, request: Any) -> None:
+    """The request's node id is the caller's, proven (transport/proofs.py); the call is
+    aborted UNAUTHENTICATED otherwise."""
+    try:
+        check_request(context, method, request)
+    except Refusal as refusal:
+        await context.abort(refusal.code, refusal.reason)
 
 
 class NodeService(pb_grpc.NodeServicer):
@@ -54,12 +64,14 @@ class NodeService(pb_grpc.NodeServicer):
     async def FetchBlock(
         self, request: pb.BlockRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.BlockChunk]:
+        await _proven(context, "/ravnest.v1.Node/FetchBlock", request)
         async for chunk in self._from_worker(context, lambda w: w.fetch_block(request)):
             yield chunk
 
     async def FetchCheckpoint(
         self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.CheckpointChunk]:
+        await _proven(context, "/ravnest.v1.Node/FetchCheckpoint", request)
         async for chunk in self._from_worker(context, lambda w: w.fetch_checkpoint(request)):
             yield chunk
 

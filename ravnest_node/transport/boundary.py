@@ -42,6 +42,7 @@ from ravnest_node.errors import FrameError, PeerRefused, PeerUnavailable
 from ravnest_node.transport.errors import Refusal, unanswered
 from ravnest_node.transport.frames import Frame, FrameLimits, parse_frame
 from ravnest_node.transport.gate import peer_address
+from ravnest_node.transport.proofs import EPOCH_KEY, GENERATION_KEY, NODE_ID_KEY, caller
 from ravnest_node.transport.resume import ResumeGap, ResumeState, SentLog
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,8 @@ END_OF_STREAM = b""
 `BoundaryBack`, the upstream stage's, as it cannot end a server's half and read on; on
 `Boundary`, the opener's, before it ends its half, so that a dropped connection (which ends a
 server's half with no error) is not taken for the upstream's end."""
-# Initial metadata of a boundary stream: who is sending, under which plan epoch.
-NODE_ID_KEY = "ravnest-node-id"
-EPOCH_KEY = "ravnest-plan-epoch"
-GENERATION_KEY = "ravnest-stream-gen"
-"""Which opening of the stream this is (0, then 1, 2, ... for each resume)."""
+# Initial metadata of a boundary stream: who is sending, under which plan epoch, which opening
+# (proofs.py: NODE_ID_KEY, EPOCH_KEY, GENERATION_KEY, signed by the sender's node key).
 RESUME_KEY = "ravnest-resume"
 """What the side sending it has admitted (`ResumeState.encode`): the opener's in its
 invocation metadata, the server's in its initial metadata."""
@@ -83,18 +81,6 @@ class LinkCounters:
 
 
 Accept = Callable[[Frame], Awaitable[None]]
-
-
-def caller(context: Any) -> tuple[str, int]:
-    """(node id, plan epoch) a call's invocation metadata claims: "" and -1 where missing or
-    malformed, so the checks that follow refuse it."""
-    metadata = dict(context.invocation_metadata() or ())
-    peer_id = str(metadata.get(NODE_ID_KEY, ""))[:128]
-    try:
-        epoch = int(str(metadata.get(EPOCH_KEY, ""))[:20])
-    except ValueError:
-        epoch = -1
-    return peer_id, epoch
 
 
 def resumed_from(context: Any) -> tuple[int, ResumeState | None]:
@@ -415,7 +401,11 @@ class BoundaryServer:
         on_refused: Callable[[str], None],
         limits: FrameLimits,
         dial_in: Callable[[str, int], Awaitable[tuple[BoundaryLink, Accept, Finish]]] | None = None,
+        caller: Callable[[Any, str], tuple[str, int]] = caller,
     ) -> None:
+        self._caller = caller
+        """(peer node id, epoch) of a call, its proof checked (proofs.py; unit tests of the
+        streams give one that takes their readable ids)."""
         self._open_session = open_session
         self._close_session = close_session
         self._on_refused = on_refused
@@ -432,8 +422,8 @@ class BoundaryServer:
     async def _serve_back(self, _requests: object, context: Any) -> None:
         """`BoundaryBack`: this node's stage is the upstream one; the peer is its downstream."""
         assert self._dial_in is not None
-        peer_id, epoch = caller(context)
         try:
+            peer_id, epoch = self._caller(context, BACK_PATH)
             link, accept, finish = await self._dial_in(peer_id, epoch)
         except Refusal as refusal:
             log.warning(
@@ -470,8 +460,8 @@ class BoundaryServer:
             finish(error)
 
     async def _serve(self, _requests: object, context: Any) -> None:
-        peer_id, epoch = caller(context)
         try:
+            peer_id, epoch = self._caller(context, PATH)
             generation, opener = resumed_from(context)
             link, accept, admitted = await self._open_session(peer_id, epoch)
             attached = await link.take(generation)

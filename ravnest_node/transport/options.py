@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -14,7 +15,9 @@ from typing import Any
 import grpc
 
 from ravnest_node.errors import ConfigError, PeerUnavailable
+from ravnest_node.identity import NodeKey
 from ravnest_node.transport.credentials import TLS_NAME, SwarmCredentials, load_credentials
+from ravnest_node.transport.proofs import provers
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -51,6 +54,9 @@ class TransportConfig:
     """Protect the swarm with the same credentials as one line (DIR/token), not --swarm-dir.
 
     Give it as RAVNEST_TRANSPORT_TOKEN to keep it out of the process list."""
+    node_key: NodeKey | None = field(default=None, init=False, repr=False, compare=False)
+    """This node's key (identity.py): not a setting (no flag, no file key); a daemon sets it
+    with `proving`, and every channel made from this config then carries its proofs."""
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_message_bytes <= 2**31 - 1:
@@ -77,6 +83,12 @@ class TransportConfig:
         if self.stop_grace_s < 0 or self.connect_timeout_s <= 0:
             raise ConfigError("stop_grace_s must be >= 0 and connect_timeout_s > 0 (seconds)")
         load_credentials(self.swarm_dir, self.token)  # ConfigError now, not at the first call
+
+    def proving(self, key: NodeKey) -> TransportConfig:
+        """This config, its channels' calls carrying `key`'s proofs (transport/proofs.py)."""
+        out = dataclasses.replace(self)
+        object.__setattr__(out, "node_key", key)  # (frozen, and not an init field)
+        return out
 
     @property
     def credentials(self) -> SwarmCredentials | None:
@@ -215,7 +227,8 @@ def grpc_channel(
     """A channel to the node at `address`: mutual TLS with the swarm's credentials, or plain
     in an open swarm; its calls go through `interceptors` (client interceptors)."""
     options, creds = _channel_args(cfg)
-    chain = list(interceptors) or None
+    proving = provers(cfg.node_key) if cfg.node_key is not None else []
+    chain = [*proving, *interceptors] or None
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=chain)
     return grpc.aio.secure_channel(address, creds, options=options, interceptors=chain)

@@ -34,8 +34,9 @@ from typing import Any
 import grpc
 
 from ravnest_node.errors import ConfigError, PeerRefused, PeerUnavailable
-from ravnest_node.transport.boundary import EPOCH_KEY, NODE_ID_KEY, SERVICE, LinkCounters, caller
+from ravnest_node.transport.boundary import SERVICE, LinkCounters
 from ravnest_node.transport.errors import Refusal, peer_error
+from ravnest_node.transport.proofs import EPOCH_KEY, NODE_ID_KEY, caller
 
 METHOD = "Probe"
 PATH = f"/{SERVICE}/{METHOD}"
@@ -221,7 +222,10 @@ class ProbeServer:
         )
 
     async def _serve(self, request: object, context: Any) -> bytes:
-        peer_id, epoch = caller(context)
+        try:
+            peer_id, epoch = caller(context, PATH)
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.reason)
         if not isinstance(request, bytes):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "probes are raw bytes")
         assert isinstance(request, bytes)

@@ -18,7 +18,6 @@ Publishing and switching are moves, not phases; announcing and draining are one 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 
 import grpc
 
@@ -49,13 +48,8 @@ class PlanBook:
     """The plans of one coordinator's run. `first_epoch`: the epoch of its first plan (1, or
     the election term it won)."""
 
-    def __init__(
-        self, first_epoch: int = 1, stamp: Callable[[pb.Plan], None] | None = None
-    ) -> None:
-        """`stamp`: fills in what the roster knows of a plan's members before it is announced
-        (their key digests, member_keys.py)."""
+    def __init__(self, first_epoch: int = 1) -> None:
         self.phase = Phase.FORMING
-        self._stamp = stamp
         self.first_epoch = first_epoch
         self.current: pb.Plan | None = None
         self.placed: SwarmPlan | None = None
@@ -204,8 +198,6 @@ class PlanBook:
         return plan
 
     def _announce(self, plan: pb.Plan) -> None:
-        if self._stamp is not None:
-            self._stamp(plan)
         copy = pb.Plan()
         copy.CopyFrom(plan)
         self.announcements.append(copy)

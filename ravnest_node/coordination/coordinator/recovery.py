@@ -57,7 +57,6 @@ def take_over(s: SwarmState, plan: pb.Plan, lost: set[str], term: int, known_epo
         if st.node_id not in seen:
             seen.add(st.node_id)
             s.roster.add(Member(st.node_id, st.address), now)
-            s.roster.keys.learn([(st.node_id, st.member_key_sha256)])
     s.book.take_over(copy, known_epoch)
     s.progress.start(now, time.time())
     s.progress.resumed_at = copy.start_step

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
-from ravnest_node.coordination.coordinator.member_keys import MemberKeys
 from ravnest_node.coordination.coordinator.membership import Leases, RoundTrips
 from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.proto import control_pb2 as pb
@@ -45,8 +44,6 @@ class Roster:
         self.capabilities: dict[str, pb.Capabilities] = {}
         """Node id -> what it measured (its last Join with capabilities)."""
         self.leases = Leases(lease_s, own_id=node_id)
-        self.keys = MemberKeys()
-        """The sha256 of each member's key (member_keys.py)."""
         self.rtts = RoundTrips()
         self.lost: dict[str, float] = {}
         """Members counted lost, and when: in no plan until they join again (a restart), or
@@ -117,7 +114,6 @@ class Roster:
             self.capabilities.pop(node_id, None)
             self._measuring.pop(node_id, None)
             self._probe_bytes.pop(node_id, None)
-        self.keys.forget(gone)
         self.members = [m for m in self.members if m.node_id not in gone]
         self.leases = self.leases.forget(gone)
         return True

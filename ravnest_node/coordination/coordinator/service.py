@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 import grpc
+from google.protobuf.message import Message
 
 from ravnest_node.coordination.coordinator import member_calls, recovery, replan, reporting
 from ravnest_node.coordination.coordinator.faults import FaultBook
-from ravnest_node.coordination.coordinator.member_keys import key_of
 from ravnest_node.coordination.coordinator.membership import ProbeAnswer
 from ravnest_node.coordination.coordinator.planbook import PlanBook
 from ravnest_node.coordination.coordinator.progress import RunProgress
@@ -39,6 +39,7 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.protocol import DEFAULT_LEASE_S, UNREACHABLE_KEY
 from ravnest_node.transport.errors import Refusal
+from ravnest_node.transport.proofs import ProofCheck, check_request
 
 __all__ = ["MAX_REACHING", "REACH_TIMEOUT_S", "CoordinatorService"]
 
@@ -79,13 +80,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         node_id: str = "",
         reach: Ask | None = None,
         relay_address: str = "",
+        prove: ProofCheck = check_request,
     ) -> None:
         """`epoch`: of this coordinator's first plan (1, or the election term it won).
         `probe`: asks a suspected member whether it is alive (Suspect); `reach`: asks a
         node joining for the first time whether it answers at its address (None: not
         asked). `node_id`: this coordinator's own node (alive while it answers, never
         probed); `relay_address`: the relay it serves ("" if none), first of SwarmView.relays.
+        `prove`: checks that a member call comes from the node it names (transport/proofs.py;
+        unit tests of the coordinator's rules give one that takes their readable ids).
         ConfigError if `store` holds another run."""
+        self._prove = prove
         self._state = SwarmState.create(
             train=train, swarm_size=swarm_size, swarm_id=swarm_id, summary_path=summary_path,
             clock=clock, epoch=epoch, lease_s=lease_s, store=store, node_id=node_id,
@@ -157,13 +162,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def progress(self) -> RunProgress:
         return self._state.progress
 
-    def _speaks_for(self, node_id: str, context: Context) -> None:
-        """A member-scoped call naming `node_id` carries that member's key (member_keys.py);
-        Refusal otherwise. A call naming no member is left to the call's own checks."""
-        if not self._state.roster.is_member(node_id):
-            return  # (refused as from a stranger by the call itself)
-        if self._state.roster.keys.check(node_id, key_of(context.invocation_metadata())):
-            self._state.save_members()
+    def _speaks_for(self, method: str, request: Message, context: Context) -> None:
+        """A member-scoped call carries the proof of the node its request names, made for
+        this request (transport/proofs.py): Refusal UNAUTHENTICATED otherwise, before it
+        changes anything."""
+        self._prove(context, f"/ravnest.v1.Coordinator/{method}", request)
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -179,10 +182,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # ----- membership and plan ----------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context: Context) -> pb.JoinReply:
-        key = key_of(context.invocation_metadata())
         async with _answered(context):
             member_calls.check_join(request, self._state.num_blocks())
-            self._state.roster.keys.may_join(request.node_id, key)
+            # Its id is made from its key (identity.py): nobody else can join under it.
+            self._speaks_for("Join", request, context)
         if await self._unreachable(request):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -192,18 +195,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 "with --relay-listen); otherwise check --advertise and the firewall",
                 trailing_metadata=((UNREACHABLE_KEY, "1"),),
             )
-        keys = self._state.roster.keys
         async with _answered(context):
-            # The key is the member's before its join can publish a plan (plans carry it).
-            added = keys.claim(request.node_id, key)
-            try:
-                reply, changed = member_calls.join(self._state, request)
-            except Refusal:
-                if added:
-                    keys.forget([request.node_id])
-                raise
-        if added:
-            self._state.save_members()
+            reply, changed = member_calls.join(self._state, request)
         if changed:
             await self._notify()
         return reply
@@ -227,7 +220,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatReply:
         async with _answered(context):
-            self._speaks_for(request.node_id, context)
+            self._speaks_for("Heartbeat", request, context)
             reply, changed = member_calls.heartbeat(self._state, request)
         if changed:
             await self._notify()
@@ -242,7 +235,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         verdict either (a cut link looks like a machine off): its silence counts like any
         other (member_calls.suspects_lost)."""
         async with _answered(context):
-            self._speaks_for(request.node_id, context)
+            self._speaks_for("Suspect", request, context)
             targets = member_calls.suspect_targets(self._state, request, self._probing)
         plan, probe = self.plan, self._probe
         if not targets or plan is None or probe is None:
@@ -265,14 +258,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: Context) -> pb.LeaveReply:
         async with _answered(context):
-            self._speaks_for(request.node_id, context)
+            self._speaks_for("Leave", request, context)
             reply = member_calls.leave(self._state, request)
         await self._notify()
         return reply
 
     async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainReply:
         async with _answered(context):
-            self._speaks_for(request.node_id, context)
+            self._speaks_for("Drain", request, context)
             stop = replan.drain(self._state, request)
         if stop is not None:  # a retry after the end was fixed
             return pb.DrainReply(stop_step=stop)
@@ -306,7 +299,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # ----- progress ---------------------------------------------------------------------------
     async def Report(self, request: pb.StageReport, context: Context) -> pb.ReportReply:
         async with _answered(context):
-            self._speaks_for(request.node_id, context)
+            self._speaks_for("Report", request, context)
             changed = reporting.report(self._state, request)
         if changed:
             await self._notify()

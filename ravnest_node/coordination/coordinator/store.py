@@ -58,8 +58,6 @@ class Saved:
     swarm_size: int = 0
     members: list[Member] = field(default_factory=list)
     capabilities: dict[str, pb.Capabilities] = field(default_factory=dict)
-    member_keys: dict[str, bytes] = field(default_factory=dict)
-    """Node id -> the sha256 of its member key (member_keys.py)."""
     plan: pb.Plan | None = None
     started_unix: float = 0.0
     """Wall-clock time (time.time()) the plan was published."""
@@ -177,9 +175,6 @@ class CoordinatorStore:
             saved.members.append(Member(node_id=str(node_id), address=str(address)))
             if caps is not None:
                 saved.capabilities[node_id] = pb.Capabilities.FromString(caps)
-        if "member_keys" in meta:
-            keys = json.loads(str(meta["member_keys"]))
-            saved.member_keys = {str(k): bytes.fromhex(str(v)) for k, v in keys.items()}
         for pipeline, step, loss in db.execute("SELECT pipeline, step, loss FROM losses"):
             saved.pipeline_losses.setdefault(int(pipeline), {})[int(step)] = float(loss)
         for node_id, nbytes in db.execute("SELECT node_id, bytes FROM bytes_sent"):
@@ -208,11 +203,8 @@ class CoordinatorStore:
         self,
         members: Iterable[Member],
         capabilities: dict[str, pb.Capabilities],
-        member_keys: dict[str, bytes] | None = None,
     ) -> None:
-        """Replace the member list (joins, and evictions before the plan) and the digests of
-        their keys."""
-        keys = json.dumps({k: v.hex() for k, v in sorted((member_keys or {}).items())})
+        """Replace the member list (joins, and evictions before the plan)."""
         rows = [
             (
                 i,
@@ -234,7 +226,6 @@ class CoordinatorStore:
                     cur.execute("DELETE FROM members WHERE position >= ?", (len(rows),))
                 changed = [r for r in rows if r[0] >= len(old) or old[r[0]] != r]
             cur.executemany("INSERT OR REPLACE INTO members VALUES (?, ?, ?, ?)", changed)
-            cur.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ("member_keys", keys))
         self._members = rows
 
     def save_plan(self, plan: pb.Plan, started_unix: float) -> None:

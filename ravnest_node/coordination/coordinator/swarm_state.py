@@ -75,7 +75,7 @@ class SwarmState:
             train=train, model=model, swarm_id=swarm_id, swarm_size=swarm_size,
             fingerprint=model.dataset(seed=train.seed).fingerprint, clock=clock,
             summary_path=summary_path, store=store,
-            roster=roster, book=PlanBook(epoch, stamp=roster.keys.stamp), faults=FaultBook(),
+            roster=roster, book=PlanBook(epoch), faults=FaultBook(),
             progress=RunProgress(train, clock),
         )  # fmt: skip
         if store is not None:
@@ -108,7 +108,7 @@ class SwarmState:
     def save_members(self) -> None:
         if self.store is not None:
             roster = self.roster
-            self.store.save_members(roster.members, roster.capabilities, roster.keys.digests)
+            self.store.save_members(roster.members, roster.capabilities)
 
     def save_faults(self) -> None:
         if self.store is not None:
@@ -150,7 +150,6 @@ class SwarmState:
     def _resume(self, saved: Saved) -> None:
         now = self.clock()
         self.roster.resume(saved.members, saved.capabilities, now)
-        self.roster.keys.learn(saved.member_keys.items())
         faults, progress = saved.faults, self.progress
         self.faults.resume(
             crashes=faults.crashes, restores=faults.restores, dropped=faults.dropped,

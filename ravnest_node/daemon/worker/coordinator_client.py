@@ -23,10 +23,9 @@ import asyncio
 import contextlib
 import logging
 import random
-import secrets
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -38,7 +37,6 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.protocol import (
     DEFAULT_LEASE_S,
-    MEMBER_KEY_METADATA,
     UNREACHABLE_KEY,
     heartbeat_interval,
     hold_s,
@@ -116,19 +114,6 @@ def coordinator_errors(address: str) -> Iterator[None]:
         yield
 
 
-class _MemberKey(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]  # untyped
-    """Adds this node's member key to the metadata of every unary call on a channel."""
-
-    def __init__(self, key: str) -> None:
-        self._pair = (MEMBER_KEY_METADATA, key)
-
-    async def intercept_unary_unary(
-        self, continuation: Callable[..., Any], details: Any, request: Any
-    ) -> Any:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
-        return await continuation(details._replace(metadata=metadata), request)
-
-
 class Holdings(Protocol):
     """What this node's heartbeats say about its checkpoints (the checkpoint keeper)."""
 
@@ -157,10 +142,9 @@ class CoordinatorClient:
         transport: TransportConfig,
         changes: Changes,
         grace_s: float,
-        member_key: str = "",
     ) -> None:
-        """`member_key`: sent with every call this node makes as a member (member_keys.py in
-        the coordinator); "" makes one for this run of the node."""
+        """Calls go on channels of `transport`: with the node's key set (`proving`), each
+        carries its proof (transport/proofs.py)."""
         self._join = join
         """What this node says when it joins: its id, address and threads; its capabilities
         once measured (sent again to a new coordinator)."""
@@ -177,8 +161,6 @@ class CoordinatorClient:
         self.joined = asyncio.Event()
         """Set once this node has joined: heartbeats go from then on."""
         self._transport = transport
-        self._keyed = [_MemberKey(member_key or secrets.token_urlsafe(32))]
-        """The channel interceptor that sends the member key with every call."""
         self._changes = changes
         self._grace_s = grace_s
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -211,7 +193,7 @@ class CoordinatorClient:
         new coordinator after a failover (`follow`), retries included."""
         channel = self._channels.get(self.address)
         if channel is None:
-            channel = grpc_channel(self.address, self._transport, self._keyed)
+            channel = grpc_channel(self.address, self._transport)
             self._channels[self.address] = channel
         return pb_grpc.CoordinatorStub(channel)
 
@@ -403,7 +385,7 @@ class CoordinatorClient:
             reason=str(error)[:200],
         )
         try:
-            async with open_channel(self.address, self._transport, self._keyed) as channel:
+            async with open_channel(self.address, self._transport) as channel:
                 with coordinator_errors(self.address):
                     # The coordinator may probe twice, each for up to a lease.
                     reply = await pb_grpc.CoordinatorStub(channel).Suspect(
@@ -418,7 +400,7 @@ class CoordinatorClient:
     async def leave(self) -> bool:
         """Tell the coordinator this node is leaving; True if it should stay until a plan
         without it has taken its blocks over. PeerUnavailable / PeerRefused if it cannot."""
-        async with open_channel(self.address, self._transport, self._keyed) as channel:
+        async with open_channel(self.address, self._transport) as channel:
             with coordinator_errors(self.address):
                 reply = await pb_grpc.CoordinatorStub(channel).Leave(
                     pb.LeaveRequest(node_id=self.node_id),

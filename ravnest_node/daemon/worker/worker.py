@@ -105,7 +105,6 @@ class Worker:
         node_id: str,
         address: str,
         coordinator_address: str,
-        member_key: str = "",
         compute_threads: int,
         transport: TransportConfig,
         compute: Executor,
@@ -128,7 +127,7 @@ class Worker:
                               protocol=PROTOCOL)  # fmt: skip
         self._client = client = CoordinatorClient(
             join=join, address=coordinator_address, transport=transport, changes=changes,
-            grace_s=coordinator_grace_s, member_key=member_key,
+            grace_s=coordinator_grace_s,
         )  # fmt: skip
         self._links = LinkMeter(node_id=node_id, transport=transport, counters=counters)
         self._sessions = Sessions(node_id=node_id, transport=transport, counters=counters,
