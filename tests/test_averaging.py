@@ -51,6 +51,7 @@ from ravnest_node.transport.options import TransportConfig, server_options
 from ravnest_node.transport.proofs import NODE_ID_KEY
 
 from .conftest import Procs, read_line, wait_for_line
+from .fakes import claimed
 
 PEER = Path(__file__).with_name("averaging_peer.py")
 LIMIT = 4 * 2**20
@@ -329,7 +330,7 @@ async def _group(
         for i in servers
     }
     for i, server in servers.items():
-        server.add_generic_rpc_handlers([averagers[i].handler()])
+        server.add_generic_rpc_handlers([averagers[i].handler(caller=claimed)])
         await server.start()
     try:
         yield averagers
@@ -441,7 +442,7 @@ async def test_bad_pushes_are_refused_with_a_status_and_change_nothing() -> None
     server = grpc.aio.server(options=server_options(TransportConfig()))
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     service = AveragingService()
-    server.add_generic_rpc_handlers([service.handler()])
+    server.add_generic_rpc_handlers([service.handler(caller=claimed)])
     await server.start()
     config = AveragingConfig(codec="none", timeout_s=5.0)
     averager = ReplicaAverager(

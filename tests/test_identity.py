@@ -28,6 +28,7 @@ from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL
 from ravnest_node.state import MEMBER_KEY_FILE, NODE_ID_FILE, record_node_id
+from ravnest_node.transport.options import TransportConfig
 from ravnest_node.transport.proofs import request_digest
 
 from .fakes import Aborted, Clock, FakeContext, capabilities
@@ -63,6 +64,16 @@ def test_a_state_dir_from_before_node_keys_upgrades_and_keeps_its_checkpoints(
     assert not (tmp_path / MEMBER_KEY_FILE).exists()
     assert checkpoint.read_bytes() == b"weights"
     assert record_node_id(tmp_path, key.node_id) is None  # the next start: nothing changes
+
+
+def test_a_transport_config_keeps_its_node_key_when_changed() -> None:
+    """A stream's resume opens its channel with a shorter connect timeout: that channel must
+    still prove the node's id (a test of the 10-second cut found it did not)."""
+    key = NodeKey.generate()
+    proving = TransportConfig().proving(key)
+    changed = proving.changed(connect_timeout_s=3.0)
+    assert changed.node_key is key and changed.connect_timeout_s == 3.0
+    assert TransportConfig().changed(connect_timeout_s=3.0).node_key is None
 
 
 def test_a_proof_holds_for_its_call_only() -> None:

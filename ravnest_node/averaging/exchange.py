@@ -37,8 +37,10 @@ from ravnest_node.averaging.topology import Topology
 from ravnest_node.averaging.whole_round import whole_round
 from ravnest_node.averaging.wire import ChannelFactory, Pusher, Replica, push_handler
 from ravnest_node.errors import ConfigError
+from ravnest_node.transport import proofs
 from ravnest_node.transport.boundary import LinkCounters
 from ravnest_node.transport.options import TransportConfig
+from ravnest_node.transport.proofs import Caller
 
 __all__ = ["ReplicaAverager", "RoundResult"]
 
@@ -143,11 +145,11 @@ class ReplicaAverager:
 
     # ---- the server side ----
 
-    def handler(self) -> Any:
+    def handler(self, caller: Caller = proofs.caller) -> Any:
         """The gRPC generic handler of the Push method, to add to a grpc.aio server (a node
         whose server starts before it knows its group registers an AveragingService instead
-        and attaches this averager to it)."""
-        return push_handler(lambda: self)
+        and attaches this averager to it); `caller`: push_handler's."""
+        return push_handler(lambda: self, caller)
 
     async def receive(self, request: bytes, sender: str, source: str = "") -> None:
         """Validate, decode and keep one pushed part from the host `source`; Refusal (with the

@@ -20,11 +20,12 @@ import grpc
 
 from ravnest_node.averaging.robust import BanList
 from ravnest_node.errors import PeerRefused, PeerUnavailable
+from ravnest_node.transport import proofs
 from ravnest_node.transport.boundary import LinkCounters
 from ravnest_node.transport.errors import UNANSWERED, Refusal
 from ravnest_node.transport.gate import peer_address, peer_host
 from ravnest_node.transport.options import TransportConfig, grpc_channel
-from ravnest_node.transport.proofs import NODE_ID_KEY
+from ravnest_node.transport.proofs import NODE_ID_KEY, Caller
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +61,20 @@ class PushReceiver(Protocol):
         ...
 
 
-def push_handler(receiver: Callable[[], PushReceiver | None]) -> Any:
+def push_handler(
+    receiver: Callable[[], PushReceiver | None], caller: Caller = proofs.caller
+) -> Any:
     """The gRPC generic handler of `PATH`, passing each push to `receiver()`; while that is
-    None (no replica group yet) pushes are refused with FAILED_PRECONDITION."""
+    None (no replica group yet) pushes are refused with FAILED_PRECONDITION. A push whose
+    sender's proof fails is refused UNAUTHENTICATED first (`caller`: proofs.py; unit tests of
+    averaging give one that takes their readable ids)."""
 
     async def serve(request: bytes, context: Any) -> bytes:
         metadata = dict(context.invocation_metadata() or ())
         sender = str(metadata.get(NODE_ID_KEY, ""))[:MAX_NODE_ID_LEN]
         target = receiver()
         try:
+            caller(context, PATH)
             if target is None:
                 raise Refusal(
                     grpc.StatusCode.FAILED_PRECONDITION, "this node has no replica group (yet)"
@@ -106,9 +112,9 @@ class AveragingService:
         """Route pushes to `receiver` from now on (None: refuse them)."""
         self._receiver = receiver
 
-    def handler(self) -> Any:
+    def handler(self, caller: Caller = proofs.caller) -> Any:
         """The gRPC generic handler to add to the node's grpc.aio server."""
-        return push_handler(lambda: self._receiver)
+        return push_handler(lambda: self._receiver, caller)
 
 
 class PeerBehind(PeerRefused):

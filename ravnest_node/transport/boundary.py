@@ -39,10 +39,18 @@ from typing import Any
 import grpc
 
 from ravnest_node.errors import FrameError, PeerRefused, PeerUnavailable
+from ravnest_node.identity import NodeKey
 from ravnest_node.transport.errors import Refusal, unanswered
 from ravnest_node.transport.frames import Frame, FrameLimits, parse_frame
 from ravnest_node.transport.gate import peer_address
-from ravnest_node.transport.proofs import EPOCH_KEY, GENERATION_KEY, NODE_ID_KEY, caller
+from ravnest_node.transport.proofs import (
+    EPOCH_KEY,
+    GENERATION_KEY,
+    NODE_ID_KEY,
+    Caller,
+    caller,
+    with_proof,
+)
 from ravnest_node.transport.resume import ResumeGap, ResumeState, SentLog
 
 log = logging.getLogger(__name__)
@@ -300,9 +308,11 @@ async def run_client_stream(
     on_refused: Callable[[str], None],
     generation: int = 0,
     admitted: Callable[[], ResumeState] | None = None,
+    key: NodeKey | None = None,
 ) -> None:
     """Open the boundary stream to the downstream stage (its `generation`-th opening; from 1
-    on a resume, `admitted` saying which gradients this side still awaits) and move frames
+    on a resume, `admitted` saying which gradients this side still awaits; `key`: this node's,
+    whose proof the opening carries, proofs.py) and move frames
     both ways until both sides have finished. Raises StreamBroken when it breaks on the
     network (open it again with the next generation), PeerRefused when the downstream
     refuses it (or cannot resume it), and FrameError for a frame it sent that `accept`
@@ -311,7 +321,7 @@ async def run_client_stream(
                 (GENERATION_KEY, str(generation))]  # fmt: skip
     if generation > 0 and admitted is not None:
         metadata.append((RESUME_KEY, admitted().encode()))
-    call = channel.stream_stream(PATH)(metadata=tuple(metadata))
+    call = channel.stream_stream(PATH)(metadata=with_proof(key, PATH, metadata))
 
     async def write_all() -> None:
         answer = dict(await call.initial_metadata() or ())
@@ -350,14 +360,16 @@ async def run_back_stream(
     limits: FrameLimits,
     accept: Accept,
     on_refused: Callable[[str], None],
+    key: NodeKey | None = None,
 ) -> None:
-    """The downstream stage's side of `BoundaryBack`: open it on the upstream stage's server
+    """The downstream stage's side of `BoundaryBack` (its opening carries `key`'s proof):
+    open it on the upstream stage's server
     and move frames both ways (activations in, through `accept`; gradients out, from `link`)
     until the upstream has said it is done and this side's queued frames are out. Raises
     PeerRefused / PeerUnavailable for gRPC failures or a stream the upstream ends early, and
     FrameError for a frame it sent that `accept` refused."""
     call = channel.stream_stream(BACK_PATH)(
-        metadata=((NODE_ID_KEY, node_id), (EPOCH_KEY, str(epoch))),
+        metadata=with_proof(key, BACK_PATH, ((NODE_ID_KEY, node_id), (EPOCH_KEY, str(epoch)))),
     )
 
     async def read_all() -> None:
@@ -401,7 +413,7 @@ class BoundaryServer:
         on_refused: Callable[[str], None],
         limits: FrameLimits,
         dial_in: Callable[[str, int], Awaitable[tuple[BoundaryLink, Accept, Finish]]] | None = None,
-        caller: Callable[[Any, str], tuple[str, int]] = caller,
+        caller: Caller = caller,
     ) -> None:
         self._caller = caller
         """(peer node id, epoch) of a call, its proof checked (proofs.py; unit tests of the

@@ -84,11 +84,16 @@ class TransportConfig:
             raise ConfigError("stop_grace_s must be >= 0 and connect_timeout_s > 0 (seconds)")
         load_credentials(self.swarm_dir, self.token)  # ConfigError now, not at the first call
 
-    def proving(self, key: NodeKey) -> TransportConfig:
+    def proving(self, key: NodeKey | None) -> TransportConfig:
         """This config, its channels' calls carrying `key`'s proofs (transport/proofs.py)."""
         out = dataclasses.replace(self)
         object.__setattr__(out, "node_key", key)  # (frozen, and not an init field)
         return out
+
+    def changed(self, **changes: Any) -> TransportConfig:
+        """This config with `changes`, its node key kept (`dataclasses.replace` alone drops
+        it: the key is not an init field, and a channel without it sends no proofs)."""
+        return dataclasses.replace(self, **changes).proving(self.node_key)
 
     @property
     def credentials(self) -> SwarmCredentials | None:

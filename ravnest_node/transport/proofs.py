@@ -6,9 +6,9 @@ stream, its generation): the proof signs the method and those values. Calls whos
 names the caller (`node_id` in the coordinator's Join, Heartbeat, Report, Suspect, Drain and
 Leave, a holder's FetchBlock and FetchCheckpoint, `candidate_id` in a Vote) have the proof sign
 the method, the id and the sha256 of the request's bytes, so that a proof made for one
-request does not serve another. `provers` add proofs to every call of a channel; `caller` and
-`check_request` are the receivers' checks: a call whose proof fails is refused
-UNAUTHENTICATED, logged with the address it came from, and changes nothing.
+request does not serve another. `provers` add proofs to a channel's calls, `with_proof` to a
+boundary stream's; `caller` and `check_request` are the receivers' checks: a call whose proof
+fails is refused UNAUTHENTICATED, logged with the address it came from, and changes nothing.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ __all__ = [
     "EPOCH_KEY",
     "GENERATION_KEY",
     "NODE_ID_KEY",
+    "Caller",
     "ProofCheck",
     "caller",
     "check_request",
     "provers",
     "request_digest",
+    "with_proof",
 ]
 
 log = logging.getLogger(__name__)
@@ -107,30 +109,32 @@ class _UnaryStream(_Proving, grpc.aio.UnaryStreamClientInterceptor):  # type: ig
         return await continuation(self._details(details, request), request)
 
 
-class _StreamUnary(_Proving, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
-    async def intercept_stream_unary(
-        self, continuation: Callable[..., Any], details: Any, request_iterator: Any
-    ) -> Any:
-        return await continuation(self._details(details), request_iterator)
-
-
-class _StreamStream(_Proving, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
-    async def intercept_stream_stream(
-        self, continuation: Callable[..., Any], details: Any, request_iterator: Any
-    ) -> Any:
-        return await continuation(self._details(details), request_iterator)
-
-
 def provers(key: NodeKey) -> list[Any]:
-    """The client interceptors that add `key`'s proofs to a channel's calls, one for each kind
-    of call (a grpc.aio channel files an interceptor under one kind only)."""
-    return [kind(key) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    """The client interceptors that add `key`'s proofs to a channel's unary-request calls, one
+    for each kind (a grpc.aio channel files an interceptor under one kind only). Streamed
+    requests (the boundary streams) add theirs with `with_proof`: through an interceptor, a
+    call's responses become one async generator that two tasks cannot read at once, and a
+    boundary stream's writer reads the status while its reader reads frames."""
+    return [_UnaryUnary(key), _UnaryStream(key)]
+
+
+def with_proof(
+    key: NodeKey | None, method: str, metadata: Sequence[tuple[str, str]]
+) -> tuple[tuple[str, str], ...]:
+    """A data-plane call's `metadata` with `key`'s proof (as it is without a key)."""
+    if key is None:
+        return tuple(metadata)
+    return (*metadata, (PROOF_METADATA, key.prove(method, *_signed_values(metadata))))
 
 
 def _refuse(context: Any, node_id: str, error: ProofError) -> Refusal:
     log.warning("refused a call claiming node %s from %s: %s", node_id or "(none)",
                 context.peer(), error)  # fmt: skip
     return Refusal(grpc.StatusCode.UNAUTHENTICATED, str(error))
+
+
+Caller = Callable[[Any, str], tuple[str, int]]
+"""`caller`'s signature: (context, method) -> (node id, epoch); raises Refusal."""
 
 
 def caller(context: Any, method: str) -> tuple[str, int]:

@@ -422,7 +422,8 @@ class Sessions:
                 try:
                     await run_back_stream(channel, link, node_id=self.node_id,
                                           epoch=plan.epoch, limits=self.limits, accept=accept,
-                                          on_refused=self.on_refused)  # fmt: skip
+                                          on_refused=self.on_refused,
+                                          key=self._transport.node_key)  # fmt: skip
                 except (PeerError, FrameError, LinkAborted) as exc:
                     error = exc
                 except asyncio.CancelledError:  # the node stops: nobody waits for the stream
