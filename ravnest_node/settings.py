@@ -299,6 +299,16 @@ def _tree(cls: type) -> _Section:
     return root
 
 
+NOT_A_SETTING = {"setting": False}
+"""A config field's metadata that keeps it out of the settings (no flag, no variable, no
+file key), e.g. a key the daemon hands its transport (`TransportConfig.node_key`)."""
+
+
+def is_setting(field: dataclasses.Field[Any]) -> bool:
+    """Whether a config field is a setting (not marked NOT_A_SETTING)."""
+    return bool(field.metadata.get("setting", True))
+
+
 def _section(
     cls: type, name: str, path: tuple[str, ...], doc: str, instance: Any, *, flat: bool
 ) -> _Section:
@@ -309,7 +319,7 @@ def _section(
     docs = field_docs(cls)
     children: list[_Leaf | _Section] = []
     for field in dataclasses.fields(cls):
-        if not field.init:
+        if not field.init or not is_setting(field):
             continue
         hint = hints[field.name]
         if instance is not _MISSING:
@@ -549,7 +559,7 @@ def to_env(config: object, prefix: Sequence[str] = ()) -> dict[str, str]:
         raise TypeError(f"{config!r} is not a dataclass instance")
     out: dict[str, str] = {}
     for f in dataclasses.fields(config):
-        if not f.init:  # not a setting
+        if not is_setting(f):
             continue
         value = getattr(config, f.name)
         path = (*prefix, f.name)

@@ -13,7 +13,7 @@ from ravnest_node.bench.config import BenchConfig
 from ravnest_node.cli.reference import render
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.launch.demo import DemoConfig
-from ravnest_node.settings import field_docs
+from ravnest_node.settings import field_docs, is_setting
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ def _fields(cls: type, prefix: str = "") -> Iterator[tuple[str, str, bool]]:
     section's settings are addressed as its parent's (settings.py)."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.init:  # not a setting (settings.py skips it): TransportConfig.node_key
+        if not is_setting(f):  # (settings.py skips it: TransportConfig.node_key)
             continue
         section = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None
         yield f"{prefix}{f.name}", docs.get(f.name, ""), section is None

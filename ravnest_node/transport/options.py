@@ -16,6 +16,7 @@ import grpc
 
 from ravnest_node.errors import ConfigError, PeerUnavailable
 from ravnest_node.identity import NodeKey
+from ravnest_node.settings import NOT_A_SETTING
 from ravnest_node.transport.credentials import TLS_NAME, SwarmCredentials, load_credentials
 from ravnest_node.transport.proofs import provers
 
@@ -54,9 +55,11 @@ class TransportConfig:
     """Protect the swarm with the same credentials as one line (DIR/token), not --swarm-dir.
 
     Give it as RAVNEST_TRANSPORT_TOKEN to keep it out of the process list."""
-    node_key: NodeKey | None = field(default=None, init=False, repr=False, compare=False)
+    node_key: NodeKey | None = field(default=None, repr=False, compare=False,
+                                     metadata=NOT_A_SETTING)  # fmt: skip
     """This node's key (identity.py): not a setting (no flag, no file key); a daemon sets it
-    with `proving`, and every channel made from this config then carries its proofs."""
+    with `proving`, and every channel made from this config then carries its proofs (a copy
+    made with `dataclasses.replace` keeps it)."""
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_message_bytes <= 2**31 - 1:
@@ -86,14 +89,7 @@ class TransportConfig:
 
     def proving(self, key: NodeKey | None) -> TransportConfig:
         """This config, its channels' calls carrying `key`'s proofs (transport/proofs.py)."""
-        out = dataclasses.replace(self)
-        object.__setattr__(out, "node_key", key)  # (frozen, and not an init field)
-        return out
-
-    def changed(self, **changes: Any) -> TransportConfig:
-        """This config with `changes`, its node key kept (`dataclasses.replace` alone drops
-        it: the key is not an init field, and a channel without it sends no proofs)."""
-        return dataclasses.replace(self, **changes).proving(self.node_key)
+        return dataclasses.replace(self, node_key=key)
 
     @property
     def credentials(self) -> SwarmCredentials | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -381,7 +382,7 @@ class StageTrainer:
         jitter, until it ends as a stream does, or the plan breaks (`_may_resume`)."""
         assert stage.downstream is not None
         address, epoch = stage.downstream.address, stage.plan.epoch
-        attempt = self._transport.changed(connect_timeout_s=RESUME_CONNECT_S)
+        attempt = dataclasses.replace(self._transport, connect_timeout_s=RESUME_CONNECT_S)
         backoff = Backoff(*RESUME_BACKOFF_S)
         loop = asyncio.get_running_loop()
         broken_at = loop.time()
