@@ -32,6 +32,8 @@ from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.frames import FrameKind, Outgoing, encode_frame
 from ravnest_node.transport.options import TransportConfig, server_options
 
+from .fakes import claimed
+
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LAYOUT = ((64, 48), (48,), (3, 4, 5), (2, 2), (), (40, 30))
 """Two compressed matrices (64 x 48; 40 x 30 at rank <= 4), a 3-d entry seen as 3 x 20 (too
@@ -273,7 +275,7 @@ async def group(
         for i in range(n)
     }
     for i, server in enumerate(servers):
-        server.add_generic_rpc_handlers([averagers[i].handler()])
+        server.add_generic_rpc_handlers([averagers[i].handler(caller=claimed)])
         await server.start()
     try:
         yield averagers
