@@ -16,6 +16,7 @@ import grpc
 
 from ravnest_node.bench import links
 from ravnest_node.bench.links import LinkSpec, NetnsSwarm
+from ravnest_node.models import get_model
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 
@@ -31,12 +32,16 @@ had their time (they go at a fifth of the measured link: checkpoint_copies.COPY_
 DOWN_S = 60.0
 RUN = ("--model", "tiny", "--steps", str(STEPS), "--checkpoint-every", "10", "--seed", "0",
        "--batch-size", str(BATCH))  # fmt: skip
+KEEP_ALL = ("--checkpoint-keep", "1000")
+"""Every node keeps all its checkpoints: a copy of the middle's checkpoint (paced, seconds on
+these links while a step takes tens of ms) is then always of a step its neighbours still hold
+their own of."""
 FAULT_BLOCK_MS = 10
 """The run is slowed (a sleep a block and microbatch: not CPU-bound) so that it is still going
 when the link comes back."""
 MINUTE_FAULT_BLOCK_MS = 25
-"""The same for the minute-long cut: at 10 ms the two nodes left finished the run during the
-outage (CI, 2026-12-04)."""
+"""The same for the minute-long cut, on every node: at 10 ms the two nodes left finished the run
+during the outage (CI, 2026-12-04)."""
 
 
 def status(address: str) -> pb.NodeStatus | None:
@@ -50,15 +55,31 @@ def status(address: str) -> pb.NodeStatus | None:
 
 
 def start_swarm(
-    procs: Procs, net: NetnsSwarm, tmp_path: Path, fault_block_ms: int = FAULT_BLOCK_MS
+    procs: Procs,
+    net: NetnsSwarm,
+    tmp_path: Path,
+    fault_block_ms: int = FAULT_BLOCK_MS,
+    *,
+    lab: bool = False,
 ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    """Three nodes, the first of them the coordinator (slowed by `fault_block_ms`), in hosts
+    0-2 of `net`; with `lab`, a lab coordinator (no stage) in host 0 and the three nodes, each
+    slowed, in hosts 1-3. The coordinator's state dir is tmp_path/n0 either way."""
     addresses = [f"{h.address}:{PORT}" for h in net.hosts]
     nodes = []
-    for i in range(3):
-        run = (*RUN, "--fault-block-ms", str(fault_block_ms))
-        role = ("--swarm-size", "3", *run) if i == 0 else ("--join", addresses[0])
+    slow = ("--fault-block-ms", str(fault_block_ms))
+    if lab:
+        coordinator = ("--listen", addresses[0], "--swarm-size", "3", *RUN)
+        proc, _ = procs.start_node(
+            tmp_path / "n0", *coordinator, command="coordinator", prefix=net.exec_prefix(0)
+        )
+        nodes.append(proc)
+    for i in range(len(nodes), len(nodes) + 3):
+        role = ("--swarm-size", "3", *RUN, *slow) if i == 0 else ("--join", addresses[0])
+        if lab:
+            role = (*role, *slow)
         proc, _ = procs.start_node(tmp_path / f"n{i}", "--listen", addresses[i], *role,
-                                   prefix=net.exec_prefix(i))  # fmt: skip
+                                   *KEEP_ALL, prefix=net.exec_prefix(i))  # fmt: skip
         nodes.append(proc)
     return nodes, addresses
 
@@ -79,6 +100,24 @@ def middle_at_cut_step(addresses: list[str]) -> int:
     return middle[0]
 
 
+def restore_point(state_dirs: list[Path]) -> int | None:
+    """The newest step at which the checkpoints and checkpoint copies in `state_dirs` hold
+    every block of the model together (what the coordinator can restore from without the
+    other nodes), or None."""
+    blocks: dict[int, set[int]] = {}
+    for state_dir in state_dirs:
+        manifests = [*state_dir.glob("checkpoints/step-*.json"),
+                     *state_dir.glob("checkpoint-copies/*/step-*.json")]  # fmt: skip
+        for path in manifests:
+            try:
+                m = json.loads(path.read_text())
+            except (OSError, ValueError):  # removed or being written meanwhile
+                continue
+            blocks.setdefault(m["step"], set()).update(range(m["first_block"], m["stop_block"]))
+    every = set(range(get_model("tiny").num_blocks()))
+    return max((step for step, held in blocks.items() if held >= every), default=None)
+
+
 def test_a_middle_node_cut_off_for_a_minute_comes_back_and_the_run_finishes(
     procs: Procs, tmp_path: Path
 ) -> None:
@@ -86,12 +125,18 @@ def test_a_middle_node_cut_off_for_a_minute_comes_back_and_the_run_finishes(
     counts it lost and restores the run from checkpoints on the two others; the cut node waits
     (no exit), and once its link is back it is heard again and gets a stage in a later plan.
     The run reaches its last step with every sample counted once, and every daemon is still
-    running at the end (a SIGTERM then stops each, exit 0)."""
+    running at the end (a SIGTERM then stops each, exit 0). The coordinator is a lab
+    coordinator of its own (one that trains may own the middle stage, and cutting it off is
+    another fault). The cut comes once the two others hold a restore point: in CI on
+    2026-12-04 the middle's paced checkpoint copy was still coming when the cut came at step
+    40, nothing restored without it, and the restore plan (when it was back) had all three."""
     require_netns()
     links.remove_leftovers(TEST_NAME)  # of a run killed before its teardown
-    with NetnsSwarm(3, LinkSpec(50, 0), name=TEST_NAME) as net:
-        nodes, addresses = start_swarm(procs, net, tmp_path, MINUTE_FAULT_BLOCK_MS)
+    with NetnsSwarm(4, LinkSpec(50, 0), name=TEST_NAME) as net:
+        nodes, addresses = start_swarm(procs, net, tmp_path, MINUTE_FAULT_BLOCK_MS, lab=True)
         cut = middle_at_cut_step(addresses)
+        others = [tmp_path / f"n{i}" for i in (1, 2, 3) if i != cut]
+        poll_until(lambda: restore_point(others) is not None, 60)
         net.link_down(cut)
         down_at = time.monotonic()
         try:
@@ -107,10 +152,10 @@ def test_a_middle_node_cut_off_for_a_minute_comes_back_and_the_run_finishes(
         poll_until(lambda: summary_path.exists() or any(p.poll() is not None for p in nodes), 300)
         exits = [p.poll() for p in nodes]
         summary: dict[str, Any] = json.loads(summary_path.read_text())
-        assert exits == [None, None, None], (exits, _log_tails(tmp_path))
+        assert exits == [None] * 4, (exits, _log_tails(tmp_path, 4))
         for proc in nodes:
             proc.send_signal(signal.SIGTERM)
-        assert [proc.wait(60) for proc in nodes] == [0, 0, 0]
+        assert [proc.wait(60) for proc in nodes] == [0] * 4
     assert summary["steps"] == STEPS
     assert summary["samples"] == STEPS * BATCH
     plans = [(p["epoch"], p["start_step"], p["nodes"]) for p in summary["plans"]]
@@ -121,10 +166,9 @@ def test_a_middle_node_cut_off_for_a_minute_comes_back_and_the_run_finishes(
     assert plans[-1][2] == 3, "the cut node never trained again"
 
 
-def _log_tails(tmp_path: Path) -> str:
-    return "\n".join(
-        f"--- n{i}:\n" + (tmp_path / f"n{i}" / "node.log").read_text()[-3000:] for i in range(3)
-    )
+def _log_tails(tmp_path: Path, count: int = 3) -> str:
+    tails = [(tmp_path / f"n{i}" / "node.log").read_text()[-3000:] for i in range(count)]
+    return "\n".join(f"--- n{i}:\n{tail}" for i, tail in enumerate(tails))
 
 
 def test_a_middle_node_cut_off_for_ten_seconds_resumes_its_streams(
