@@ -55,3 +55,12 @@ class Unreachable(PeerRefused):
 
 class RunFailed(RavnestError):
     """The training run cannot continue."""
+
+
+class Banned(RunFailed):
+    """The coordinator banned this node for failing audits (coordinator/bans.py): it stops, with
+    exit status EXIT_BANNED."""
+
+
+EXIT_BANNED = 3
+"""The exit status of a node the coordinator banned (`Banned`)."""

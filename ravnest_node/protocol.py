@@ -59,3 +59,6 @@ def hold_s(lease_s: float) -> float:
     return LOST_AFTER_LEASES * lease_s
 
 
+BANNED = "banned from this swarm"
+"""How a coordinator's refusal of a banned member begins (coordinator/bans.py): a node told so
+stops (CoordinatorClient: RunFailed)."""

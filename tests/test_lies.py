@@ -1,6 +1,7 @@
 """A dishonest stage for the tests and benchmarks of audited computation (`--fault-lie-stage S
 --fault-lie-after N`, pipeline/lies.py): what it sends instead of what it computed, and what
-that does to a swarm that does not check (issue #35: nothing catches it yet)."""
+that does to a swarm that does not check (`--audit-share 0`; the audits that catch it:
+tests/test_audit_live.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_a_lying_stage_hurts_a_swarm_that_does_not_check(tmp_path: Path) -> None
     deterministic, so the comparison is the same every time."""
     common = ("--nodes", "4", "--pipelines", "2", "--model", "tiny", "--steps", "60",
               "--seed", "0", "--max-staleness", "0", "--codec", "none", "--threads", "1",
-              "--lr", "3e-3")  # fmt: skip
+              "--lr", "3e-3", "--audit-share", "0")  # fmt: skip
     runs = {"honest": common, "liar": (*common, "--fault-lie-stage", "1",
                                        "--fault-lie-after", "10", "--fault-lie-kind", "negate")}
     summaries = demo_summaries(tmp_path, runs)

@@ -50,6 +50,12 @@ SAMPLE = StageMetrics(
     evals_lost=1,
     stream_resumes=3,
     frames_resent=11,
+    audits=12,
+    audits_failed=1,
+    audits_unanswered=2,
+    audit_bytes=3_000_000,
+    audit_s=0.75,
+    audit_max_passed=0.16,
 )
 
 

@@ -241,6 +241,7 @@ def predict(
         microbatches=train.microbatches,
         max_staleness=train.max_staleness,
         recompute="off",
+        audits=train.audit_share > 0,
     )
     overhead = calibration.runtime_s + (calibration.frame_s if nodes > 1 else 0.0)
     host = SharedHost(cores=cores or os.cpu_count() or 1, stage_overhead_s=overhead)
@@ -391,7 +392,10 @@ GPU_MEMORY_LLAMA = LlamaConfig(layers=3, hidden=1024, heads=16, kv_heads=4, mlp_
                                vocab=256, seq_len=256)  # fmt: skip
 """The stage of the memory check on a GPU: three layers of llama-300m (llama_bench.py), large
 enough that the allocator's own rounding is noise."""
-MEMORY_TRAIN = Training(batch_size=4, microbatches=2, max_staleness=1, recompute="off")
+MEMORY_TRAIN = Training(
+    batch_size=4, microbatches=2, max_staleness=1, recompute="off", audits=False
+)
+"""(Without audits: the loop measured here keeps no audit records.)"""
 """Microbatches of 2 samples, 4 in flight."""
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -315,6 +315,11 @@ def _ours_record(
         "loss_history": summary["loss_history"],
         "final_params_l2": summary["final_params_l2"],
         "node_bytes_sent": [s["bytes_sent"] for s in summary["stages"]],
+        # Audits of neighbours' microbatches (pipeline/auditor.py): their records' bytes travel
+        # beside the boundary streams and are not in bytes_on_wire.
+        "audits": sum(s.get("audits", 0) for s in summary["stages"]),
+        "audit_bytes": sum(s.get("audit_bytes", 0) for s in summary["stages"]),
+        "audit_s": sum(s.get("audit_s", 0.0) for s in summary["stages"]),
         "stage_compute_s": [s["compute_s"] for s in summary["stages"]],
         # Which codec each stage's frames went in (what `auto` chose, per link and role).
         "codec_frames": link_bound.codec_choice(summary["stages"]),

@@ -1,7 +1,8 @@
 """The `ravnest-node` command: argument parsing, config files, exit statuses.
 
 Exit status: 0 after a normal end or a stop by SIGINT/SIGTERM; 1 when a training run failed;
-2 for a usage or configuration error (one line on standard error), as argparse does.
+2 for a usage or configuration error (one line on standard error), as argparse does; 3 for a
+node the coordinator banned for failing audits (errors.EXIT_BANNED).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ravnest_node.cli.status import run_status, run_swarm_status, watch
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.daemon.node import NodeDaemon, NodeInfo
 from ravnest_node.discovery import valid_swarm_name
-from ravnest_node.errors import ConfigError, RunFailed, StartupError
+from ravnest_node.errors import EXIT_BANNED, Banned, ConfigError, RunFailed, StartupError
 from ravnest_node.launch.demo import DemoConfig, run_demo
 from ravnest_node.launch.signals import STOP_DEADLINE_S, ignore_stop_signals, install_stop_handlers
 from ravnest_node.logs import JsonLines, setup_logging
@@ -297,6 +298,9 @@ def _start(cfg: NodeConfig) -> int:
         asyncio.run(main())
     except StartupError as exc:
         return _fail(str(exc))
+    except Banned as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_BANNED
     except RunFailed as exc:
         print(f"{PROG}: training failed: {exc}", file=sys.stderr)
         return 1

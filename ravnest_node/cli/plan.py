@@ -292,6 +292,13 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"microbatches per step (default {defaults.microbatches}, at most the batch size)",
     )
     parser.add_argument("--max-staleness", type=int, default=defaults.max_staleness)
+    parser.add_argument(
+        "--audit-share",
+        type=float,
+        default=0.02,
+        help="the run's --audit-share (its default: 0.02); stages that audit keep one more "
+        "weight copy (0: no audits)",
+    )
     parser.add_argument("--pipelines", type=int, default=defaults.pipelines)
     parser.add_argument(
         "--stages",
@@ -354,6 +361,7 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
         batch_size=batch,
         microbatches=args.microbatches or min(defaults.microbatches, batch),
         max_staleness=args.max_staleness,
+        audits=args.audit_share > 0,
         pipelines=args.pipelines,
         stages=args.stages,
         recompute=args.recompute,

@@ -39,6 +39,7 @@ from ravnest_node.daemon.worker.worker import Worker
 from ravnest_node.devices import describe, resolve_device, resolve_precision
 from ravnest_node.discovery import Advertisement, MdnsDiscovery, TxtRecord, advertised_ips
 from ravnest_node.errors import (
+    Banned,
     PeerError,
     PeerRefused,
     PeerUnavailable,
@@ -244,7 +245,8 @@ class NodeDaemon:
             # Wait for the torch op in progress (if any); nothing new is submitted after stop.
             await asyncio.to_thread(self._compute.shutdown, wait=True, cancel_futures=True)
         if self._ending.error is not None:
-            raise RunFailed(str(self._ending.error)) from self._ending.error
+            failed = Banned if isinstance(self._ending.error, Banned) else RunFailed
+            raise failed(str(self._ending.error)) from self._ending.error
 
     def _new_worker(self) -> Worker:
         cfg = self.config
@@ -421,7 +423,7 @@ class NodeDaemon:
 
             if not cfg.membership.coordinator_only:  # a lab coordinator holds no stage
                 spawn(self._train(worker, spawn), "train")
-                spawn(worker.keep_membership(), "membership")
+                spawn(self._failing(worker.keep_membership()), "membership")
                 spawn(self._leave(worker), "leave")
             if cfg.discovery.elects:
                 keep = leadership.keep(

@@ -75,6 +75,13 @@ class NodeService(pb_grpc.NodeServicer):
         async for chunk in self._from_worker(context, lambda w: w.fetch_checkpoint(request)):
             yield chunk
 
+    async def AuditRecord(
+        self, request: pb.AuditRecordRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.AuditChunk]:
+        await _proven(context, "/ravnest.v1.Node/AuditRecord", request)
+        async for chunk in self._from_worker(context, lambda w: w.audit_record(request)):
+            yield chunk
+
     async def _from_worker(
         self,
         context: grpc.aio.ServicerContext[Any, Any],
@@ -170,6 +177,9 @@ class CoordinatorGate(pb_grpc.CoordinatorServicer):
 
     async def Suspect(self, request: Any, context: Any) -> pb.SuspectReply:
         return await (await self._service(context)).Suspect(request, context)
+
+    async def ReportAudit(self, request: Any, context: Any) -> pb.AuditReply:
+        return await (await self._service(context)).ReportAudit(request, context)
 
     async def WatchPlan(self, request: Any, context: Any) -> AsyncIterator[pb.Plan]:
         async for plan in (await self._service(context)).WatchPlan(request, context):

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import grpc
 
 from ravnest_node.devices import resolve_device
-from ravnest_node.errors import ConfigError, RunFailed
+from ravnest_node.errors import EXIT_BANNED, ConfigError, RunFailed
 from ravnest_node.launch.signals import install_stop_handlers
 from ravnest_node.logs import LogLevel
 from ravnest_node.models import get_model
@@ -137,6 +137,9 @@ class Demo:
         self.every = every if every is not None else max(1, cfg.train.steps // 25)
         self.events: list[pb.Progress] = []
         self.nodes: list[_Node] = []
+        self.banned: set[int] = set()
+        """Nodes that stopped because the coordinator banned them (exit status EXIT_BANNED):
+        the run goes on without them."""
         self._stop = asyncio.Event()
         if cfg.work_dir is not None:
             cfg.work_dir.mkdir(parents=True, exist_ok=True)
@@ -233,14 +236,21 @@ class Demo:
         """Await `work` unless a stop is requested or a node dies first (then RunFailed)."""
         task = asyncio.ensure_future(work)
         stop = asyncio.ensure_future(self._stop.wait())
-        deaths = [n.exited for n in self.nodes]
         try:
-            done, _ = await asyncio.wait([task, stop, *deaths], return_when=asyncio.FIRST_COMPLETED)
-            if task in done:
-                return task.result()
-            if stop in done:
-                return None
-            dead = next(n for n in self.nodes if n.exited in done)
+            while True:
+                deaths = [n.exited for n in self.nodes if n.index not in self.banned]
+                done, _ = await asyncio.wait([task, stop, *deaths],
+                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if task in done:
+                    return task.result()
+                if stop in done:
+                    return None
+                dead = next(n for n in self.nodes if n.exited in done)
+                if dead.proc.returncode != EXIT_BANNED:
+                    break
+                # Banned for failing audits: the swarm trains on without it.
+                self.banned.add(dead.index)
+                self._print(f"node {dead.index} was banned from the swarm and stopped")
             raise RunFailed(
                 f"node {dead.index} exited with status {dead.proc.returncode} during the run"
                 f"{self._tail(dead)}"

@@ -39,6 +39,7 @@ from ravnest_node.blocks import BlockWeights, export_blocks
 from ravnest_node.devices import autocast, autocast_dtype, describe, resolve_precision
 from ravnest_node.models import BlockModel
 from ravnest_node.models.base import Chain
+from ravnest_node.pipeline.audit import AuditRecord, AuditRecords
 from ravnest_node.pipeline.encoder import FrameEncoder
 from ravnest_node.pipeline.lies import lie
 from ravnest_node.pipeline.run import TrainConfig
@@ -115,6 +116,12 @@ class StageCompute:
         """seq -> what its backward needs."""
         self.step_loss = 0.0
         """Last stage: the sum of the current step's microbatch losses."""
+        self.records = (
+            AuditRecords(run.microbatches) if run.audit_share else None
+        )
+        """What this stage computed its last step's worth of outputs from, for its neighbours'
+        audits (audit.py): at most one weight snapshot more than the stash holds anyway; None
+        in a run without audits."""
         self._digest: tuple[int, str] | None = None
         self._digest_lock = asyncio.Lock()
 
@@ -193,6 +200,7 @@ class StageCompute:
             with autocast(self.device, self.precision):
                 out = torch.func.functional_call(self.blocks, weights, (x, tokens))
             self.in_flight[seq] = InFlight(used, weights, first, out)
+        self._record(False, seq, used, first, weights, tokens)
         sent = self._lying(self._outgoing(out.detach()), used)
         # (Neither `out`, kept for the backward, nor `targets` or `tokens` is ever modified
         # in place.)
@@ -212,6 +220,8 @@ class StageCompute:
             loss = self._model.loss(out, targets) / self._run.microbatches
         scale = self._run.loss_scale
         torch.autograd.backward(loss * scale if scale != 1.0 else loss)
+        if not self._spec.is_first:
+            self._record(True, seq, used, first, weights, tokens, targets=targets)
         self.weights.release(weights)
         self._slow_down()
         self.step_loss += loss.item()
@@ -248,6 +258,9 @@ class StageCompute:
         stage)."""
         flight = self.in_flight.pop(seq)
         grad = self._to_device(grad)
+        if not self._spec.is_first:
+            self._record(True, seq, flight.version, flight.inputs, flight.weights, flight.tokens,
+                         grad_out=grad)  # fmt: skip
         if isinstance(flight.outputs, list):  # recomputation, one block at a time, last first
             first = flight.inputs
             inputs = [first.float() if first.is_floating_point() else first, *flight.outputs]
@@ -267,6 +280,28 @@ class StageCompute:
         self._slow_down()
         # The gradient frame carries the version our forward used.
         return flight.version, self._grad_frame(seq, flight.version, flight.inputs)
+
+    def _record(
+        self,
+        backward: bool,
+        seq: int,
+        version: int,
+        inputs: torch.Tensor,
+        weights: Weights,
+        tokens: torch.Tensor | None,
+        *,
+        targets: torch.Tensor | None = None,
+        grad_out: torch.Tensor | None = None,
+    ) -> None:
+        """Keep what microbatch `seq`'s output (`backward`: its input's gradient) was computed
+        from, for an audit (the tensors themselves: none of them changes later)."""
+        if self.records is None:
+            return
+        spec = self._spec
+        self.records.add(AuditRecord(
+            backward, seq, version, spec.first_block, spec.stop_block, inputs.detach(),
+            {k: w.detach() for k, w in weights.items()}, tokens, targets, grad_out,
+        ))  # fmt: skip
 
     def _block_call(
         self, i: int, weights: Weights, x: torch.Tensor, tokens: torch.Tensor | None = None

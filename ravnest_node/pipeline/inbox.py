@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +60,9 @@ class Inbox:
         """Set whenever there may be new work or room."""
         self.accepted = 0
         """Frames admitted."""
+        self.on_admitted: Callable[[Frame, dict[str, torch.Tensor]], None] | None = None
+        """Called with each training frame admitted and its decoded tensors (the stage's
+        audits)."""
 
     @property
     def references(self) -> Mapping[str, SampleReferences | KLTBases]:
@@ -108,5 +111,7 @@ class Inbox:
         self._counts.frame_decode_s += decode_s
         queue.append(Received(frame.kind, frame.seq, frame.version, tensors, frame.samples))
         self._schedule.admitted(frame.kind, frame.seq, frame.version)
+        if self.on_admitted is not None and frame.kind is not FrameKind.EVAL:
+            self.on_admitted(frame, tensors)
         self.accepted += 1
         self.wake.set()

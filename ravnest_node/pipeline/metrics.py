@@ -190,6 +190,30 @@ class StageMetrics:
     )
     """Frames written again on resumed streams: those the peer had not admitted when the stream
     broke. Their bytes count in the bytes sent too."""
+    audits: int = field(
+        default=0,
+        metadata=series("ravnest_audits_total", "Neighbours' microbatches this stage audited."),
+    )
+    """Neighbours' microbatches recomputed and compared (auditor.py)."""
+    audits_failed: int = field(
+        default=0,
+        metadata=series(
+            "ravnest_audits_failed_total", "Audits whose recomputation was beyond the tolerance."
+        ),
+    )
+    """Audits beyond the tolerance (each checked again on the next frame; two in a row are
+    reported)."""
+    audits_unanswered: int = 0
+    """Audits whose record did not come (the sender slow or unreachable)."""
+    audit_bytes: int = field(
+        default=0,
+        metadata=series("ravnest_audit_bytes_total", "Bytes of the audit records fetched."),
+    )
+    """Bytes of the neighbours' records this stage fetched (not in the links' bytes)."""
+    audit_s: float = 0.0
+    """Seconds of recomputation (off the compute thread)."""
+    audit_max_passed: float = 0.0
+    """The largest relative distance of an audit that passed: how close honest frames land."""
 
     @property
     def busy_fraction(self) -> float:

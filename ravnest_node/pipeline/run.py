@@ -116,6 +116,11 @@ class TrainConfig:
     fault_lie_kind: str = "rotate"
     """Test only: how fault_lie_stage lies: rotate (features shifted by half their width: the
     honest norm, another direction), negate or scale (x2)."""
+    audit_share: float = 0.02
+    """The share of its neighbours' microbatches each stage audits: one in every round(1 /
+    share) activations and gradients it receives, at a place in that window the sender cannot
+    know, is recomputed from the sender's record and compared (pipeline/audit.py;
+    docs/security.md). 0: no audits."""
     stages: int = 0
     """Stages per pipeline. 0 (the default): the planner chooses from the members' measured
     speeds, memory and links, and may leave members spare where that is clearly faster (one
@@ -175,6 +180,8 @@ class TrainConfig:
         self._check_warmup()
         self._check_faults()
         self._check_eval()
+        if not 0.0 <= self.audit_share <= 1.0:
+            raise ConfigError(f"audit_share={self.audit_share}: must be 0 to 1")
         resolve_precision(self.precision, torch.device("cpu"))  # ConfigError naming the choices
 
     def _check_batches(self) -> None:
@@ -387,6 +394,7 @@ class TrainConfig:
             precision=self.precision,
             eval_every=self.eval_every,
             eval_batches=self.eval_batches,
+            audit_share=self.audit_share,
         )
         if self.fault_skip_step_stage is not None:
             spec.fault_skip_step_stage = self.fault_skip_step_stage
@@ -451,6 +459,7 @@ class TrainConfig:
             fault_lie_stage=spec.fault_lie_stage if spec.HasField("fault_lie_stage") else None,
             fault_lie_after=spec.fault_lie_after if spec.HasField("fault_lie_stage") else 0,
             fault_lie_kind=spec.fault_lie_kind or "rotate",
+            audit_share=spec.audit_share if spec.HasField("audit_share") else 0.0,
         )
 
     def link_pace_bps(self, from_stage: int) -> float:

@@ -42,6 +42,8 @@ import torch
 from ravnest_node.blocks import BlockWeights
 from ravnest_node.errors import ConfigError, FrameError
 from ravnest_node.models import BlockModel
+from ravnest_node.pipeline.audit import AuditRecord
+from ravnest_node.pipeline.auditor import Auditor
 from ravnest_node.pipeline.codec_choice import CodecChoice
 from ravnest_node.pipeline.compute import StageCompute
 from ravnest_node.pipeline.counters import StageCounters
@@ -98,9 +100,10 @@ class StageRuntime:
         block_delay_s: float = 0.0,
         checkpoint: Callable[[int, dict[int, BlockWeights]], Awaitable[None]] | None = None,
         device: torch.device | None = None,
+        auditor: Auditor | None = None,
     ) -> None:
         """`device`: where the stage computes (the CPU if None), in the precision it resolves
-        the run's to (StageCompute)."""
+        the run's to (StageCompute); `auditor`: audits the neighbours' frames (auditor.py)."""
         self.spec = spec
         self.run_config = run
         self.upstream = upstream
@@ -123,6 +126,9 @@ class StageRuntime:
         # Metrics; the compute thread keeps its own (compute_s, the encoder's byte counts).
         self._counters = StageCounters(run.max_staleness)
         self._inbox = Inbox(self._schedule, self._counters.counts)
+        self.auditor = auditor
+        if auditor is not None:
+            self._inbox.on_admitted = self._audit
         self._evals = Evaluations(run.eval_microbatches)
         self._eval_data = None
         if spec.is_first and self._schedule.evaluates:
@@ -240,7 +246,7 @@ class StageRuntime:
     def metrics(self) -> StageMetrics:
         links = [link for link in (self.upstream, self.downstream) if link is not None]
         evals = self._evals
-        return dataclasses.replace(
+        metrics = dataclasses.replace(
             self._counters.record(self.spec, self._compute),
             stream_resumes=sum(link.resumes for link in links),
             frames_resent=sum(link.frames_resent for link in links),
@@ -248,6 +254,13 @@ class StageRuntime:
             eval_loss=evals.loss if evals.step else 0.0,
             evals_lost=evals.lost,
         )
+        if self.auditor is None:
+            return metrics
+        c = self.auditor.counts
+        return dataclasses.replace(
+            metrics, audits=c.audits, audits_failed=c.failed, audits_unanswered=c.unanswered,
+            audit_bytes=c.record_bytes, audit_s=c.seconds, audit_max_passed=c.max_distance_passed,
+        )  # fmt: skip
 
     # ----- decisions, on the event loop -------------------------------------------------------
     async def accept_from_upstream(self, frame: Frame) -> None:
@@ -261,6 +274,20 @@ class StageRuntime:
             m = self.run_config.microbatches
             oldest = frame.seq // m - self.run_config.max_staleness
             self.upstream.log.ack_below(oldest * m)
+
+    def _audit(self, frame: Frame, tensors: dict[str, torch.Tensor]) -> None:
+        """A training frame admitted: maybe audit it (auditor.py)."""
+        assert self.auditor is not None
+        backward = frame.kind is FrameKind.BACKWARD
+        name = GRAD if backward else HIDDEN
+        codec = next((h.codec.name for h in frame.headers if h.name == name), "")
+        self.auditor.consider(backward, frame.seq, tensors[name], codec)
+
+    def audit_record(self, backward: bool, seq: int) -> AuditRecord | None:
+        """What this stage computed microbatch `seq`'s output (`backward`: its input's
+        gradient) from, while it keeps it (audit.py); None otherwise."""
+        records = self._compute.records
+        return records.get(backward, seq) if records is not None else None
 
     async def check_from_upstream(self, frame: Frame) -> None:
         """Test only (a node's fault_fuzz_upstream): FrameError where `accept_from_upstream`
@@ -340,6 +367,8 @@ class StageRuntime:
             for task in self._sends.values():  # (done already, unless the loop failed)
                 task.cancel()
             self._compute.encoder.close()
+            if self.auditor is not None:
+                await self.auditor.close()
             waiters, self._snapshots = self._snapshots, None
             for waiter in waiters:  # the loop ended first: no snapshot for them
                 if not waiter.done():

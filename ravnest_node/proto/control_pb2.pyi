@@ -38,6 +38,30 @@ FOUND_VIA_MDNS: FoundVia
 FOUND_VIA_PEER: FoundVia
 FOUND_VIA_ELECTION: FoundVia
 
+class AuditReport(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "suspect_id", "record", "received", "distance")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    DISTANCE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    suspect_id: str
+    record: bytes
+    received: bytes
+    distance: float
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., suspect_id: _Optional[str] = ..., record: _Optional[bytes] = ..., received: _Optional[bytes] = ..., distance: _Optional[float] = ...) -> None: ...
+
+class AuditReply(_message.Message):
+    __slots__ = ("banned", "distance")
+    BANNED_FIELD_NUMBER: _ClassVar[int]
+    DISTANCE_FIELD_NUMBER: _ClassVar[int]
+    banned: bool
+    distance: float
+    def __init__(self, banned: _Optional[bool] = ..., distance: _Optional[float] = ...) -> None: ...
+
 class SuspectRequest(_message.Message):
     __slots__ = ("node_id", "plan_epoch", "suspects", "reason")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +101,24 @@ class VoteReply(_message.Message):
     granted: bool
     reason: str
     def __init__(self, term: _Optional[int] = ..., granted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AuditRecordRequest(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "seq", "backward")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    seq: int
+    backward: bool
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., seq: _Optional[int] = ..., backward: _Optional[bool] = ...) -> None: ...
+
+class AuditChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("node_id", "plan_epoch", "pipeline", "stop_step")
@@ -281,7 +323,7 @@ class WatchPlanRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s", "staleness_warmup_steps", "fault_slow_link", "fault_link_kbps", "checkpoint_every", "fault_poison_pipeline", "recompute", "stages", "weight_prediction", "precision", "eval_every", "eval_batches", "fault_lie_stage", "fault_lie_after", "fault_lie_kind")
+    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s", "staleness_warmup_steps", "fault_slow_link", "fault_link_kbps", "checkpoint_every", "fault_poison_pipeline", "recompute", "stages", "weight_prediction", "precision", "eval_every", "eval_batches", "fault_lie_stage", "fault_lie_after", "fault_lie_kind", "audit_share")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +361,7 @@ class RunSpec(_message.Message):
     FAULT_LIE_STAGE_FIELD_NUMBER: _ClassVar[int]
     FAULT_LIE_AFTER_FIELD_NUMBER: _ClassVar[int]
     FAULT_LIE_KIND_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_SHARE_FIELD_NUMBER: _ClassVar[int]
     model: str
     steps: int
     batch_size: int
@@ -356,7 +399,8 @@ class RunSpec(_message.Message):
     fault_lie_stage: int
     fault_lie_after: int
     fault_lie_kind: str
-    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., fault_poison_pipeline: _Optional[int] = ..., recompute: _Optional[bool] = ..., stages: _Optional[int] = ..., weight_prediction: _Optional[bool] = ..., precision: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., fault_lie_stage: _Optional[int] = ..., fault_lie_after: _Optional[int] = ..., fault_lie_kind: _Optional[str] = ...) -> None: ...
+    audit_share: float
+    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., fault_poison_pipeline: _Optional[int] = ..., recompute: _Optional[bool] = ..., stages: _Optional[int] = ..., weight_prediction: _Optional[bool] = ..., precision: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., fault_lie_stage: _Optional[int] = ..., fault_lie_after: _Optional[int] = ..., fault_lie_kind: _Optional[str] = ..., audit_share: _Optional[float] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline", "relayed", "unpacks_deflate", "member_key_sha256", "decodes_klt")
@@ -403,7 +447,7 @@ class Plan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., restore: _Optional[bool] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness_histogram", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps", "checkpoint_step", "activation_deflated_frames", "gradient_deflated_frames", "activation_fp32_bytes", "gradient_fp32_bytes", "frame_decode_s", "device", "precision", "steps_skipped", "stream_resumes", "frames_resent", "eval_step", "eval_loss", "evals_lost")
+    __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness_histogram", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps", "checkpoint_step", "activation_deflated_frames", "gradient_deflated_frames", "activation_fp32_bytes", "gradient_fp32_bytes", "frame_decode_s", "device", "precision", "steps_skipped", "stream_resumes", "frames_resent", "eval_step", "eval_loss", "evals_lost", "audits", "audits_failed", "audits_unanswered", "audit_bytes", "audit_s", "audit_max_passed")
     class ActivationCodecFramesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -461,6 +505,12 @@ class StageReport(_message.Message):
     EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     EVALS_LOST_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_UNANSWERED_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_S_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_MAX_PASSED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     stage: int
     plan_epoch: int
@@ -504,7 +554,13 @@ class StageReport(_message.Message):
     eval_step: int
     eval_loss: float
     evals_lost: int
-    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ..., activation_bytes_sent: _Optional[int] = ..., gradient_bytes_sent: _Optional[int] = ..., wall_s: _Optional[float] = ..., idle_upstream_s: _Optional[float] = ..., idle_downstream_s: _Optional[float] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., max_in_flight: _Optional[int] = ..., max_weight_versions: _Optional[int] = ..., pipeline: _Optional[int] = ..., averaging_rounds: _Optional[int] = ..., averaging_rounds_incomplete: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ..., averaging_wait_s: _Optional[float] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., activation_codec_frames: _Optional[_Mapping[str, int]] = ..., gradient_codec_frames: _Optional[_Mapping[str, int]] = ..., downstream_bandwidth_bps: _Optional[float] = ..., upstream_bandwidth_bps: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., activation_deflated_frames: _Optional[int] = ..., gradient_deflated_frames: _Optional[int] = ..., activation_fp32_bytes: _Optional[int] = ..., gradient_fp32_bytes: _Optional[int] = ..., frame_decode_s: _Optional[float] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., steps_skipped: _Optional[int] = ..., stream_resumes: _Optional[int] = ..., frames_resent: _Optional[int] = ..., eval_step: _Optional[int] = ..., eval_loss: _Optional[float] = ..., evals_lost: _Optional[int] = ...) -> None: ...
+    audits: int
+    audits_failed: int
+    audits_unanswered: int
+    audit_bytes: int
+    audit_s: float
+    audit_max_passed: float
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., params_sq_sum: _Optional[float] = ..., num_params: _Optional[int] = ..., compute_s: _Optional[float] = ..., activation_bytes_sent: _Optional[int] = ..., gradient_bytes_sent: _Optional[int] = ..., wall_s: _Optional[float] = ..., idle_upstream_s: _Optional[float] = ..., idle_downstream_s: _Optional[float] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., max_in_flight: _Optional[int] = ..., max_weight_versions: _Optional[int] = ..., pipeline: _Optional[int] = ..., averaging_rounds: _Optional[int] = ..., averaging_rounds_incomplete: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ..., averaging_wait_s: _Optional[float] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., activation_codec_frames: _Optional[_Mapping[str, int]] = ..., gradient_codec_frames: _Optional[_Mapping[str, int]] = ..., downstream_bandwidth_bps: _Optional[float] = ..., upstream_bandwidth_bps: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., activation_deflated_frames: _Optional[int] = ..., gradient_deflated_frames: _Optional[int] = ..., activation_fp32_bytes: _Optional[int] = ..., gradient_fp32_bytes: _Optional[int] = ..., frame_decode_s: _Optional[float] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., steps_skipped: _Optional[int] = ..., stream_resumes: _Optional[int] = ..., frames_resent: _Optional[int] = ..., eval_step: _Optional[int] = ..., eval_loss: _Optional[float] = ..., evals_lost: _Optional[int] = ..., audits: _Optional[int] = ..., audits_failed: _Optional[int] = ..., audits_unanswered: _Optional[int] = ..., audit_bytes: _Optional[int] = ..., audit_s: _Optional[float] = ..., audit_max_passed: _Optional[float] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ()

@@ -81,6 +81,11 @@ class CoordinatorStub:
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.SuspectRequest.SerializeToString,
                 response_deserializer=ravnest__node_dot_proto_dot_control__pb2.SuspectReply.FromString,
                 _registered_method=True)
+        self.ReportAudit = channel.unary_unary(
+                '/ravnest.v1.Coordinator/ReportAudit',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.AuditReport.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.AuditReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -156,6 +161,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportAudit(self, request, context):
+        """A member whose audit of a neighbour's microbatch failed twice in a row reports the
+        evidence (pipeline/audit.py). The coordinator recomputes it a third time and, if that
+        fails too, bans the neighbour and carries on without it (docs/security.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +217,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Suspect,
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.SuspectRequest.FromString,
                     response_serializer=ravnest__node_dot_proto_dot_control__pb2.SuspectReply.SerializeToString,
+            ),
+            'ReportAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportAudit,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.AuditReport.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.AuditReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -460,6 +479,33 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ReportAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravnest.v1.Coordinator/ReportAudit',
+            ravnest__node_dot_proto_dot_control__pb2.AuditReport.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.AuditReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ElectionStub:
     """Nodes started with --join elect: choosing a coordinator among themselves (docs/discovery.md).
@@ -565,6 +611,11 @@ class NodeStub:
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=ravnest__node_dot_proto_dot_control__pb2.CheckpointChunk.FromString,
                 _registered_method=True)
+        self.AuditRecord = channel.unary_stream(
+                '/ravnest.v1.Node/AuditRecord',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.AuditRecordRequest.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.AuditChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -594,6 +645,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AuditRecord(self, request, context):
+        """A neighbour of this node's stage audits one of its microbatches: this node's record of
+        it (its input, the weights it used, what its backward started from), as
+        AuditRecord.to_bytes (pipeline/audit.py), in chunks of `data`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -611,6 +671,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.FetchCheckpoint,
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.CheckpointRequest.FromString,
                     response_serializer=ravnest__node_dot_proto_dot_control__pb2.CheckpointChunk.SerializeToString,
+            ),
+            'AuditRecord': grpc.unary_stream_rpc_method_handler(
+                    servicer.AuditRecord,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.AuditRecordRequest.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.AuditChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -695,6 +760,33 @@ class Node:
             '/ravnest.v1.Node/FetchCheckpoint',
             ravnest__node_dot_proto_dot_control__pb2.CheckpointRequest.SerializeToString,
             ravnest__node_dot_proto_dot_control__pb2.CheckpointChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AuditRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ravnest.v1.Node/AuditRecord',
+            ravnest__node_dot_proto_dot_control__pb2.AuditRecordRequest.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.AuditChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,7 +19,16 @@ from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
 
-__all__ = ["Crash", "FaultBook", "PendingRestore", "Restore", "Takeover", "as_count", "as_text"]
+__all__ = [
+    "Ban",
+    "Crash",
+    "FaultBook",
+    "PendingRestore",
+    "Restore",
+    "Takeover",
+    "as_count",
+    "as_text",
+]
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +140,37 @@ class PendingRestore:
     since: float
 
 
+@dataclass(frozen=True, slots=True)
+class Ban:
+    """A member banned for computing wrong, with the evidence."""
+
+    node_id: str
+    pipeline: int
+    stage: int
+    plan_epoch: int
+    after_step: int
+    """Steps every pipeline had completed when it was banned."""
+    auditor: str
+    kind: str
+    """What failed: "activation" or "input gradient"."""
+    seq: int
+    version: int
+    distance: float
+    """The auditor's relative distance."""
+    recomputed: float
+    """The coordinator's."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id, "pipeline": self.pipeline, "stage": self.stage,
+            "plan_epoch": self.plan_epoch, "after_step": self.after_step,
+            "auditor": self.auditor, "kind": self.kind, "microbatch": self.seq,
+            "version": self.version, "distance": self.distance, "recomputed": self.recomputed,
+            "reason": f"its {self.kind} of microbatch {self.seq} (weights version "
+                      f"{self.version}) is {self.recomputed:.3g} from its recomputation",
+        }  # fmt: skip
+
+
 class FaultBook:
     """Who was lost, what was dropped or restored, and the checkpoints members offer for a
     restore."""
@@ -146,6 +186,8 @@ class FaultBook:
         """Microbatches trained again after a restore rolled the run back."""
         self.takeover: Takeover | None = None
         """After a failover election (take_over); kept for the summary once done."""
+        self.banned: dict[str, Ban] = {}
+        """Members banned for failing audits (bans.py), by node id."""
         self.unrestored: PendingRestore | None = None
         self.offers: dict[str, list[pb.CheckpointOffer]] = {}
         """Node id -> the checkpoints (own and copies) it said it holds in its last heartbeat."""

@@ -25,7 +25,7 @@ from ravnest_node.coordination.planning.negotiate import check_capabilities
 from ravnest_node.coordination.planning.static_plan import Member, has_node
 from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
-from ravnest_node.protocol import PROTOCOL, hold_s
+from ravnest_node.protocol import BANNED, PROTOCOL, hold_s
 from ravnest_node.state import MAX_NODE_ID_LEN, valid_node_id
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.options import split_host_port
@@ -73,7 +73,8 @@ def check_join(request: pb.JoinRequest, num_blocks: int) -> None:
 def join(s: SwarmState, request: pb.JoinRequest) -> tuple[pb.JoinReply, bool]:
     """A checked Join (`check_join`): the reply, and whether watchers have news (a member
     with what it measured, a plan). Refusal if the swarm is full, or the node id is another
-    node's."""
+    node's, or it was banned."""
+    check_not_banned(s, request.node_id)
     now = s.clock()
     if s.book.current is None and s.roster.evict_gone(now):
         s.save_members()
@@ -179,8 +180,18 @@ def _join_reply(s: SwarmState, index: int) -> pb.JoinReply:
     )
 
 
+def check_not_banned(s: SwarmState, node_id: str) -> None:
+    """Refusal PERMISSION_DENIED if `node_id` was banned (bans.py). Not this coordinator's own
+    node: it trains no more (never planned again), and coordinates on."""
+    banned = s.faults.banned.get(node_id)
+    if banned is not None and node_id != s.roster.node_id:
+        reason = banned.to_dict()["reason"]
+        raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"{BANNED}: {reason}")
+
+
 def check_member(s: SwarmState, node_id: str, why: str = "") -> None:
-    """Refusal NOT_FOUND unless `node_id` is a member."""
+    """Refusal NOT_FOUND unless `node_id` is a member; PERMISSION_DENIED if it was banned."""
+    check_not_banned(s, node_id)
     if not s.roster.is_member(node_id):
         raise Refusal(grpc.StatusCode.NOT_FOUND, f"not a member of this swarm{why}")
 

@@ -16,6 +16,7 @@ probing suspects, a drain's end, the watch streams.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -23,10 +24,11 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 import grpc
+import torch
 from google.protobuf.message import Message
 
-from ravnest_node.coordination.coordinator import member_calls, recovery, replan, reporting
-from ravnest_node.coordination.coordinator.faults import FaultBook
+from ravnest_node.coordination.coordinator import bans, member_calls, recovery, replan, reporting
+from ravnest_node.coordination.coordinator.faults import Ban, FaultBook
 from ravnest_node.coordination.coordinator.membership import ProbeAnswer
 from ravnest_node.coordination.coordinator.planbook import PlanBook
 from ravnest_node.coordination.coordinator.progress import RunProgress
@@ -34,6 +36,14 @@ from ravnest_node.coordination.coordinator.roster import Roster
 from ravnest_node.coordination.coordinator.store import CoordinatorStore
 from ravnest_node.coordination.coordinator.swarm_state import SwarmState
 from ravnest_node.coordination.coordinator.view import swarm_view
+from ravnest_node.errors import FrameError
+from ravnest_node.pipeline.audit import (
+    TOLERANCE,
+    AuditRecord,
+    StageBlocks,
+    distance,
+    received_tensor,
+)
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
@@ -43,6 +53,8 @@ from ravnest_node.transport.proofs import ProofCheck, check_request
 
 __all__ = ["MAX_REACHING", "REACH_TIMEOUT_S", "CoordinatorService"]
 
+log = logging.getLogger(__name__)
+
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 Ask = Callable[[str, str, float], Awaitable[ProbeAnswer]]
 """Asks (node id, address) whether it answers there, within a timeout (seconds)."""
@@ -51,6 +63,14 @@ REACH_TIMEOUT_S = 3.0
 """How long the coordinator waits for a joining node to answer at its address."""
 MAX_REACHING = 4
 """Joining nodes the coordinator checks at once (the others wait for a turn)."""
+
+
+def _evidence(request: pb.AuditReport) -> tuple[AuditRecord, torch.Tensor]:
+    """The record and the received tensor of a report; Refusal if either does not parse."""
+    try:
+        return AuditRecord.from_bytes(request.record), received_tensor(request.received)
+    except FrameError as exc:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"evidence: {exc}") from None
 
 
 @asynccontextmanager
@@ -110,6 +130,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._progress = asyncio.Condition()
         self._told = (0, 0)
         """(announcements, events) when their watchers were last woken."""
+        self._auditing = asyncio.Lock()
+        """Held while an audit report's evidence is recomputed (one at a time)."""
+        self._blocks: StageBlocks | None = None
+        """The audited stages' blocks (built at the first report)."""
 
     # ----- the daemon's interface -------------------------------------------------------------
     @property
@@ -255,6 +279,49 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return pb.SuspectReply()
         await self._notify()
         return pb.SuspectReply(lost=lost)
+
+    async def ReportAudit(self, request: pb.AuditReport, context: Context) -> pb.AuditReply:
+        """A member's audits of a neighbour failed twice: recompute its evidence here (the
+        third recomputation, off the event loop, one report at a time) and ban the neighbour
+        if that fails too (bans.py)."""
+        async with _answered(context):
+            self._speaks_for("ReportAudit", request, context)
+            member_calls.check_member(self._state, request.node_id)
+            record, received = await asyncio.to_thread(_evidence, request)
+            plan, suspect = bans.check_report(self._state, request, record)
+            if self._auditing.locked():
+                raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "another report is being checked")
+            async with self._auditing:
+                recomputed = await asyncio.to_thread(self._recompute, record)
+            d = distance(received, recomputed)
+            if d <= TOLERANCE:
+                log.warning("%s reported %s, but its evidence recomputed here is %.3g away "
+                            "(within %g): not banned", request.node_id, suspect.node_id, d,
+                            TOLERANCE)  # fmt: skip
+                return pb.AuditReply(distance=d)
+            if self.plan is not plan or suspect.node_id in self._state.faults.banned:
+                return pb.AuditReply(
+                    banned=suspect.node_id in self._state.faults.banned, distance=d
+                )
+            kind = "input gradient" if record.backward else "activation"
+            evidence = Ban(suspect.node_id, suspect.pipeline, suspect.index, plan.epoch,
+                           self._state.progress.completed(), request.node_id, kind, record.seq,
+                           record.version, request.distance, d)  # fmt: skip
+            bans.ban(self._state, plan, suspect, evidence)
+        await self._notify()
+        return pb.AuditReply(banned=True, distance=d)
+
+    def _recompute(self, record: AuditRecord) -> torch.Tensor:
+        """The record's output recomputed here (blocks built once per range); Refusal if it
+        does not fit the model."""
+        if self._blocks is None:
+            t = self._state.train
+            self._blocks = StageBlocks(self._state.model, t.seed, microbatches=t.microbatches,
+                                       loss_scale=t.loss_scale)  # fmt: skip
+        try:
+            return self._blocks.recompute(record)
+        except FrameError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"evidence: {exc}") from None
 
     async def Leave(self, request: pb.LeaveRequest, context: Context) -> pb.LeaveReply:
         async with _answered(context):

@@ -132,6 +132,8 @@ def _history(plans: list[pb.Plan], progress: RunProgress, faults: FaultBook) -> 
         # of the steps rolled back and trained again.
         "restores": [r.to_dict() for r in faults.restores],
         "redone_microbatches": faults.redone,
+        # Members banned for failing audits (coordinator/bans.py), with the evidence.
+        "banned": [b.to_dict() for b in faults.banned.values()],
         # This coordinator won a failover election and took the run over: the term, the
         # plan it took over and the coordinator lost (progress before it is not known
         # here: loss_history starts at `resumed_at`, the step the run was restored at).

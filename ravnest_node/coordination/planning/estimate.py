@@ -14,7 +14,8 @@ microbatch are the prediction. What is added here is what the planner takes as g
   spread over the step's microbatches. A node's `speed` is its FLOP/s over the fastest's.
 * **Memory** a block needs on its node: weights (full: 16 B a parameter for weights, gradients
   and AdamW moments, plus one weight copy per unit of staleness; LoRA: the frozen base in
-  fp32/bf16/int8/nf4 and 16 B per adapter parameter; embedding tables and vectors stay
+  fp32/bf16/int8/nf4 and 16 B per adapter parameter; one more weight copy for the snapshot
+  audit records keep; embedding tables and vectors stay
   fp32), and the activations of every microbatch in
   flight, ``(max_staleness + 1) x microbatches`` (stage.py's bound), or only each block's input
   when the backward recomputes the forward. The last block (head and loss) keeps its
@@ -135,6 +136,9 @@ class Training:
     """Microbatches a step is split into."""
     max_staleness: int = 1
     """Steps a stage may run ahead of its gradients (stage.py's bound)."""
+    audits: bool = True
+    """Stages audit their neighbours (the run's default --audit-share): one weight copy more
+    per trainable parameter, the snapshot a step's audit records keep (pipeline/audit.py)."""
     pipelines: int = 1
     """Pipelines side by side, each with its own data; every stage's owners average."""
     stages: int = 0
@@ -250,7 +254,7 @@ def _block_memory(
     shape: ModelShape, block: BlockShape, t: Training, recompute: bool, previous: BlockShape | None
 ) -> dict[str, float]:
     """Bytes a block needs on its node, by kind."""
-    mb, stash = t.microbatch, STASH_BYTES_PER_PARAM * t.max_staleness
+    mb, stash = t.microbatch, STASH_BYTES_PER_PARAM * (t.max_staleness + int(t.audits))
     if t.mode == "full":
         weights, trainable = 0.0, float(block.params * (ADAM_BYTES_PER_PARAM + stash))
     else:

@@ -12,7 +12,8 @@
   per-block times are noisier than their sum), scaled so that the blocks add up to the fastest
   node's measured total. A cut after block i carries its output for one microbatch.
 * **Memory** a block needs: 16 bytes a parameter (weights, gradients, two Adam moments), 4 more
-  per stashed weight version (`max_staleness`), and the block's output for every microbatch of
+  per stashed weight version (`max_staleness`, and one more while stages audit their
+  neighbours: pipeline/audit.py), and the block's output for every microbatch of
   a step, kept for the backward pass. An estimate: the planner keeps a stage within the
   smallest of its owners' memory by it.
 * **Links.** Each node measures, after its first Join, its link to the coordinator
@@ -300,7 +301,9 @@ def model_blocks(model: BlockModel, run: pb.RunSpec, total_s: float) -> list[Blo
     microbatch = max(1, run.batch_size // microbatches)
     costs = model.block_costs()
     scale = total_s / (math.fsum(costs) or 1.0)
-    per_param = ADAM_BYTES_PER_PARAM + STASH_BYTES_PER_PARAM * run.max_staleness
+    # Audits keep a step's records, their weight snapshot one more beyond the stash (audit.py).
+    audits = 1 if run.HasField("audit_share") and run.audit_share > 0 else 0
+    per_param = ADAM_BYTES_PER_PARAM + STASH_BYTES_PER_PARAM * (run.max_staleness + audits)
     blocks = []
     for i, (cost, held) in enumerate(zip(costs, block_state_bytes(model, per_param), strict=True)):
         out = model.output_spec(i, microbatch).size_bytes

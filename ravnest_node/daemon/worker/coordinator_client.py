@@ -32,10 +32,11 @@ import grpc
 from ravnest_node.coordination.planning.static_plan import stage_at
 from ravnest_node.daemon.worker.changes import Changes
 from ravnest_node.daemon.worker.tasks import Tasks
-from ravnest_node.errors import PeerError, PeerUnavailable, Unreachable
+from ravnest_node.errors import Banned, PeerError, PeerRefused, PeerUnavailable, Unreachable
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.protocol import (
+    BANNED,
     DEFAULT_LEASE_S,
     UNREACHABLE_KEY,
     heartbeat_interval,
@@ -331,6 +332,8 @@ class CoordinatorClient:
             with coordinator_errors(coordinator):
                 reply = await self.stub().Heartbeat(beat, timeout=timeout_s)
         except PeerError as exc:
+            if isinstance(exc, PeerRefused) and BANNED in str(exc):  # told to go: it goes
+                raise Banned(f"this node is {str(exc)[str(exc).index(BANNED) :]}") from None
             await self._beat_failed(coordinator, sent, exc)
             return 0.0, False
         rtt_s = loop.time() - sent
@@ -396,6 +399,16 @@ class CoordinatorClient:
             return
         if reply.lost:
             log.info("the coordinator counts %s as lost", ", ".join(reply.lost))
+
+    async def report_audit(self, report: pb.AuditReport) -> pb.AuditReply:
+        """Report a neighbour that failed its audits (Coordinator.ReportAudit): the
+        coordinator's verdict after recomputing the evidence itself. PeerUnavailable /
+        PeerRefused if the call fails."""
+        with coordinator_errors(self.address):
+            reply: pb.AuditReply = await self.stub().ReportAudit(
+                report, timeout=self._transport.connect_timeout_s + 60.0
+            )
+        return reply
 
     async def leave(self) -> bool:
         """Tell the coordinator this node is leaving; True if it should stay until a plan

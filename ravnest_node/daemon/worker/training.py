@@ -41,6 +41,7 @@ from ravnest_node.coordination.planning.static_plan import (
     replica_group,
     stage_at,
 )
+from ravnest_node.daemon.worker.audits import AuditLinks
 from ravnest_node.daemon.worker.changes import Changes
 from ravnest_node.daemon.worker.checkpoints import CheckpointKeeper
 from ravnest_node.daemon.worker.coordinator_client import CoordinatorClient
@@ -192,6 +193,8 @@ class StageTrainer:
         self._sessions = sessions
         self._links = links
         self._changes = changes
+        self.audits = AuditLinks(node_id, transport, client.report_audit)
+        """The network side of this node's audits of its neighbours (audits.py)."""
 
     @property
     def _counters(self) -> LinkCounters:
@@ -224,6 +227,7 @@ class StageTrainer:
             block_delay_s=block_delay_s,
             checkpoint=partial(self._keeper.stage_checkpoint, plan=plan, me=me),
             device=self.device,
+            auditor=self.audits.auditor(plan, me, run, model),
         )
         try:
             runtime = await self._build(plan, build)

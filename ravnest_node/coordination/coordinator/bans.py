@@ -1,0 +1,70 @@
+"""Audit reports and bans (issue #35; pipeline/audit.py says what an audit checks).
+
+A member whose audits of a neighbour failed twice in a row reports it with the evidence: the
+neighbour's record of the microbatch (its input, its weights, where its backward started) and
+what the member received of it. The coordinator does not take the member's word: it
+recomputes the record itself (the third recomputation, in the service, off the event loop)
+and compares with what the member says it received. If that fails too, the neighbour is
+**banned**: counted lost at once (recovery.lose: a plan without it, its blocks taken from a
+replica or restored from checkpoints), never planned again, and every later call it makes as
+a member is refused (PERMISSION_DENIED, member_calls.check_not_banned).
+
+What a ban leaves as it was, and why: the updates the liar's frames caused before the ban
+(the steps since its last passed audit) are kept, not redone: with replicas its pipeline's
+unfinished steps are dropped as for any member lost, the healthy replicas average the rest
+away, and the stratified draw bounds how long a liar goes unseen (two audit windows). A
+member who frames an honest neighbour by reporting what it did not receive is not caught
+(frames are not signed by their sender; docs/security.md).
+
+The bans are kept in memory (the run summary's `banned`); a lab coordinator restarted forgets
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from ravnest_node.coordination.coordinator.faults import Ban
+from ravnest_node.coordination.coordinator.recovery import lose
+from ravnest_node.coordination.coordinator.swarm_state import SwarmState
+from ravnest_node.pipeline.audit import AuditRecord
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.transport.errors import Refusal
+
+__all__ = ["ban", "check_report"]
+
+log = logging.getLogger(__name__)
+
+
+def check_report(
+    s: SwarmState, request: pb.AuditReport, record: AuditRecord
+) -> tuple[pb.Plan, pb.StageAssignment]:
+    """The current plan and the audited stage of a report (its `record` parsed); Refusal
+    unless it comes from a member of the current plan about its neighbour that sent what
+    the record is of, and the record is of that neighbour's blocks."""
+    plan = s.book.current
+    if plan is None or request.plan_epoch != plan.epoch:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "not the current plan")
+    stages = {st.node_id: st for st in plan.stages}
+    me, suspect = stages.get(request.node_id), stages.get(request.suspect_id)
+    if me is None or suspect is None or request.suspect_id in s.faults.banned:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "not both in the plan (or banned)")
+    # The sender of an activation is the stage before; of an input gradient, the stage after.
+    step = 1 if record.backward else -1
+    if suspect.pipeline != me.pipeline or suspect.index != me.index + step:
+        raise Refusal(grpc.StatusCode.PERMISSION_DENIED, "a stage audits what its neighbours send")
+    if (record.first_block, record.stop_block) != (suspect.first_block, suspect.stop_block):
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "the record is not of its blocks")
+    return plan, suspect
+
+
+def ban(s: SwarmState, plan: pb.Plan, suspect: pb.StageAssignment, evidence: Ban) -> None:
+    """Ban the owner of `suspect`: count it lost now and never plan it again."""
+    s.faults.banned[suspect.node_id] = evidence
+    log.warning("node %s (pipeline %d stage %d) is BANNED: %s; the auditor was %s",
+                suspect.node_id, suspect.pipeline, suspect.index,
+                evidence.to_dict()["reason"], evidence.auditor)  # fmt: skip
+    s.roster.leave(suspect.node_id)
+    lose(s, plan, [suspect], s.clock(), f"banned: {evidence.to_dict()['reason']}")

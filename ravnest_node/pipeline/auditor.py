@@ -1,0 +1,167 @@
+"""A stage's audits of its neighbours (audit.py says what is checked and why): which frames,
+the record fetched from the sender, the recomputation off the compute thread, and the report
+of a neighbour that fails twice in a row. The network is the worker's: it gives the fetches
+and the report as callables.
+
+A failed audit is checked again on the very next frame of that neighbour and kind (a corrupt
+frame, a record of a microbatch the sender no longer had... do not ban a node); a second
+failure in a row is reported to the coordinator with the evidence, which recomputes it a
+third time before it bans anyone (an auditor is not trusted blindly either). A record that
+does not come (the sender too slow, its link down) is counted, not held against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from ravnest_node.errors import FrameError
+from ravnest_node.models import BlockModel
+from ravnest_node.pipeline.audit import (
+    TOLERANCE,
+    AuditDraw,
+    AuditRecord,
+    StageBlocks,
+    auditable,
+    distance,
+    received_bytes,
+)
+from ravnest_node.pipeline.run import TrainConfig
+
+__all__ = ["AuditCounts", "Auditor", "Fetch", "Report"]
+
+log = logging.getLogger(__name__)
+
+Fetch = Callable[[bool, int], Awaitable[bytes]]
+"""(backward, seq) -> the neighbour's record of that microbatch (AuditRecord.to_bytes); raises
+on any failure."""
+Report = Callable[[bool, bytes, bytes, float], Awaitable[None]]
+"""(backward, record, received_bytes, distance): report the neighbour that sent it."""
+
+MAX_WAITING = 4
+"""Audits in progress at once; a frame drawn beyond that is let go (counted as skipped)."""
+
+
+@dataclass(slots=True)
+class AuditCounts:
+    """What a stage's audits did, for its metrics and the run summary."""
+
+    audits: int = 0
+    """Recomputations compared (passed or failed)."""
+    failed: int = 0
+    reported: int = 0
+    """Neighbours reported to the coordinator (after two failures in a row)."""
+    unanswered: int = 0
+    """Records that did not come."""
+    skipped: int = 0
+    """Frames drawn but not audited (too many audits waiting)."""
+    record_bytes: int = 0
+    """Bytes of the records fetched."""
+    seconds: float = 0.0
+    """Recomputation time (off the compute thread)."""
+    max_distance_passed: float = 0.0
+    """The largest distance of an audit that passed: how close honest nodes land."""
+
+
+class Auditor:
+    """Audits the activations from the upstream (`fetch_upstream`) and the gradients from the
+    downstream (`fetch_downstream`; either None where there is no such neighbour). Call
+    `consider` on the event loop for every training frame admitted."""
+
+    def __init__(
+        self,
+        run: TrainConfig,
+        model: BlockModel,
+        *,
+        fetch_upstream: Fetch | None,
+        fetch_downstream: Fetch | None,
+        report: Report,
+    ) -> None:
+        self._blocks = StageBlocks(model, run.seed, microbatches=run.microbatches,
+                                   loss_scale=run.loss_scale)  # fmt: skip
+        self._draws = {False: AuditDraw(run.audit_share), True: AuditDraw(run.audit_share)}
+        self._fetch = {False: fetch_upstream, True: fetch_downstream}
+        self._report = report
+        self._in_a_row = {False: 0, True: 0}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._one = asyncio.Semaphore(1)  # one recomputation at a time
+        self.counts = AuditCounts()
+
+    def consider(self, backward: bool, seq: int, received: torch.Tensor, codec: str) -> None:
+        """A training frame just admitted: microbatch `seq`'s activation from the upstream, or
+        (`backward`) its input's gradient from the downstream, sent with `codec`."""
+        if self._fetch[backward] is None or not auditable(codec):
+            return
+        if not self._draws[backward].draw():
+            return
+        if len(self._tasks) >= MAX_WAITING:
+            self.counts.skipped += 1
+            return
+        task = asyncio.create_task(self._audit(backward, seq, received))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Cancel the audits in progress."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _audit(self, backward: bool, seq: int, received: torch.Tensor) -> None:
+        fetch = self._fetch[backward]
+        assert fetch is not None
+        side = "downstream" if backward else "upstream"
+        what = "input gradient" if backward else "activation"
+        try:
+            data = await fetch(backward, seq)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a fault of the link or the peer: counted, not held against it
+            self.counts.unanswered += 1
+            log.info("audit of the %s's %s of microbatch %d: no record (%s)", side, what, seq,
+                     str(exc)[:200])  # fmt: skip
+            return
+        self.counts.record_bytes += len(data)
+        async with self._one:
+            started = time.perf_counter()
+            try:
+                d = await asyncio.to_thread(self._compare, data, backward, seq, received)
+            except FrameError as exc:
+                log.warning("audit of the %s's %s of microbatch %d: its record is unusable: %s",
+                            side, what, seq, exc)  # fmt: skip
+                d = float("inf")
+            self.counts.seconds += time.perf_counter() - started
+        self.counts.audits += 1
+        if d <= TOLERANCE:
+            self._in_a_row[backward] = 0
+            self.counts.max_distance_passed = max(self.counts.max_distance_passed, d)
+            return
+        self.counts.failed += 1
+        self._in_a_row[backward] += 1
+        log.warning("audit FAILED: the %s's %s of microbatch %d is %.3g from its recomputation "
+                    "(tolerance %g; %d in a row)", side, what, seq, d, TOLERANCE,
+                    self._in_a_row[backward])  # fmt: skip
+        if self._in_a_row[backward] < 2:
+            self._draws[backward].again()  # checked again on its next frame
+            return
+        self._in_a_row[backward] = 0
+        try:
+            await self._report(backward, data, received_bytes(received), d)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the coordinator unreachable: audits go on
+            log.warning("could not report the %s to the coordinator: %s", side, str(exc)[:200])
+            return
+        self.counts.reported += 1
+
+    def _compare(self, data: bytes, backward: bool, seq: int, received: torch.Tensor) -> float:
+        """The distance between what came and its recomputation from the record `data`."""
+        record = AuditRecord.from_bytes(data)
+        if record.backward != backward or record.seq != seq:
+            raise FrameError("the record is of another microbatch")
+        return distance(received, self._blocks.recompute(record))

@@ -1,0 +1,226 @@
+"""Audited computation, the pure part (pipeline/audit.py): which frames are drawn, the record a
+stage keeps of a microbatch, and the recomputation an auditor runs from it: an honest stage
+passes, every lie fails, a record that does not fit the model is refused. Across processes:
+tests/test_audit_live.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from ravnest_node.coordination.coordinator.service import CoordinatorService
+from ravnest_node.errors import FrameError
+from ravnest_node.models import get_model
+from ravnest_node.pipeline.audit import (
+    TOLERANCE,
+    AuditDraw,
+    AuditRecord,
+    StageBlocks,
+    auditable,
+    distance,
+    received_bytes,
+    received_tensor,
+)
+from ravnest_node.pipeline.compute import StageCompute
+from ravnest_node.pipeline.lies import LIES, lie
+from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.pipeline.schedule import GRAD, HIDDEN, TARGETS, StageSpec
+from ravnest_node.proto import control_pb2 as pb
+from ravnest_node.protocol import PROTOCOL
+from ravnest_node.transport.frames import FrameLimits, parse_frame
+
+from .fakes import Aborted, Clock, FakeContext, capabilities, join, unproven
+
+LIMITS = FrameLimits(max_message_bytes=64 << 20)
+
+
+def test_one_frame_of_each_window_is_drawn_where_the_sender_cannot_know() -> None:
+    draw = AuditDraw(0.02, random.Random(0))
+    assert draw.window == 50
+    picks = [[draw.draw() for _ in range(50)] for _ in range(40)]
+    assert all(sum(window) == 1 for window in picks)
+    places = {window.index(True) for window in picks}
+    assert len(places) > 20  # anywhere in the window, not one place every time
+    draw.again()
+    assert draw.draw()  # the re-check: the next frame too
+    assert not any(AuditDraw(0.0).draw() for _ in range(1000))
+    assert all(AuditDraw(1.0).draw() for _ in range(10))
+    assert auditable("int4-block") and not auditable("topk-ef")
+
+
+def _sent(message: Any) -> torch.Tensor:
+    """The one tensor of an encoded frame (a future's result)."""
+    tensors = parse_frame(message.result(), LIMITS).decode()
+    return tensors[GRAD] if GRAD in tensors else tensors[HIDDEN]
+
+
+def _three_stages(pool: ThreadPoolExecutor, **run_args: Any) -> tuple[list[StageCompute], Any]:
+    run = TrainConfig(model="tiny", batch_size=4, microbatches=2, codec="none", **run_args)
+    model = get_model("tiny")
+    cuts = [(0, 1), (1, 3), (3, 4)]
+    stages = []
+    for i, (a, b) in enumerate(cuts):
+        spec = StageSpec(index=i, num_stages=3, first_block=a, stop_block=b)
+        blocks = model.build_stage(run.seed, a, b)
+        stages.append(StageCompute(spec=spec, model=model, blocks=blocks, run=run, executor=pool))
+    return stages, StageBlocks(model, run.seed, microbatches=2, loss_scale=1.0)
+
+
+def _one_microbatch(stages: list[StageCompute]) -> dict[str, torch.Tensor]:
+    """Microbatch 0 through three stages; what each boundary carried."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 32), generator=gen)
+    targets = torch.randint(0, 256, (2, 32), generator=gen)
+    first, middle, last = stages
+    a1 = _sent(first.forward(0, 0, {HIDDEN: tokens, TARGETS: targets}, ()))
+    a2 = _sent(middle.forward(0, 0, {HIDDEN: a1, TARGETS: targets}, ()))
+    g2 = _sent(last.forward_loss_backward(0, 0, {HIDDEN: a2, TARGETS: targets}))
+    _, g1 = middle.backward(0, g2)
+    assert g1 is not None
+    first.backward(0, _sent(g1))
+    return {"a1": a1, "a2": a2, "g2": g2, "g1": _sent(g1)}
+
+
+def _audit(stage: StageCompute, blocks: StageBlocks, backward: bool, got: torch.Tensor) -> float:
+    assert stage.records is not None
+    record = stage.records.get(backward, 0)
+    assert record is not None
+    again = AuditRecord.from_bytes(record.to_bytes())  # as it travels
+    return distance(got, blocks.recompute(again))
+
+
+def test_an_honest_stage_passes_every_audit() -> None:
+    with ThreadPoolExecutor(1) as pool:
+        stages, blocks = _three_stages(pool)
+        sent = _one_microbatch(stages)
+        first, middle, last = stages
+        # Each stage's activations and its input's gradient, recomputed: the same bits here.
+        assert _audit(first, blocks, False, sent["a1"]) < 1e-6
+        assert _audit(middle, blocks, False, sent["a2"]) < 1e-6
+        assert _audit(middle, blocks, True, sent["g1"]) < 1e-6
+        assert _audit(last, blocks, True, sent["g2"]) < 1e-6
+        assert first.records is not None and first.records.get(True, 0) is None  # sends none
+
+
+@pytest.mark.parametrize("kind", LIES)
+def test_a_lying_stage_fails(kind: str) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        stages, blocks = _three_stages(pool, fault_lie_stage=1, fault_lie_kind=kind)
+        sent = _one_microbatch(stages)
+        middle = stages[1]
+        assert _audit(middle, blocks, False, sent["a2"]) >= 2 * TOLERANCE
+        assert _audit(middle, blocks, True, sent["g1"]) >= 2 * TOLERANCE
+        assert _audit(stages[2], blocks, True, sent["g2"]) < 1e-6  # the honest neighbour
+
+
+def test_records_are_kept_for_recent_microbatches_only_and_not_without_audits() -> None:
+    with ThreadPoolExecutor(1) as pool:
+        stages, _ = _three_stages(pool)
+        records = stages[0].records
+        assert records is not None
+        tokens = torch.zeros(2, 32, dtype=torch.long)
+        for seq in range(12):
+            stages[0].forward(seq, seq // 2, {HIDDEN: tokens, TARGETS: tokens}, ()).result()
+        # a step's worth (2 microbatches) kept: at most one weight snapshot beyond the stash
+        assert records.get(False, 11) is not None and records.get(False, 10) is not None
+        assert records.get(False, 9) is None and len(records) == 2
+        quiet, _ = _three_stages(pool, audit_share=0.0)
+        assert quiet[0].records is None
+
+
+def test_a_record_that_does_not_fit_is_refused() -> None:
+    with ThreadPoolExecutor(1) as pool:
+        stages, blocks = _three_stages(pool)
+        _one_microbatch(stages)
+        assert stages[1].records is not None
+        record = stages[1].records.get(False, 0)
+        assert record is not None
+    with pytest.raises(FrameError, match="does not parse"):
+        AuditRecord.from_bytes(b"\x00" * 64)
+    with pytest.raises(FrameError, match="does not parse"):
+        AuditRecord.from_bytes(received_bytes(torch.ones(3)))  # no metadata
+    narrowed = {k: v[..., :1] for k, v in record.weights.items()}
+    wrong = {
+        "range": AuditRecord(False, 0, 0, 3, 9, record.inputs, record.weights),
+        "names": AuditRecord(False, 0, 0, 2, 3, record.inputs, record.weights),
+        "shape": AuditRecord(False, 0, 0, 1, 3, record.inputs, narrowed),
+        "backward": AuditRecord(True, 0, 0, 1, 3, record.inputs, record.weights),
+    }
+    for why, bad in wrong.items():
+        with pytest.raises(FrameError, match="audit record"):
+            blocks.recompute(AuditRecord.from_bytes(bad.to_bytes()))
+            pytest.fail(why)
+    assert torch.equal(received_tensor(received_bytes(torch.ones(3))), torch.ones(3))
+    with pytest.raises(FrameError):
+        received_tensor(record.to_bytes())
+    assert distance(torch.ones(3), torch.ones(4)) == float("inf")
+
+
+# ----- the coordinator's side: the third recomputation, the ban -------------------------------
+def _stage_record(run: TrainConfig, stage: pb.StageAssignment, lie_kind: str | None) -> Any:
+    """An audit report's evidence for `stage`'s activation of microbatch 0: its record, and
+    what its downstream received (the honest output, or a lie of it)."""
+    model = get_model(run.model)
+    spec = StageSpec(index=stage.index, num_stages=3, first_block=stage.first_block,
+                     stop_block=stage.stop_block)  # fmt: skip
+    blocks = model.build_stage(run.seed, stage.first_block, stage.stop_block)
+    with ThreadPoolExecutor(1) as pool:
+        compute = StageCompute(spec=spec, model=model, blocks=blocks, run=run, executor=pool)
+        x = torch.randn(run.microbatch_size, 32, 64)  # tiny's hidden width
+        y = torch.zeros(run.microbatch_size, 32, dtype=torch.long)
+        sent = _sent(compute.forward(0, 0, {HIDDEN: x, TARGETS: y}, ()))
+        assert compute.records is not None
+        record = compute.records.get(False, 0)
+    assert record is not None
+    received = sent if lie_kind is None else lie(sent, lie_kind)
+    return record.to_bytes(), received_bytes(received)
+
+
+async def test_the_coordinator_recomputes_a_report_and_bans_only_a_liar(tmp_path: Path) -> None:
+    run = TrainConfig(model="tiny", steps=50, batch_size=4, microbatches=2, codec="none")
+    svc = CoordinatorService(prove=unproven, train=run, swarm_size=3, swarm_id="t/tiny",
+                             summary_path=tmp_path / "summary.json", clock=Clock())  # fmt: skip
+    for node in "abc":
+        await join(svc, node, caps=capabilities(blocks=4))
+    plan = svc.plan
+    assert plan is not None
+    by_index = {s.index: s for s in plan.stages}
+    up, mid, down = (by_index[i].node_id for i in range(3))
+    ctx: Any = FakeContext()
+
+    def report(by: str, about: str, evidence: tuple[bytes, bytes]) -> pb.AuditReport:
+        return pb.AuditReport(node_id=by, plan_epoch=plan.epoch, suspect_id=about,
+                              record=evidence[0], received=evidence[1], distance=1.0)  # fmt: skip
+
+    honest = _stage_record(run, by_index[1], None)
+    lying = _stage_record(run, by_index[1], "rotate")
+    # An activation is sent downstream: only the stage after may report it.
+    with pytest.raises(Aborted) as refused:
+        await svc.ReportAudit(report(up, mid, lying), ctx)
+    assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(Aborted) as refused:
+        await svc.ReportAudit(report(down, mid, (b"junk", lying[1])), ctx)
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    # An auditor whose evidence recomputes within the tolerance bans nobody.
+    reply = await svc.ReportAudit(report(down, mid, honest), ctx)
+    assert not reply.banned and reply.distance < 1e-6
+    assert json.dumps(svc._state.faults.banned) == "{}"
+    # The evidence of a lie is recomputed here too, and the liar banned.
+    reply = await svc.ReportAudit(report(down, mid, lying), ctx)
+    assert reply.banned and reply.distance > 1.0
+    ban = svc._state.faults.banned[mid].to_dict()
+    assert (ban["stage"], ban["auditor"], ban["kind"]) == (1, down, "activation")
+    again = pb.JoinRequest(node_id=mid, address="b:1", protocol=PROTOCOL)
+    for call in (svc.Heartbeat(pb.HeartbeatRequest(node_id=mid), ctx), svc.Join(again, ctx)):
+        with pytest.raises(Aborted) as refused:
+            await call
+        assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
+        assert "banned from this swarm" in refused.value.details
+    await svc.Heartbeat(pb.HeartbeatRequest(node_id=up), ctx)  # the others are members still
