@@ -101,11 +101,12 @@ def test_an_honest_stage_passes_every_audit() -> None:
         stages, blocks = _three_stages(pool)
         sent = _one_microbatch(stages)
         first, middle, last = stages
-        # Each stage's activations and its input's gradient, recomputed: the same bits here.
-        assert _audit(first, blocks, False, sent["a1"]) < 1e-6
-        assert _audit(middle, blocks, False, sent["a2"]) < 1e-6
-        assert _audit(middle, blocks, True, sent["g1"]) < 1e-6
-        assert _audit(last, blocks, True, sent["g2"]) < 1e-6
+        # Each stage's activations and its input's gradient, recomputed with the weights as
+        # they travel (int8-block): within 1-2% here, far inside the tolerance.
+        assert _audit(first, blocks, False, sent["a1"]) < 0.05
+        assert _audit(middle, blocks, False, sent["a2"]) < 0.05
+        assert _audit(middle, blocks, True, sent["g1"]) < 0.05
+        assert _audit(last, blocks, True, sent["g2"]) < 0.05
         assert first.records is not None and first.records.get(True, 0) is None  # sends none
 
 
@@ -117,7 +118,7 @@ def test_a_lying_stage_fails(kind: str) -> None:
         middle = stages[1]
         assert _audit(middle, blocks, False, sent["a2"]) >= 2 * TOLERANCE
         assert _audit(middle, blocks, True, sent["g1"]) >= 2 * TOLERANCE
-        assert _audit(stages[2], blocks, True, sent["g2"]) < 1e-6  # the honest neighbour
+        assert _audit(stages[2], blocks, True, sent["g2"]) < 0.05  # the honest neighbour
 
 
 def test_records_are_kept_for_recent_microbatches_only_and_not_without_audits() -> None:
@@ -210,7 +211,7 @@ async def test_the_coordinator_recomputes_a_report_and_bans_only_a_liar(tmp_path
     assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
     # An auditor whose evidence recomputes within the tolerance bans nobody.
     reply = await svc.ReportAudit(report(down, mid, honest), ctx)
-    assert not reply.banned and reply.distance < 1e-6
+    assert not reply.banned and reply.distance < 0.05
     assert json.dumps(svc._state.faults.banned) == "{}"
     # The evidence of a lie is recomputed here too, and the liar banned.
     reply = await svc.ReportAudit(report(down, mid, lying), ctx)

@@ -51,7 +51,7 @@ from ravnest_node.identity import NodeKey
 from ravnest_node.models.pretrained import local_paths
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
-from ravnest_node.protocol import PROTOCOL
+from ravnest_node.protocol import BANNED, PROTOCOL
 from ravnest_node.state import record_node_id, write_atomic
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters
 from ravnest_node.transport.gate import TlsGate
@@ -91,6 +91,15 @@ class NodeInfo:
     """HOST:PORT of its HTTP endpoint (--metrics-port: /metrics and the live page), or ""."""
 
 
+def banned(error: BaseException) -> BaseException:
+    """`error` as `Banned` if it is the coordinator's refusal of a banned member (whichever
+    call it refused: a heartbeat, a report, a join), else `error` itself."""
+    if isinstance(error, PeerRefused) and BANNED in str(error):
+        text = str(error)
+        return Banned(f"this node is {text[text.index(BANNED) :]}")
+    return error
+
+
 class Ending:
     """How a node's run ends: a stop asked for (`stop`), a graceful leave asked for first
     (`leave`), and the error that failed the run (`error`; None if it did not fail)."""
@@ -102,6 +111,7 @@ class Ending:
 
     def fail(self, error: BaseException) -> None:
         """The run failed with `error` (a peer's fault or a bad plan): say so and stop."""
+        error = banned(error)
         log.error("training stopped: %s", error)
         self.error = error
         self.stop.set()
@@ -398,7 +408,7 @@ class NodeDaemon:
                     advice = relay_advice(self.relays.tunnel.relay)
                     raise Unreachable(f"{again}. {advice}") from None
         except Exception as exc:
-            error = _first_error(exc)
+            error = banned(_first_error(exc))
             if self._ending.stop.is_set():
                 # Asked to stop: ending this node's own calls (below) can make the run
                 # fail on its way out; that is the stop, not a failed run.

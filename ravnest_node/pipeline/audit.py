@@ -45,6 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from ravnest_node.compression import get_codec
 from ravnest_node.errors import FrameError
 from ravnest_node.models import BlockModel
 from ravnest_node.models.base import Chain
@@ -65,6 +66,11 @@ TOLERANCE = 0.5
 """The largest relative distance (||received - recomputed|| / ||recomputed||) an audit passes."""
 
 UNAUDITED_CODECS = frozenset({"topk-ef"})
+
+WEIGHT_CODEC = get_codec("int8-block")
+"""How a record's weights travel: a quarter of their float32 bytes, an error of about 1% of
+each block's largest value, which moves an honest recomputation far less than the tolerance
+(the distances in docs/benchmarks.md were measured with it)."""
 
 
 def auditable(codec: str) -> bool:
@@ -125,11 +131,14 @@ class AuditRecord:
     """Last stage, backward: the loss's targets."""
     grad_out: torch.Tensor | None = None
     """Backward of a stage before the last: the gradient of its output it received."""
+    packed: dict[str, tuple[tuple[int, ...], dict[str, int], torch.Tensor]] | None = None
+    """A received record's weights as they came: name -> (shape, codec params, payload),
+    decoded by `StageBlocks.recompute` once the shapes are checked against the model."""
 
     def to_bytes(self) -> bytes:
-        """A safetensors file of the record (CPU tensors; metadata as strings)."""
+        """A safetensors file of the record (CPU tensors; metadata as strings). The weights
+        go in WEIGHT_CODEC (int8-block: a quarter of their float32 bytes)."""
         tensors = {"inputs": self.inputs}
-        tensors.update({f"w.{name}": w for name, w in self.weights.items()})
         for name in _OPTIONAL:
             t = getattr(self, name)
             if t is not None:
@@ -140,6 +149,10 @@ class AuditRecord:
             "version": str(self.version), "first_block": str(self.first_block),
             "stop_block": str(self.stop_block),
         }  # fmt: skip
+        for name, w in self.weights.items():
+            params, payload = WEIGHT_CODEC.encode(w.detach(), None)
+            tensors[f"w.{name}"] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            meta[f"w.{name}"] = json.dumps({"shape": list(w.shape), "params": params})
         return save_tensors(tensors, metadata=meta)
 
     @classmethod
@@ -157,10 +170,28 @@ class AuditRecord:
         unknown = set(tensors) - {"inputs", *_OPTIONAL} - {k for k in tensors if k[:2] == "w."}
         if unknown:
             raise FrameError(f"audit record: unknown tensors {sorted(unknown)[:4]}")
-        weights = {k[2:]: v for k, v in tensors.items() if k.startswith("w.")}
+        packed = {}
+        for key, payload in tensors.items():
+            if key.startswith("w."):
+                packed[key[2:]] = (*_weight_meta(meta.get(key)), payload)
         return cls(kind == _BACKWARD, numbers["seq"], numbers["version"],
-                   numbers["first_block"], numbers["stop_block"], tensors["inputs"], weights,
-                   *(tensors.get(name) for name in _OPTIONAL))  # fmt: skip
+                   numbers["first_block"], numbers["stop_block"], tensors["inputs"], {},
+                   tokens=tensors.get("tokens"), targets=tensors.get("targets"),
+                   grad_out=tensors.get("grad_out"), packed=packed)  # fmt: skip
+
+
+def _weight_meta(text: str | None) -> tuple[tuple[int, ...], dict[str, int]]:
+    """(shape, codec params) of a packed weight, from its metadata entry; FrameError if it is
+    not one."""
+    try:
+        value = json.loads(text or "")
+        shape = tuple(int(n) for n in value["shape"])
+        params = {str(k): int(v) for k, v in value["params"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise FrameError(f"audit record: a weight's metadata does not parse: {exc}") from None
+    if len(shape) > 8 or any(n < 0 for n in shape) or len(params) > 6:
+        raise FrameError("audit record: a weight's metadata is out of range")
+    return shape, params
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -225,6 +256,23 @@ class AuditRecords:
         return len(self._records)
 
 
+def _unpacked(
+    record: AuditRecord, own: dict[str, torch.nn.Parameter]
+) -> dict[str, torch.Tensor]:
+    """A received record's weights, decoded: each checked against the parameter of its name
+    (its shape, and its payload's size for that shape) before anything is allocated."""
+    assert record.packed is not None
+    if set(record.packed) != set(own):
+        raise FrameError("audit record: its weights are not the stage's parameters")
+    weights = {}
+    for name, (shape, params, payload) in record.packed.items():
+        if shape != tuple(own[name].shape) or payload.dtype != torch.uint8:
+            raise FrameError(f"audit record: weight {name!r} has the wrong shape or dtype")
+        data = memoryview(payload.numpy().tobytes())
+        weights[name] = WEIGHT_CODEC.decode(data, shape, torch.float32, params)
+    return weights
+
+
 class StageBlocks:
     """An auditor's copies of the blocks of the stages it audits (built once per range from
     the run's model and seed; their values are replaced by each record's weights)."""
@@ -252,13 +300,14 @@ class StageBlocks:
         model (names, shapes, what its kind needs)."""
         chain = self._chain(record.first_block, record.stop_block)
         own = dict(chain.named_parameters())
-        if set(record.weights) != set(own):
+        weights = _unpacked(record, own) if record.packed is not None else record.weights
+        if set(weights) != set(own):
             raise FrameError("audit record: its weights are not the stage's parameters")
         for name, p in own.items():
-            w = record.weights[name]
+            w = weights[name]
             if w.shape != p.shape or not w.is_floating_point():
                 raise FrameError(f"audit record: weight {name!r} has the wrong shape or dtype")
-        weights = {k: v.float() for k, v in record.weights.items()}
+        weights = {k: v.float() for k, v in weights.items()}
         x = record.inputs.float() if record.inputs.is_floating_point() else record.inputs
         if not record.backward:
             with torch.no_grad():

@@ -427,7 +427,7 @@ class StageAssignment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ..., relayed: _Optional[bool] = ..., unpacks_deflate: _Optional[bool] = ..., member_key_sha256: _Optional[bytes] = ..., decodes_klt: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "swarm_id", "run", "stages", "start_step", "pending", "previous", "restore")
+    __slots__ = ("epoch", "swarm_id", "run", "stages", "start_step", "pending", "previous", "restore", "banned")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +436,7 @@ class Plan(_message.Message):
     PENDING_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
+    BANNED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     swarm_id: str
     run: RunSpec
@@ -444,7 +445,8 @@ class Plan(_message.Message):
     pending: bool
     previous: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     restore: bool
-    def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., restore: _Optional[bool] = ...) -> None: ...
+    banned: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., restore: _Optional[bool] = ..., banned: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StageReport(_message.Message):
     __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness_histogram", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps", "checkpoint_step", "activation_deflated_frames", "gradient_deflated_frames", "activation_fp32_bytes", "gradient_fp32_bytes", "frame_decode_s", "device", "precision", "steps_skipped", "stream_resumes", "frames_resent", "eval_step", "eval_loss", "evals_lost", "audits", "audits_failed", "audits_unanswered", "audit_bytes", "audit_s", "audit_max_passed")

@@ -63,6 +63,7 @@ def check_report(
 def ban(s: SwarmState, plan: pb.Plan, suspect: pb.StageAssignment, evidence: Ban) -> None:
     """Ban the owner of `suspect`: count it lost now and never plan it again."""
     s.faults.banned[suspect.node_id] = evidence
+    s.book.banned.add(suspect.node_id)  # named in every plan announced from now on
     log.warning("node %s (pipeline %d stage %d) is BANNED: %s; the auditor was %s",
                 suspect.node_id, suspect.pipeline, suspect.index,
                 evidence.to_dict()["reason"], evidence.auditor)  # fmt: skip

@@ -70,6 +70,8 @@ class PlanBook:
         """Pipelines of the current plan that lost a member: they are not waited for."""
         self.broken_in: dict[int, set[int]] = {}
         """Plan epoch -> its broken pipelines (a late Drain from one is refused)."""
+        self.banned: set[str] = set()
+        """Members banned for failing audits (bans.py): every plan announced names them."""
         self.announcements: list[pb.Plan] = []
         """Every plan WatchPlan announced, in order (a copy as it was then: a pending plan,
         and later the same epoch started)."""
@@ -200,4 +202,5 @@ class PlanBook:
     def _announce(self, plan: pb.Plan) -> None:
         copy = pb.Plan()
         copy.CopyFrom(plan)
+        copy.banned[:] = sorted(self.banned)
         self.announcements.append(copy)

@@ -5,7 +5,9 @@ neighbours, and reporting a neighbour that failed twice to the coordinator
 
 Only the stage's neighbours under the current plan get its records (the caller's node id,
 proven; transport/proofs.py), each at most MAX_SERVING at a time: a record holds the stage's
-weights, and serving one costs a copy of them.
+weights (in int8-block, a quarter of their float32 bytes), and serving one costs a copy of
+them. A record goes at the pace of a checkpoint copy (COPY_SHARE of the measured link): it
+is not on the critical path, the boundary streams are.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from functools import partial
 import grpc
 
 from ravnest_node.coordination.planning.static_plan import stage_at
+from ravnest_node.daemon.worker.checkpoint_copies import PACED_CHUNK_BYTES
 from ravnest_node.models import BlockModel
 from ravnest_node.pipeline.auditor import Auditor
 from ravnest_node.pipeline.run import TrainConfig
@@ -109,10 +112,16 @@ class AuditLinks:
                     reply.distance, "banned" if reply.banned else "not banned")  # fmt: skip
 
     async def serve(
-        self, request: pb.AuditRecordRequest, plan: pb.Plan | None, runtime: StageRuntime | None
+        self,
+        request: pb.AuditRecordRequest,
+        plan: pb.Plan | None,
+        runtime: StageRuntime | None,
+        pace_bps: float | None = None,
     ) -> AsyncIterator[pb.AuditChunk]:
-        """This stage's record of a microbatch, for a neighbour under the current plan;
-        Refusal (before any chunk) otherwise."""
+        """This stage's record of a microbatch, for a neighbour under the current plan, sent
+        at `pace_bps` at most (None: as fast as the link goes; the worker gives the pace of
+        checkpoint copies, a share of the measured link, so that the boundary streams keep
+        the rest); Refusal (before any chunk) otherwise."""
         if plan is None or runtime is None or request.plan_epoch != plan.epoch:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "not under that plan")
         me = next((s for s in plan.stages if s.node_id == self._node_id), None)
@@ -128,8 +137,15 @@ class AuditLinks:
         try:
             data = await asyncio.to_thread(record.to_bytes)
             size = max(1, self._transport.max_message_bytes // 2)
+            if pace_bps is not None:
+                size = min(size, PACED_CHUNK_BYTES)
+            loop = asyncio.get_running_loop()
+            start_s, sent = loop.time(), 0
             async for chunk in serve_chunks(_chunks(data, size)):
+                if pace_bps is not None:  # each chunk when the ones before are due
+                    await asyncio.sleep(max(0.0, start_s + sent * 8 / pace_bps - loop.time()))
                 yield chunk
+                sent += len(chunk.data)
         finally:
             self._serving[request.node_id] -= 1
 

@@ -51,7 +51,7 @@ from ravnest_node.transport.chunks import read_chunks, serve_chunks
 from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.options import TransportConfig, open_channel
 
-__all__ = ["COPY_MIN_BPS", "COPY_SHARE", "CheckpointCopier", "copier_of"]
+__all__ = ["COPY_MIN_BPS", "COPY_SHARE", "PACED_CHUNK_BYTES", "CheckpointCopier", "copier_of"]
 
 log = logging.getLogger(__name__)
 

@@ -333,7 +333,7 @@ class CoordinatorClient:
                 reply = await self.stub().Heartbeat(beat, timeout=timeout_s)
         except PeerError as exc:
             if isinstance(exc, PeerRefused) and BANNED in str(exc):  # told to go: it goes
-                raise Banned(f"this node is {str(exc)[str(exc).index(BANNED) :]}") from None
+                raise  # (the daemon stops, exit status 3: node.banned)
             await self._beat_failed(coordinator, sent, exc)
             return 0.0, False
         rtt_s = loop.time() - sent
@@ -489,6 +489,8 @@ class CoordinatorClient:
                 if self.address != address:
                     return
                 self.lost = False
+                if self.node_id in plan.banned:  # told to go: it goes (exit status 3)
+                    raise Banned(f"this node is {BANNED} (announced with plan epoch {plan.epoch})")
                 if self._is_newer(plan):
                     self.latest_plan = plan
                     if not plan.pending:

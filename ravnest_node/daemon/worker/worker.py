@@ -561,7 +561,9 @@ class Worker:
     def audit_record(self, request: pb.AuditRecordRequest) -> AsyncIterator[pb.AuditChunk]:
         """Node.AuditRecord: this stage's record of a microbatch, for a neighbour's audit
         (AuditLinks.serve); Refusal before any chunk."""
-        return self._trainer.audits.serve(request, self.plan, self.runtime)
+        return self._trainer.audits.serve(
+            request, self.plan, self.runtime, pace_bps=self._copy_pace_bps()
+        )
 
     def fetch_checkpoint(self, request: pb.CheckpointRequest) -> AsyncIterator[pb.CheckpointChunk]:
         """Node.FetchCheckpoint: this node's checkpoint, for the node that keeps its copies
