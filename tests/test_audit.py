@@ -31,7 +31,7 @@ from ravnest_node.pipeline.audit import (
 from ravnest_node.pipeline.compute import StageCompute
 from ravnest_node.pipeline.lies import LIES, lie
 from ravnest_node.pipeline.run import TrainConfig
-from ravnest_node.pipeline.schedule import GRAD, HIDDEN, TARGETS, StageSpec
+from ravnest_node.pipeline.schedule import GRAD, HIDDEN, TARGETS, TOKENS, StageSpec
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.protocol import PROTOCOL
 from ravnest_node.transport.frames import FrameLimits, parse_frame
@@ -225,3 +225,52 @@ async def test_the_coordinator_recomputes_a_report_and_bans_only_a_liar(tmp_path
         assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
         assert "banned from this swarm" in refused.value.details
     await svc.Heartbeat(pb.HeartbeatRequest(node_id=up), ctx)  # the others are members still
+
+
+async def test_the_coordinators_own_node_banned_trains_no_more_and_coordinates_on(
+    tmp_path: Path,
+) -> None:
+    run = TrainConfig(model="tiny", steps=50, batch_size=4, microbatches=2, codec="none")
+    svc = CoordinatorService(prove=unproven, train=run, swarm_size=3, swarm_id="t/tiny",
+                             summary_path=tmp_path / "summary.json", clock=Clock(),
+                             node_id="b")  # fmt: skip
+    for node in "abc":
+        await join(svc, node, caps=capabilities(blocks=4))
+    plan = svc.plan
+    assert plan is not None
+    by_index = {s.index: s for s in plan.stages}
+    assert [by_index[i].node_id for i in range(3)] == ["a", "b", "c"]  # (equal members: in order)
+    record, received = _stage_record(run, by_index[1], "negate")
+    report = pb.AuditReport(node_id="c", plan_epoch=plan.epoch, suspect_id="b", record=record,
+                            received=received, distance=2.0)  # fmt: skip
+    ctx: Any = FakeContext()
+    assert (await svc.ReportAudit(report, ctx)).banned
+    await svc.Heartbeat(pb.HeartbeatRequest(node_id="b"), ctx)  # not refused: it coordinates
+    assert all("b" not in p.banned for p in svc._state.book.announcements)
+
+
+def test_a_model_that_carries_token_ids_is_audited_honestly() -> None:
+    """small-subspace's blocks take the token ids beside the residual stream: the records
+    keep them (the first stage's input is the ids themselves, one tensor), forward and
+    backward, and the recomputation passes them on."""
+    run = TrainConfig(model="small-subspace", batch_size=4, microbatches=2, codec="none")
+    model = get_model(run.model)
+    cuts = [(0, 2), (2, 4), (4, model.num_blocks())]
+    with ThreadPoolExecutor(1) as pool:
+        stages = []
+        for i, (a, b) in enumerate(cuts):
+            spec = StageSpec(index=i, num_stages=3, first_block=a, stop_block=b)
+            built = model.build_stage(run.seed, a, b)
+            compute = StageCompute(spec=spec, model=model, blocks=built, run=run, executor=pool)
+            stages.append(compute)
+        first, middle, last = stages
+        blocks = StageBlocks(model, run.seed, microbatches=2, loss_scale=1.0)
+        tokens = torch.randint(0, 256, model.input_spec(2).shape)
+        a1 = _sent(first.forward(0, 0, {HIDDEN: tokens, TARGETS: tokens}, ()))
+        a2 = _sent(middle.forward(0, 0, {HIDDEN: a1, TARGETS: tokens, TOKENS: tokens}, ()))
+        g2 = _sent(last.forward_loss_backward(0, 0, {HIDDEN: a2, TARGETS: tokens, TOKENS: tokens}))
+        _, g1 = middle.backward(0, g2)
+        assert g1 is not None
+        for stage, backward, got in ((first, False, a1), (middle, False, a2),
+                                     (middle, True, _sent(g1)), (last, True, g2)):  # fmt: skip
+            assert _audit(stage, blocks, backward, got) < 0.05

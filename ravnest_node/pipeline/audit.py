@@ -143,7 +143,9 @@ class AuditRecord:
             t = getattr(self, name)
             if t is not None:
                 tensors[name] = t
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        # (Copies: a first stage's input is its token ids, one tensor that safetensors would
+        # not save twice.)
+        tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}
         meta = {
             "kind": _BACKWARD if self.backward else _FORWARD, "seq": str(self.seq),
             "version": str(self.version), "first_block": str(self.first_block),

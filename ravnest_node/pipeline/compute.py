@@ -64,7 +64,8 @@ class InFlight:
     """The forward's output with its graph; under recomputation, the input of each block
     after the first, without a graph (the backward runs each block's forward again)."""
     tokens: torch.Tensor | None = None
-    """The input token ids, for recomputing the blocks of a model that `carries_tokens`."""
+    """The input token ids of a model that `carries_tokens`: for recomputing its blocks, and
+    for the record of its backward (audit.py)."""
 
 
 class StageCompute:
@@ -199,7 +200,7 @@ class StageCompute:
         else:
             with autocast(self.device, self.precision):
                 out = torch.func.functional_call(self.blocks, weights, (x, tokens))
-            self.in_flight[seq] = InFlight(used, weights, first, out)
+            self.in_flight[seq] = InFlight(used, weights, first, out, tokens)
         self._record(False, seq, used, first, weights, tokens)
         sent = self._lying(self._outgoing(out.detach()), used)
         # (Neither `out`, kept for the backward, nor `targets` or `tokens` is ever modified

@@ -7,7 +7,9 @@ recomputes the record itself (the third recomputation, in the service, off the e
 and compares with what the member says it received. If that fails too, the neighbour is
 **banned**: counted lost at once (recovery.lose: a plan without it, its blocks taken from a
 replica or restored from checkpoints), never planned again, and every later call it makes as
-a member is refused (PERMISSION_DENIED, member_calls.check_not_banned).
+a member is refused (PERMISSION_DENIED, member_calls.check_not_banned), and every plan
+announced after names it (`Plan.banned`: the node stops when it sees it). This coordinator's
+own node, if banned, only trains no more: it coordinates on.
 
 What a ban leaves as it was, and why: the updates the liar's frames caused before the ban
 (the steps since its last passed audit) are kept, not redone: with replicas its pipeline's
@@ -63,7 +65,8 @@ def check_report(
 def ban(s: SwarmState, plan: pb.Plan, suspect: pb.StageAssignment, evidence: Ban) -> None:
     """Ban the owner of `suspect`: count it lost now and never plan it again."""
     s.faults.banned[suspect.node_id] = evidence
-    s.book.banned.add(suspect.node_id)  # named in every plan announced from now on
+    if suspect.node_id != s.roster.node_id:  # (this coordinator's own node coordinates on)
+        s.book.banned.add(suspect.node_id)  # named in every plan announced from now on
     log.warning("node %s (pipeline %d stage %d) is BANNED: %s; the auditor was %s",
                 suspect.node_id, suspect.pipeline, suspect.index,
                 evidence.to_dict()["reason"], evidence.auditor)  # fmt: skip
