@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from ravnest_node.checkpoint import SET_ASIDE_DIR, CheckpointDir
+from ravnest_node.checkpoint import SET_ASIDE_DIR, CheckpointCopies, CheckpointDir
 from ravnest_node.models import get_model
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
@@ -92,13 +92,18 @@ def test_a_swarm_stopped_with_sigterm_resumes_where_it_stopped(
     for step in range(stop_step + 1, min(max(after), 45) + 1):  # and the curve goes on as it
         assert abs(after[step] - reference["loss_history"][step - 1]) <= 0.02 * after[step]
 
-    # Node 1's newest checkpoint is damaged on disk: it is refused, an older good one used.
+    # Node 1's newest checkpoint is damaged on disk, and so is the copy of it its neighbour
+    # may keep (checkpoint_copies.py: whether that copy was made before the stop is a race;
+    # CI, 2026-12-04, resumed from it): it is refused, an older good one used.
     model = get_model("tiny")
     stores = [CheckpointDir(d) for d in swarm.dirs]
-    (damaged,) = stores[1].path.glob(f"step-{stores[1].steps()[0]:08d}-*.safetensors")
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    damaged.write_bytes(bytes(data))
+    newest = stores[1].manifest(stores[1].steps()[0])
+    copies = [CheckpointCopies(d).dir(newest.first_block, newest.stop_block) for d in swarm.dirs]
+    for store in [stores[1], *copies]:
+        for damaged in store.path.glob(f"step-{newest.step:08d}-*.safetensors"):
+            data = bytearray(damaged.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            damaged.write_bytes(bytes(data))
     good = [{m.step for m in s.verified(model)} for s in stores]
     expected = max(set.intersection(*good))
     assert expected < max(good[0])
