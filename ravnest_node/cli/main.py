@@ -33,15 +33,19 @@ from ravnest_node.cli import plan as plan_command
 from ravnest_node.cli.export import add_export_parser, run_export
 from ravnest_node.cli.models import add_models_parser, run_models
 from ravnest_node.cli.status import run_status, run_swarm_status, watch
+from ravnest_node.cli.swarm import (
+    add_init_swarm_parser,
+    add_revoke_parser,
+    run_init_swarm,
+    run_revoke,
+)
 from ravnest_node.daemon.config import NodeConfig
 from ravnest_node.daemon.node import NodeDaemon, NodeInfo
-from ravnest_node.discovery import valid_swarm_name
 from ravnest_node.errors import EXIT_BANNED, Banned, ConfigError, RunFailed, StartupError
 from ravnest_node.launch.demo import DemoConfig, run_demo
 from ravnest_node.launch.signals import STOP_DEADLINE_S, ignore_stop_signals, install_stop_handlers
 from ravnest_node.logs import JsonLines, setup_logging
 from ravnest_node.models import MODEL_PRESETS
-from ravnest_node.transport.credentials import MEMBER_DAYS, TOKEN_FILE, create_swarm
 from ravnest_node.transport.options import TransportConfig
 from ravnest_node.version import __version__
 
@@ -81,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_start_parser(commands, models)
     _add_coordinator_parser(commands)
     _add_status_parser(commands)
-    _add_init_swarm_parser(commands)
+    add_init_swarm_parser(commands)
+    add_revoke_parser(commands)
     add_export_parser(commands)
     add_models_parser(commands)
     _add_demo_parser(commands, models)
@@ -169,31 +174,6 @@ def _add_status_parser(commands: Any) -> None:
     )
 
 
-def _add_init_swarm_parser(commands: Any) -> None:
-    """Register `init-swarm` on `commands` (argparse sub-parsers)."""
-    init = commands.add_parser(
-        "init-swarm",
-        help="create a protected swarm's certificate authority and member credentials",
-        description="Write a new certificate authority for swarm NAME and a member certificate "
-        "signed by it to --out DIR (ca.pem, ca.key, member.pem, member.key, and token: the "
-        "same as one line). Start every node with --swarm-dir DIR (without ca.key) or "
-        "--token: they then use mutual TLS with every peer and refuse anyone without the "
-        "swarm's certificate. --renew issues new member credentials under the authority "
-        "already in DIR.",
-    )
-    init.add_argument("name", metavar="NAME", help="the swarm's name")
-    init.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write")
-    init.add_argument(
-        "--days",
-        type=int,
-        default=MEMBER_DAYS,
-        help=f"member certificate validity (default: {MEMBER_DAYS})",
-    )
-    init.add_argument(
-        "--renew", action="store_true", help="new member credentials, the same authority"
-    )
-
-
 def _add_demo_parser(commands: Any, models: str) -> None:
     """Register `demo` on `commands` (argparse sub-parsers); `models`: the registered names."""
     demo = commands.add_parser(
@@ -248,25 +228,6 @@ def _add_plan_parser(commands: Any) -> None:
         "codec, and the predicted samples/s with its bottleneck. Exit status 1 if nothing fits.",
     )
     plan_command.add_arguments(plan)
-
-
-def run_init_swarm(name: str, out: Path, *, days: int, renew: bool) -> int:
-    """`init-swarm`: write the credentials, say what they are for."""
-    if not valid_swarm_name(name):
-        return _fail(f"swarm name {name[:80]!r}: 1 to 64 printable characters without '='")
-    try:
-        creds = create_swarm(name, out, days=days, renew=renew)
-    except OSError as exc:
-        return _fail(f"cannot write to {out}: {exc.strerror or exc}")
-    what = "new member credentials" if renew else "a new authority and member credentials"
-    token = out / TOKEN_FILE
-    print(
-        f"swarm {name!r}: {what} in {out} (member certificate valid until "
-        f"{creds.expires:%Y-%m-%d}).\nStart each node with --swarm-dir {out} (copy ca.pem, "
-        f"member.pem and member.key; keep ca.key off the nodes), or with the token in {token}:"
-        f"\n  RAVNEST_TRANSPORT_TOKEN=$(cat {token}) ravnest-node start ..."
-    )
-    return 0
 
 
 def _fail(message: str) -> int:
@@ -385,10 +346,6 @@ def _run_status(args: argparse.Namespace) -> int:
     return watch(show, args.every, header=sys.stderr if args.json else sys.stdout)
 
 
-def _run_init_swarm(args: argparse.Namespace) -> int:
-    return run_init_swarm(args.name, args.out, days=args.days, renew=args.renew)
-
-
 def _run_bench(args: argparse.Namespace) -> int:
     """`bench SUITE`: links (the default) runs the systems; the others run their own suite."""
     bench_cfg = settings.load(BenchConfig, args=args, env=os.environ, toml_path=args.config)
@@ -425,7 +382,8 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "start": _run_node,
     "coordinator": _run_node,
     "status": _run_status,
-    "init-swarm": _run_init_swarm,
+    "init-swarm": run_init_swarm,
+    "revoke": run_revoke,
     "export": run_export,
     "models": run_models,
     "demo": _run_demo,

@@ -137,10 +137,19 @@ class VoteBook:
 class ElectionService(pb_grpc.ElectionServicer):
     """Serves `ravnest.v1.Election` for a node started with --join elect."""
 
-    def __init__(self, swarm: str, book: VoteBook, ballot: Callable[[], Ballot]) -> None:
+    def __init__(
+        self,
+        swarm: str,
+        book: VoteBook,
+        ballot: Callable[[], Ballot],
+        check_member: Callable[[str, bytes], None] | None = None,
+    ) -> None:
+        """`check_member(node_id, certificate)`: Refusal unless the candidate may be a member
+        (transport/membership.py: not revoked; certified where the authority certifies)."""
         self._swarm = swarm
         self._book = book
         self._ballot = ballot
+        self._check_member = check_member
         self._lock = asyncio.Lock()
 
     async def Vote(
@@ -153,8 +162,10 @@ class ElectionService(pb_grpc.ElectionServicer):
             )
         if not valid_node_id(request.candidate_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "candidate_id is not a node id")
-        try:  # the candidate itself asks (transport/proofs.py)
+        try:  # the candidate itself asks (transport/proofs.py), and may be a member
             check_request(context, "/ravnest.v1.Election/Vote", request)
+            if self._check_member is not None:
+                self._check_member(request.candidate_id, request.node_certificate)
         except Refusal as refusal:
             await context.abort(refusal.code, refusal.reason)
         async with self._lock:
@@ -188,15 +199,18 @@ async def stand(
     voters: Sequence[tuple[str, str]],
     ask: AskVote,
     plan_epoch: int = 0,
+    certificate: bytes = b"",
 ) -> int | None:
     """One round as candidate: a new term, this node's own vote, then the others'. Returns the
     term won with a majority of `swarm_size`, or None (the caller waits and tries again).
-    `plan_epoch`: the newest plan this node knows (a failover; 0 before the first plan)."""
+    `plan_epoch`: the newest plan this node knows (a failover; 0 before the first plan);
+    `certificate`: this node's from the swarm's authority (b"" if none)."""
     term = book.state.term + 1
     book.record(replace(book.state, term=term, voted_for=own_id))
     request = pb.VoteRequest(
-        swarm_name=swarm, term=term, candidate_id=own_id, plan_epoch=plan_epoch
-    )
+        swarm_name=swarm, term=term, candidate_id=own_id, plan_epoch=plan_epoch,
+        node_certificate=certificate,
+    )  # fmt: skip
 
     async def one(node_id: str, address: str) -> bool:
         try:

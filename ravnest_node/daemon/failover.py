@@ -97,6 +97,8 @@ class Leadership:
         """A coordinator service for an epoch (a term, once elected)."""
         self.address = ""
         """This node's address (an elected coordinator's, for its members)."""
+        self.certificate = b""
+        """This node's certificate from the swarm's authority, for its votes (b"" if none)."""
         self.mdns: MdnsDiscovery | None = None
         self.votes = VoteBook(config.state_dir) if config.discovery.elects else None
         self.found: Found | None = None
@@ -193,6 +195,7 @@ class Leadership:
                     swarm_size=swarm_size,
                     voters=voters,
                     ask=ask,
+                    certificate=self.certificate,
                 )
                 if term is not None:
                     self._lead(self._new_service(term), term)
@@ -387,6 +390,7 @@ class Leadership:
             voters=list(voters.voters),
             ask=grpc_vote_asker(self._config.transport),
             plan_epoch=latest.epoch,
+            certificate=self.certificate,
         )
         if term is None:
             return False

@@ -53,10 +53,12 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.protocol import BANNED, PROTOCOL
 from ravnest_node.state import record_node_id, write_atomic
+from ravnest_node.transport.authority import member_identity
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters
 from ravnest_node.transport.gate import TlsGate
 from ravnest_node.transport.limits import PeerLimiter
 from ravnest_node.transport.malformed import MalformedRequests
+from ravnest_node.transport.membership import REVOKED_FILE, Membership, MembershipError
 from ravnest_node.transport.options import server_options, split_host_port
 from ravnest_node.transport.probe import ProbeServer
 
@@ -121,9 +123,21 @@ class NodeDaemon:
     """A running node. Create it, then `await run(on_ready)`; `stop()` ends it gracefully."""
 
     def __init__(self, config: NodeConfig) -> None:
-        self.key = NodeKey.load_or_create(config.state_dir)
+        member = member_identity(config.transport.swarm_dir)
+        self.key = member[0] if member else NodeKey.load_or_create(config.state_dir)
         """This node's key pair (identity.py): its id is made from it, and every call naming
-        this node carries its proof (transport/proofs.py)."""
+        this node carries its proof (transport/proofs.py). A member directory's own key where
+        the swarm's authority certifies its members (transport/authority.py)."""
+        self.certificate = member[1] if member else b""
+        """The authority's certificate for this node's key (b"" if none)."""
+        creds = config.transport.credentials
+        swarm_dir = config.transport.swarm_dir
+        self.membership = Membership.of(
+            creds.ca_pem if creds else None, creds.swarm if creds else "",
+            certified=member is not None, state_dir=config.state_dir,
+            lists=[swarm_dir / REVOKED_FILE] if swarm_dir else [],
+        )  # fmt: skip
+        """Whether members need certificates; the revoked ones (transport/membership.py)."""
         self.config = replace(config, transport=config.transport.proving(self.key))
         self.node_id = self.key.node_id
         before = record_node_id(config.state_dir, self.node_id)
@@ -135,6 +149,7 @@ class NodeDaemon:
         self.address = ""
         self._worker: Worker | None = None
         self.leadership = Leadership(self.config, self.node_id, self._coordinator_service)
+        self.leadership.certificate = self.certificate
         """The coordinator this node follows, its own coordinator service, its elections."""
         self.relays = Relays(self.config, self.node_id)
         self.counters = LinkCounters()
@@ -217,7 +232,11 @@ class NodeDaemon:
         server = grpc.aio.server(
             options=server_options(cfg.transport),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-            interceptors=[self.limiter.interceptor(), self.malformed.interceptor()],
+            interceptors=[
+                self.limiter.interceptor(),
+                self.membership.interceptor(),
+                self.malformed.interceptor(),
+            ],
         )
         host, port, self.gate = await listen(server, cfg.listen, cfg.transport)
         tunnel = await self.relays.start(host, port, self.leadership.coordinator_address)
@@ -280,12 +299,22 @@ class NodeDaemon:
             resume=cfg.checkpoints.resume,
             model_dirs=(*map(Path, cfg.compute.model_dirs), *local_paths(cfg.train.model)),
             fault_fuzz_upstream=cfg.faults.fault_fuzz_upstream,
+            certificate=self.certificate,
+            on_revocations=self._revocations,
         )
         worker.relay_node_id = self.relays.relay_node_id
         worker.relay_address = self.relays.relay_address
         worker.compute_scale = cfg.faults.fault_compute_scale
         worker.block_delay_s = cfg.faults.fault_block_ms / 1000
         return worker
+
+    def _revocations(self, blob: bytes) -> None:
+        """A plan carries the authority's revocation list: take it if it is newer (its members
+        are refused from now on: transport/membership.py)."""
+        try:
+            self.membership.adopt(blob)
+        except MembershipError as exc:
+            log.warning("ignoring the plan's revocation list: %s", exc)
 
     def _add_services(self, server: grpc.aio.Server, worker: Worker) -> None:
         """This node's services (services.py), and its coordinator service if it is the
@@ -309,7 +338,8 @@ class NodeDaemon:
             pb_grpc.add_CoordinatorServicer_to_server(gate, server)
         if self.leadership.votes is not None:
             ballot = partial(self.leadership.ballot, worker)
-            election = ElectionService(cfg.swarm_name, self.leadership.votes, ballot)
+            election = ElectionService(cfg.swarm_name, self.leadership.votes, ballot,
+                                       self.membership.check_member)  # fmt: skip
             pb_grpc.add_ElectionServicer_to_server(election, server)
 
     def _coordinator_address(self) -> str | None:
@@ -376,6 +406,7 @@ class NodeDaemon:
             reach=partial(probe_node, tries=1, transport=cfg.transport),
             node_id=self.node_id,
             relay_address=self.relays.relay_address,
+            membership=self.membership,
         )
 
     async def _failing(self, work: Awaitable[None]) -> None:

@@ -181,6 +181,9 @@ class CoordinatorGate(pb_grpc.CoordinatorServicer):
     async def ReportAudit(self, request: Any, context: Any) -> pb.AuditReply:
         return await (await self._service(context)).ReportAudit(request, context)
 
+    async def Revoke(self, request: Any, context: Any) -> pb.RevokeReply:
+        return await (await self._service(context)).Revoke(request, context)
+
     async def WatchPlan(self, request: Any, context: Any) -> AsyncIterator[pb.Plan]:
         async for plan in (await self._service(context)).WatchPlan(request, context):
             yield plan

@@ -35,6 +35,7 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.settings import to_env
 from ravnest_node.state import write_atomic
+from ravnest_node.transport.authority import member_identity
 from ravnest_node.transport.options import TransportConfig, grpc_channel
 from ravnest_node.units import rate_text
 
@@ -74,6 +75,11 @@ class DemoConfig:
             raise ConfigError("resume: give the --work-dir of the demo to resume")
         check_frame_limit(self.train, self.transport.max_message_bytes)
         resolve_device(self.device)  # ConfigError before any node starts
+        if self.nodes > 1 and member_identity(self.transport.swarm_dir) is not None:
+            raise ConfigError(
+                f"swarm_dir={self.transport.swarm_dir}: a member directory is one node's "
+                "identity; give the demo the swarm's directory"
+            )
 
     @property
     def threads_per_node(self) -> int:

@@ -38,6 +38,22 @@ FOUND_VIA_MDNS: FoundVia
 FOUND_VIA_PEER: FoundVia
 FOUND_VIA_ELECTION: FoundVia
 
+class RevokeRequest(_message.Message):
+    __slots__ = ("revocations",)
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    revocations: bytes
+    def __init__(self, revocations: _Optional[bytes] = ...) -> None: ...
+
+class RevokeReply(_message.Message):
+    __slots__ = ("serial", "plan_epoch", "banned")
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BANNED_FIELD_NUMBER: _ClassVar[int]
+    serial: int
+    plan_epoch: int
+    banned: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, serial: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., banned: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class AuditReport(_message.Message):
     __slots__ = ("node_id", "plan_epoch", "suspect_id", "record", "received", "distance")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -81,16 +97,18 @@ class SuspectReply(_message.Message):
     def __init__(self, lost: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VoteRequest(_message.Message):
-    __slots__ = ("swarm_name", "term", "candidate_id", "plan_epoch")
+    __slots__ = ("swarm_name", "term", "candidate_id", "plan_epoch", "node_certificate")
     SWARM_NAME_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     swarm_name: str
     term: int
     candidate_id: str
     plan_epoch: int
-    def __init__(self, swarm_name: _Optional[str] = ..., term: _Optional[int] = ..., candidate_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
+    node_certificate: bytes
+    def __init__(self, swarm_name: _Optional[str] = ..., term: _Optional[int] = ..., candidate_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., node_certificate: _Optional[bytes] = ...) -> None: ...
 
 class VoteReply(_message.Message):
     __slots__ = ("term", "granted", "reason")
@@ -191,20 +209,22 @@ class BlockChunk(_message.Message):
     def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., optimizer_step: _Optional[float] = ..., name: _Optional[str] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "address", "compute_threads", "protocol", "capabilities", "plan_epoch")
+    __slots__ = ("node_id", "address", "compute_threads", "protocol", "capabilities", "plan_epoch", "node_certificate")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_THREADS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     compute_threads: int
     protocol: str
     capabilities: Capabilities
     plan_epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
+    node_certificate: bytes
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., plan_epoch: _Optional[int] = ..., node_certificate: _Optional[bytes] = ...) -> None: ...
 
 class Capabilities(_message.Message):
     __slots__ = ("block_s", "memory_bytes", "device", "checkpoints", "uplink_bps", "rtt_s", "relay_node_id", "peer_links", "relay_address", "unpacks_deflate", "decodes_klt")
@@ -427,7 +447,7 @@ class StageAssignment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ..., relayed: _Optional[bool] = ..., unpacks_deflate: _Optional[bool] = ..., member_key_sha256: _Optional[bytes] = ..., decodes_klt: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "swarm_id", "run", "stages", "start_step", "pending", "previous", "restore", "banned")
+    __slots__ = ("epoch", "swarm_id", "run", "stages", "start_step", "pending", "previous", "restore", "banned", "revocations")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +457,7 @@ class Plan(_message.Message):
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     BANNED_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     swarm_id: str
     run: RunSpec
@@ -446,7 +467,8 @@ class Plan(_message.Message):
     previous: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     restore: bool
     banned: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., restore: _Optional[bool] = ..., banned: _Optional[_Iterable[str]] = ...) -> None: ...
+    revocations: bytes
+    def __init__(self, epoch: _Optional[int] = ..., swarm_id: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., start_step: _Optional[int] = ..., pending: _Optional[bool] = ..., previous: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., restore: _Optional[bool] = ..., banned: _Optional[_Iterable[str]] = ..., revocations: _Optional[bytes] = ...) -> None: ...
 
 class StageReport(_message.Message):
     __slots__ = ("node_id", "stage", "plan_epoch", "step", "loss", "bytes_sent", "done", "params_sq_sum", "num_params", "compute_s", "activation_bytes_sent", "gradient_bytes_sent", "wall_s", "idle_upstream_s", "idle_downstream_s", "staleness_histogram", "max_in_flight", "max_weight_versions", "pipeline", "averaging_rounds", "averaging_rounds_incomplete", "averaging_bytes_sent", "averaging_wait_s", "activation_codec", "gradient_codec", "activation_codec_frames", "gradient_codec_frames", "downstream_bandwidth_bps", "upstream_bandwidth_bps", "checkpoint_step", "activation_deflated_frames", "gradient_deflated_frames", "activation_fp32_bytes", "gradient_fp32_bytes", "frame_decode_s", "device", "precision", "steps_skipped", "stream_resumes", "frames_resent", "eval_step", "eval_loss", "evals_lost", "audits", "audits_failed", "audits_unanswered", "audit_bytes", "audit_s", "audit_max_passed")

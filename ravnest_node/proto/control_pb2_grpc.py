@@ -86,6 +86,11 @@ class CoordinatorStub:
                 request_serializer=ravnest__node_dot_proto_dot_control__pb2.AuditReport.SerializeToString,
                 response_deserializer=ravnest__node_dot_proto_dot_control__pb2.AuditReply.FromString,
                 _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/ravnest.v1.Coordinator/Revoke',
+                request_serializer=ravnest__node_dot_proto_dot_control__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=ravnest__node_dot_proto_dot_control__pb2.RevokeReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -170,6 +175,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoke(self, request, context):
+        """A protected swarm's authority revokes members (`ravnest-node revoke`): the coordinator
+        checks the list's signature, bans the members it names and announces it with every plan
+        (transport/membership.py). Anyone may hand a list over: only the authority can sign one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +236,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportAudit,
                     request_deserializer=ravnest__node_dot_proto_dot_control__pb2.AuditReport.FromString,
                     response_serializer=ravnest__node_dot_proto_dot_control__pb2.AuditReply.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=ravnest__node_dot_proto_dot_control__pb2.RevokeRequest.FromString,
+                    response_serializer=ravnest__node_dot_proto_dot_control__pb2.RevokeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -496,6 +515,33 @@ class Coordinator:
             '/ravnest.v1.Coordinator/ReportAudit',
             ravnest__node_dot_proto_dot_control__pb2.AuditReport.SerializeToString,
             ravnest__node_dot_proto_dot_control__pb2.AuditReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravnest.v1.Coordinator/Revoke',
+            ravnest__node_dot_proto_dot_control__pb2.RevokeRequest.SerializeToString,
+            ravnest__node_dot_proto_dot_control__pb2.RevokeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,12 @@ DIR/member.key    its private key: what every node of the swarm presents
 DIR/token         the same three (authority, member certificate, member key) as one line
 ```
 
+`init-swarm ... --members N` also writes one directory per member, `DIR/members/ID`: the files a
+node needs (ca.pem, member.pem, member.key), the member's own node key and the authority's
+certificate for it (membership.py): a node started with `--swarm-dir DIR/members/ID` is node
+ID, and its swarm can shut it out alone (`ravnest-node revoke`). Given for an existing DIR,
+`--members N` adds N more under the same authority.
+
 A node is given either the directory (`--swarm-dir DIR`, which needs ca.pem, member.pem and
 member.key) or the token alone (`--token`, or RAVNEST_TRANSPORT_TOKEN to keep it out of `ps`).
 Every member certificate names the swarm (its common name is `member of NAME`) and carries one
@@ -53,6 +59,8 @@ CA_DAYS = 3650
 MEMBER_DAYS = 365
 TOKEN_PREFIX = "rvn1."
 MAX_TOKEN_LEN = 8192
+MEMBERS_DIR = "members"
+MAX_NEW_MEMBERS = 1000
 CA_FILE, CA_KEY_FILE, MEMBER_FILE, MEMBER_KEY_FILE, TOKEN_FILE = (
     "ca.pem",
     "ca.key",
@@ -61,6 +69,7 @@ CA_FILE, CA_KEY_FILE, MEMBER_FILE, MEMBER_KEY_FILE, TOKEN_FILE = (
     "token",
 )
 MEMBER_PREFIX = "member of "
+AUTHORITY_PREFIX = "ravnest swarm "
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,15 +213,7 @@ def create_swarm(
         raise ConfigError(f"days={days}: must be 1 to {CA_DAYS}")
     ca_file, ca_key_file = out / CA_FILE, out / CA_KEY_FILE
     if renew:
-        try:
-            ca = x509.load_pem_x509_certificate(ca_file.read_bytes())
-            ca_key = serialization.load_pem_private_key(ca_key_file.read_bytes(), password=None)
-        except (OSError, ValueError, TypeError, UnsupportedAlgorithm) as exc:
-            raise ConfigError(f"--renew: cannot read the authority in {out}: {exc}") from None
-        if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-            raise ConfigError(f"--renew: {ca_key_file} is not this project's kind of key")
-        if _common_name(ca) != f"ravnest swarm {name}":
-            raise ConfigError(f"--renew: the authority in {out} is not swarm {name!r}'s")
+        ca, ca_key = load_authority(out, name, "--renew")
     else:
         if ca_file.exists() or ca_key_file.exists():
             raise ConfigError(
@@ -220,7 +221,7 @@ def create_swarm(
                 "credentials under it, or another directory for a new swarm"
             )
         ca_key = ec.generate_private_key(ec.SECP256R1())
-        ca = _issue(f"ravnest swarm {name}", ca_key, None, ca_key, CA_DAYS)
+        ca = _issue(AUTHORITY_PREFIX + name, ca_key, None, ca_key, CA_DAYS)
     member_key = ec.generate_private_key(ec.SECP256R1())
     member = _issue(MEMBER_PREFIX + name, member_key, ca, ca_key, days)
     out.mkdir(parents=True, exist_ok=True)
@@ -232,6 +233,23 @@ def create_swarm(
     creds = _checked(_pem(ca), _pem(member), _pem_key(member_key), str(out))
     write_atomic(out / TOKEN_FILE, (creds.token() + "\n").encode(), mode=0o600)
     return creds
+
+
+def load_authority(
+    out: Path, name: str | None, why: str
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The authority of the swarm directory `out` and its private key (of swarm `name`, if
+    given); ConfigError, beginning with `why`, if they cannot be read."""
+    try:
+        ca = x509.load_pem_x509_certificate((out / CA_FILE).read_bytes())
+        ca_key = serialization.load_pem_private_key((out / CA_KEY_FILE).read_bytes(), None)
+    except (OSError, ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise ConfigError(f"{why}: cannot read the authority in {out}: {exc}") from None
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"{why}: {out / CA_KEY_FILE} is not this project's kind of key")
+    if name is not None and _common_name(ca) != AUTHORITY_PREFIX + name:
+        raise ConfigError(f"{why}: the authority in {out} is not swarm {name!r}'s")
+    return ca, ca_key
 
 
 @functools.lru_cache(maxsize=8)
@@ -283,6 +301,11 @@ def _common_name(cert: x509.Certificate) -> str:
     common = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     value = common[0].value if common else ""
     return value if isinstance(value, str) else ""
+
+
+def swarm_of_authority(ca: x509.Certificate) -> str:
+    """The name of the swarm whose authority `ca` is."""
+    return _common_name(ca).removeprefix(AUTHORITY_PREFIX)
 
 
 def _checked(ca_pem: bytes, cert_pem: bytes, key_pem: bytes, where: str) -> SwarmCredentials:

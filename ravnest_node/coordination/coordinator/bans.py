@@ -18,6 +18,11 @@ away, and the stratified draw bounds how long a liar goes unseen (two audit wind
 member who frames an honest neighbour by reporting what it did not receive is not caught
 (frames are not signed by their sender; docs/security.md).
 
+A member the swarm's authority revokes (`revoke`) is banned the same way, its steps kept as
+they are (the authority says who, not what was wrong): lost at once if it has a stage, left
+out of the roster if it has none, and named in every plan announced from then on, which
+carries the signed list to every node (transport/membership.py).
+
 The bans are kept in memory (the run summary's `banned`); a lab coordinator restarted forgets
 them.
 """
@@ -28,14 +33,14 @@ import logging
 
 import grpc
 
-from ravnest_node.coordination.coordinator.faults import Ban
+from ravnest_node.coordination.coordinator.faults import Ban, Revoked
 from ravnest_node.coordination.coordinator.recovery import lose
 from ravnest_node.coordination.coordinator.swarm_state import SwarmState
 from ravnest_node.pipeline.audit import AuditRecord
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.errors import Refusal
 
-__all__ = ["ban", "check_report"]
+__all__ = ["ban", "check_report", "revoke"]
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +77,29 @@ def ban(s: SwarmState, plan: pb.Plan, suspect: pb.StageAssignment, evidence: Ban
                 evidence.to_dict()["reason"], evidence.auditor)  # fmt: skip
     s.roster.leave(suspect.node_id)
     lose(s, plan, [suspect], s.clock(), f"banned: {evidence.to_dict()['reason']}")
+
+
+def revoke(s: SwarmState, node_ids: frozenset[str], serial: int, blob: bytes) -> list[str]:
+    """The authority's revocation list `serial` (`blob`, checked) names `node_ids`: ban those
+    not banned yet, and announce the newest plan again with the list (a re-plan without a
+    revoked stage's owner follows). The members banned now."""
+    book, roster = s.book, s.roster
+    book.revocations = blob
+    plan = book.current
+    now_banned = []
+    for node_id in sorted(node_ids - set(s.faults.banned)):
+        s.faults.banned[node_id] = Revoked(node_id, serial, s.progress.completed())
+        if node_id != roster.node_id:
+            book.banned.add(node_id)
+        if not roster.is_member(node_id):
+            continue
+        now_banned.append(node_id)
+        log.warning("node %s is BANNED: revoked by the swarm's authority (list %d)", node_id,
+                    serial)  # fmt: skip
+        roster.leave(node_id)
+        stages = [st for st in plan.stages if st.node_id == node_id] if plan else []
+        if plan is not None and stages:
+            lose(s, plan, stages, s.clock(), f"revoked (list {serial})")
+    book.announce_again()  # with the list (and the banned named, where no re-plan did)
+    s.save_members()
+    return now_banned

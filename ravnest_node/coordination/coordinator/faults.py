@@ -171,6 +171,20 @@ class Ban:
         }  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class Revoked:
+    """A member the swarm's authority revoked (transport/membership.py)."""
+
+    node_id: str
+    serial: int
+    """The revocation list that first named it."""
+    after_step: int
+
+    def to_dict(self) -> dict[str, Any]:
+        why = f"revoked by the swarm's authority (revocation list {self.serial})"
+        return {"node_id": self.node_id, "after_step": self.after_step, "reason": why}
+
+
 class FaultBook:
     """Who was lost, what was dropped or restored, and the checkpoints members offer for a
     restore."""
@@ -186,8 +200,8 @@ class FaultBook:
         """Microbatches trained again after a restore rolled the run back."""
         self.takeover: Takeover | None = None
         """After a failover election (take_over); kept for the summary once done."""
-        self.banned: dict[str, Ban] = {}
-        """Members banned for failing audits (bans.py), by node id."""
+        self.banned: dict[str, Ban | Revoked] = {}
+        """Members banned for failing audits or revoked (bans.py), by node id."""
         self.unrestored: PendingRestore | None = None
         self.offers: dict[str, list[pb.CheckpointOffer]] = {}
         """Node id -> the checkpoints (own and copies) it said it holds in its last heartbeat."""

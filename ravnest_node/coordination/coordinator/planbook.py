@@ -72,6 +72,9 @@ class PlanBook:
         """Plan epoch -> its broken pipelines (a late Drain from one is refused)."""
         self.banned: set[str] = set()
         """Members banned for failing audits (bans.py): every plan announced names them."""
+        self.revocations = b""
+        """The authority's newest revocation list (transport/membership.py): every plan
+        announced carries it."""
         self.announcements: list[pb.Plan] = []
         """Every plan WatchPlan announced, in order (a copy as it was then: a pending plan,
         and later the same epoch started)."""
@@ -117,6 +120,13 @@ class PlanBook:
             self.drains = {}
         self._announce(plan)
         self.phase = Phase.ANNOUNCED
+
+    def announce_again(self) -> None:
+        """Announce the newest plan again (a pending one, or the current), as it is now: with
+        the newest revocation list."""
+        newest = self.pending if self.pending is not None else self.current
+        if newest is not None:
+            self._announce(newest)
 
     def drop_pending(self) -> None:
         """The pending plan counted on someone gone: it is made again."""
@@ -203,4 +213,5 @@ class PlanBook:
         copy = pb.Plan()
         copy.CopyFrom(plan)
         copy.banned[:] = sorted(self.banned)
+        copy.revocations = self.revocations
         self.announcements.append(copy)

@@ -49,6 +49,7 @@ from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.protocol import DEFAULT_LEASE_S, UNREACHABLE_KEY
 from ravnest_node.transport.errors import Refusal
+from ravnest_node.transport.membership import Membership, MembershipError
 from ravnest_node.transport.proofs import ProofCheck, check_request
 
 __all__ = ["MAX_REACHING", "REACH_TIMEOUT_S", "CoordinatorService"]
@@ -101,6 +102,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         reach: Ask | None = None,
         relay_address: str = "",
         prove: ProofCheck = check_request,
+        membership: Membership | None = None,
     ) -> None:
         """`epoch`: of this coordinator's first plan (1, or the election term it won).
         `probe`: asks a suspected member whether it is alive (Suspect); `reach`: asks a
@@ -109,8 +111,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         probed); `relay_address`: the relay it serves ("" if none), first of SwarmView.relays.
         `prove`: checks that a member call comes from the node it names (transport/proofs.py;
         unit tests of the coordinator's rules give one that takes their readable ids).
+        `membership`: what the swarm's authority says (transport/membership.py): whether a
+        joining node needs a certificate, and who is revoked (None: an open swarm).
         ConfigError if `store` holds another run."""
         self._prove = prove
+        self._membership = membership or Membership()
         self._state = SwarmState.create(
             train=train, swarm_size=swarm_size, swarm_id=swarm_id, summary_path=summary_path,
             clock=clock, epoch=epoch, lease_s=lease_s, store=store, node_id=node_id,
@@ -134,6 +139,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Held while an audit report's evidence is recomputed (one at a time)."""
         self._blocks: StageBlocks | None = None
         """The audited stages' blocks (built at the first report)."""
+        self._revoke()  # a list this node held before it coordinated
 
     # ----- the daemon's interface -------------------------------------------------------------
     @property
@@ -210,6 +216,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             member_calls.check_join(request, self._state.num_blocks())
             # Its id is made from its key (identity.py): nobody else can join under it.
             self._speaks_for("Join", request, context)
+            self._membership.check_member(request.node_id, request.node_certificate)
         if await self._unreachable(request):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -310,6 +317,32 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             bans.ban(self._state, plan, suspect, evidence)
         await self._notify()
         return pb.AuditReply(banned=True, distance=d)
+
+    async def Revoke(self, request: pb.RevokeRequest, context: Context) -> pb.RevokeReply:
+        """The authority's revocation list (anyone may hand it over: only the authority signs
+        one): ban the members it names and announce it with the plan (bans.revoke)."""
+        async with _answered(context):
+            if self._membership.authority is None:
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              "an open swarm has no authority to revoke members")  # fmt: skip
+            try:
+                self._membership.adopt(request.revocations)
+            except MembershipError as exc:
+                raise Refusal(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
+            banned = self._revoke()
+        await self._notify()
+        plan = self._state.book.pending or self.plan
+        current = self._membership.current
+        return pb.RevokeReply(serial=current.serial if current else 0,
+                              plan_epoch=plan.epoch if plan else 0, banned=banned)  # fmt: skip
+
+    def _revoke(self) -> list[str]:
+        """Apply the newest revocation list this node holds, if the plans do not carry it
+        yet; the members banned now."""
+        current = self._membership.current
+        if current is None or self._state.book.revocations == current.blob:
+            return []
+        return bans.revoke(self._state, current.node_ids, current.serial, current.blob)
 
     def _recompute(self, record: AuditRecord) -> torch.Tensor:
         """The record's output recomputed here (blocks built once per range); Refusal if it

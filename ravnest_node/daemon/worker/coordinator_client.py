@@ -143,9 +143,12 @@ class CoordinatorClient:
         transport: TransportConfig,
         changes: Changes,
         grace_s: float,
+        on_revocations: Callable[[bytes], None] | None = None,
     ) -> None:
         """Calls go on channels of `transport`: with the node's key set (`proving`), each
-        carries its proof (transport/proofs.py)."""
+        carries its proof (transport/proofs.py). `on_revocations`: given every plan's
+        revocation list (transport/membership.py), before anything else is done with it."""
+        self._on_revocations = on_revocations
         self._join = join
         """What this node says when it joins: its id, address and threads; its capabilities
         once measured (sent again to a new coordinator)."""
@@ -244,7 +247,8 @@ class CoordinatorClient:
         PeerRefused if the call fails otherwise."""
         join = pb.JoinRequest(node_id=self._join.node_id, address=self._join.address,
                               compute_threads=self._join.compute_threads,
-                              protocol=self._join.protocol)  # fmt: skip
+                              protocol=self._join.protocol,
+                              node_certificate=self._join.node_certificate)  # fmt: skip
         try:
             reply: pb.JoinReply = await self.stub().Join(
                 join, timeout=self._transport.connect_timeout_s
@@ -489,6 +493,8 @@ class CoordinatorClient:
                 if self.address != address:
                     return
                 self.lost = False
+                if plan.revocations and self._on_revocations is not None:
+                    self._on_revocations(plan.revocations)
                 if self.node_id in plan.banned:  # told to go: it goes (exit status 3)
                     raise Banned(f"this node is {BANNED} (announced with plan epoch {plan.epoch})")
                 if self._is_newer(plan):

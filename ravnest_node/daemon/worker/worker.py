@@ -116,6 +116,8 @@ class Worker:
         resume: bool = False,
         model_dirs: tuple[Path, ...] = (),
         fault_fuzz_upstream: str = "",
+        certificate: bytes = b"",
+        on_revocations: Callable[[bytes], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self._transport = transport
@@ -124,10 +126,10 @@ class Worker:
         """The device this node's stages compute on (resolved from --device at start-up)."""
         self._changes = changes = Changes(transport.connect_timeout_s)
         join = pb.JoinRequest(node_id=node_id, address=address, compute_threads=compute_threads,
-                              protocol=PROTOCOL)  # fmt: skip
+                              protocol=PROTOCOL, node_certificate=certificate)  # fmt: skip
         self._client = client = CoordinatorClient(
             join=join, address=coordinator_address, transport=transport, changes=changes,
-            grace_s=coordinator_grace_s,
+            grace_s=coordinator_grace_s, on_revocations=on_revocations,
         )  # fmt: skip
         self._links = LinkMeter(node_id=node_id, transport=transport, counters=counters)
         self._sessions = Sessions(node_id=node_id, transport=transport, counters=counters,

@@ -1,0 +1,123 @@
+"""What the holder of a protected swarm's authority does with it, beyond init-swarm's
+credentials (credentials.py): issue member directories with certified node keys, and sign
+revocation lists (membership.py says what they mean to the swarm). And what a node reads of
+its member directory: its node key and certificate.
+
+```
+DIR/members/ID/ca.pem, member.pem, member.key   the swarm's credentials (as in DIR)
+DIR/members/ID/node_key                          node ID's own key (Ed25519; 0600)
+DIR/members/ID/node.cert                         the authority's certificate for that key
+DIR/revoked                                      the newest revocation list `revoke` signed
+```
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import shutil
+import time
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+
+from ravnest_node.errors import ConfigError
+from ravnest_node.identity import NODE_KEY_FILE, NodeKey
+from ravnest_node.state import write_atomic
+from ravnest_node.transport.credentials import (
+    CA_FILE,
+    MAX_NEW_MEMBERS,
+    MEMBER_FILE,
+    MEMBER_KEY_FILE,
+    MEMBERS_DIR,
+    load_authority,
+    load_credentials,
+    swarm_of_authority,
+)
+from ravnest_node.transport.membership import (
+    CERTIFICATE_FILE,
+    MAX_CERTIFICATE_BYTES,
+    REVOKED_FILE,
+    MembershipError,
+    RevocationList,
+    certify,
+    sign_revocations,
+)
+
+__all__ = ["add_members", "member_identity", "revoke"]
+
+DAY_S = 86_400
+
+
+def add_members(out: Path, count: int, days: int) -> list[str]:
+    """Write `count` member directories under `out/members`, each a node key of its own and
+    the authority's certificate for it, valid `days`; their node ids. ConfigError if the
+    authority or the swarm's credentials in `out` cannot be read."""
+    if not 1 <= count <= MAX_NEW_MEMBERS:
+        raise ConfigError(f"--members {count}: 1 to {MAX_NEW_MEMBERS} at a time")
+    ca, ca_key = load_authority(out, None, "--members")
+    creds = load_credentials(out, None)
+    assert creds is not None
+    if swarm_of_authority(ca) != creds.swarm:
+        raise ConfigError(f"--members: the member certificate in {out} is not its authority's")
+    until = int(time.time()) + days * DAY_S
+    made = []
+    for _ in range(count):
+        key = NodeKey.generate()
+        home = out / MEMBERS_DIR / key.node_id
+        home.mkdir(parents=True, exist_ok=False)
+        for name in (CA_FILE, MEMBER_FILE, MEMBER_KEY_FILE):
+            shutil.copy2(out / name, home / name)
+        pem = key.private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        write_atomic(home / NODE_KEY_FILE, pem, mode=0o600)
+        certificate = certify(ca_key, creds.swarm, key.public, until)
+        write_atomic(home / CERTIFICATE_FILE, base64.b64encode(certificate) + b"\n")
+        made.append(key.node_id)
+    return made
+
+
+def member_identity(swarm_dir: Path | None) -> tuple[NodeKey, bytes] | None:
+    """The node key and certificate of a member directory (None if `swarm_dir` is not one).
+    ConfigError if it holds one without the other, or either is unreadable."""
+    if swarm_dir is None:
+        return None
+    key_file, cert_file = swarm_dir / NODE_KEY_FILE, swarm_dir / CERTIFICATE_FILE
+    if not key_file.exists() and not cert_file.exists():
+        return None
+    if not (key_file.exists() and cert_file.exists()):
+        raise ConfigError(f"{swarm_dir}: a member directory holds both {NODE_KEY_FILE} and "
+                          f"{CERTIFICATE_FILE} (init-swarm --members)")  # fmt: skip
+    try:
+        text = cert_file.read_bytes()[: 2 * MAX_CERTIFICATE_BYTES]
+        certificate = base64.b64decode(text.strip(), validate=True)
+    except (OSError, binascii.Error) as exc:
+        raise ConfigError(f"{cert_file}: not a node certificate ({exc})") from None
+    return NodeKey.load_or_create(swarm_dir), certificate
+
+
+def revoke(out: Path, node_ids: list[str]) -> RevocationList:
+    """Sign a revocation list naming `node_ids` and every node the last one (`out/revoked`)
+    named, with the next serial, and write it there. ConfigError if the authority cannot be
+    read or the ids are not node ids."""
+    ca, ca_key = load_authority(out, None, "revoke")
+    swarm = swarm_of_authority(ca)
+    before: frozenset[str] = frozenset()
+    serial = 1
+    path = out / REVOKED_FILE
+    if path.exists():
+        public = ca.public_key()
+        try:
+            last = RevocationList.read(public, swarm, path.read_bytes())  # type: ignore[arg-type]
+        except (OSError, MembershipError) as exc:
+            raise ConfigError(f"{path}: {exc} (move it away to start a new list)") from None
+        before, serial = last.node_ids, last.serial + 1
+    try:
+        signed = sign_revocations(ca_key, swarm, serial, [*before, *node_ids])
+    except MembershipError as exc:
+        raise ConfigError(f"revoke: {exc}") from None
+    write_atomic(path, signed.blob)
+    return signed
