@@ -5,6 +5,7 @@ tests/test_audit_live.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from ravnest_node.pipeline.audit import (
     received_bytes,
     received_tensor,
 )
+from ravnest_node.pipeline.auditor import LINK_SHARE, Auditor, RecordBudget
 from ravnest_node.pipeline.compute import StageCompute
 from ravnest_node.pipeline.lies import LIES, lie
 from ravnest_node.pipeline.run import TrainConfig
@@ -274,3 +276,47 @@ def test_a_model_that_carries_token_ids_is_audited_honestly() -> None:
         for stage, backward, got in ((first, False, a1), (middle, False, a2),
                                      (middle, True, _sent(g1)), (last, True, g2)):  # fmt: skip
             assert _audit(stage, blocks, backward, got) < 0.05
+
+
+def test_records_take_at_most_their_share_of_the_link() -> None:
+    budget = RecordBudget(expected=100_000)
+    mbit = 8e6  # 1 MB/s: records may take LINK_SHARE of it, 20 KB/s
+    assert LINK_SHARE * mbit / 8 == 20_000
+    assert not budget.take(mbit, 0.0)  # nothing saved up yet
+    assert not budget.take(mbit, 4.0)  # 80 KB
+    assert budget.take(mbit, 5.0)  # 100 KB: one record's worth, set aside
+    assert not budget.take(mbit, 5.0)
+    budget.fetched(50_000, reserved=True)  # smaller than expected: the rest comes back
+    assert budget.expected == 50_000 and budget.take(mbit, 5.0)
+    budget.fetched(50_000, reserved=False)  # a check again after a failure: taken anyway
+    assert not budget.take(mbit, 7.0)  # 40 KB of the 50 KB the next record needs
+    assert budget.take(mbit, 10.0)
+    assert all(RecordBudget(expected=10**9).take(None, t) for t in range(3))  # unmeasured link
+
+
+async def test_an_auditor_spaces_its_audits_to_the_links_budget() -> None:
+    run = TrainConfig(model="tiny", audit_share=1.0)  # every frame drawn
+    fetched: list[int] = []
+
+    async def fetch(backward: bool, seq: int) -> bytes:
+        fetched.append(seq)
+        raise ConnectionError("no record")  # (counted unanswered: no recomputation here)
+
+    async def report(*_: object) -> None:
+        raise AssertionError("nothing is reported")
+
+    now = [0.0]
+    auditor = Auditor(run, get_model("tiny"), fetch_upstream=fetch, fetch_downstream=None,
+                      report=report)  # fmt: skip
+    auditor.budget(lambda backward: 1e6, first_bytes=10_000, clock=lambda: now[0])  # 2.5 KB/s
+    got = torch.zeros(2, 3)
+    for seq in range(10):
+        auditor.consider(False, seq, got, "none")
+    now[0] = 4.0  # 10 KB saved up: one audit
+    for seq in range(10, 20):
+        auditor.consider(False, seq, got, "none")
+    await asyncio.gather(*auditor._tasks)
+    assert fetched == [10]
+    assert auditor.counts.skipped == 19 and auditor.counts.unanswered == 1
+    auditor.consider(True, 0, got, "none")  # no downstream to audit: nothing drawn
+    assert auditor.counts.skipped == 19

@@ -320,6 +320,7 @@ def _ours_record(
         "audits": sum(s.get("audits", 0) for s in summary["stages"]),
         "audit_bytes": sum(s.get("audit_bytes", 0) for s in summary["stages"]),
         "audit_s": sum(s.get("audit_s", 0.0) for s in summary["stages"]),
+        "audits_skipped": sum(s.get("audits_skipped", 0) for s in summary["stages"]),
         "stage_compute_s": [s["compute_s"] for s in summary["stages"]],
         # Which codec each stage's frames went in (what `auto` chose, per link and role).
         "codec_frames": link_bound.codec_choice(summary["stages"]),

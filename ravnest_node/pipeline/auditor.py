@@ -8,6 +8,16 @@ frame, a record of a microbatch the sender no longer had... do not ban a node); 
 failure in a row is reported to the coordinator with the evidence, which recomputes it a
 third time before it bans anyone (an auditor is not trusted blindly either). A record that
 does not come (the sender too slow, its link down) is counted, not held against it.
+
+Records are large (a record holds the sender's weights: about 2.2 MB for a stage of
+bench-small), so their bytes are budgeted against the link they come over: on average they
+take at most LINK_SHARE of its measured bandwidth. A frame drawn while the records fetched
+from that side already used the budget (the next one expected as large as the last, the first
+as large as this stage's own weights in int8) is let go and counted `skipped`; a check again
+after a failure is never let go. On a LAN the share is never reached; on a 10 Mbit/s link a
+stage of bench-small is audited about once a minute and a half from each side, on 2 Mbit/s
+once in seven minutes, whatever `audit_share` asks: audits slow slow links by at most about
+LINK_SHARE, and a liar there is caught later (docs/security.md).
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from ravnest_node.pipeline.audit import (
 )
 from ravnest_node.pipeline.run import TrainConfig
 
-__all__ = ["AuditCounts", "Auditor", "Fetch", "Report"]
+__all__ = ["LINK_SHARE", "AuditCounts", "Auditor", "Fetch", "RecordBudget", "Report"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +55,40 @@ Report = Callable[[bool, bytes, bytes, float], Awaitable[None]]
 
 MAX_WAITING = 4
 """Audits in progress at once; a frame drawn beyond that is let go (counted as skipped)."""
+LINK_SHARE = 0.02
+"""The share of a link's measured bandwidth that audit records fetched over it may take, on
+average."""
+
+
+@dataclass(slots=True)
+class RecordBudget:
+    """The bytes the records from one side may still take (a token bucket, refilled at
+    LINK_SHARE of the link, holding at most one record's worth)."""
+
+    expected: int
+    """Bytes the next record is expected to take (the last one's)."""
+    tokens: float = 0.0
+    at: float | None = None
+    """When `tokens` was last refilled (None: not yet)."""
+
+    def take(self, bandwidth_bps: float | None, now: float) -> bool:
+        """Whether a record may be fetched now (its expected bytes then taken)."""
+        if not bandwidth_bps:
+            return True  # an unmeasured link (before the first frame's measure): no budget
+        if self.at is not None:
+            rate = LINK_SHARE * bandwidth_bps / 8
+            self.tokens = min(self.tokens + rate * (now - self.at), float(self.expected))
+        self.at = now
+        if self.tokens < self.expected:
+            return False
+        self.tokens -= self.expected
+        return True
+
+    def fetched(self, nbytes: int, reserved: bool) -> None:
+        """A record of `nbytes` came (`reserved`: `take` set its expected bytes aside): its
+        bytes are taken, and the next one is expected as large."""
+        self.tokens += (self.expected if reserved else 0) - nbytes
+        self.expected = nbytes
 
 
 @dataclass(slots=True)
@@ -59,7 +103,7 @@ class AuditCounts:
     unanswered: int = 0
     """Records that did not come."""
     skipped: int = 0
-    """Frames drawn but not audited (too many audits waiting)."""
+    """Frames drawn but not audited (too many audits waiting, or the link's budget spent)."""
     record_bytes: int = 0
     """Bytes of the records fetched."""
     seconds: float = 0.0
@@ -91,6 +135,23 @@ class Auditor:
         self._tasks: set[asyncio.Task[None]] = set()
         self._one = asyncio.Semaphore(1)  # one recomputation at a time
         self.counts = AuditCounts()
+        self._budgets = {False: RecordBudget(0), True: RecordBudget(0)}
+        self._recheck = {False: False, True: False}
+        self._bandwidth: Callable[[bool], float | None] = lambda backward: None
+        self._clock = time.monotonic
+
+    def budget(
+        self,
+        bandwidth_bps: Callable[[bool], float | None],
+        first_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Budget the records' bytes (LINK_SHARE): `bandwidth_bps(backward)` measures the
+        link to the downstream (backward) or the upstream, None while unmeasured;
+        `first_bytes`: what the first record of each side is expected to take."""
+        self._bandwidth = bandwidth_bps
+        self._budgets = {False: RecordBudget(first_bytes), True: RecordBudget(first_bytes)}
+        self._clock = clock
 
     def consider(self, backward: bool, seq: int, received: torch.Tensor, codec: str) -> None:
         """A training frame just admitted: microbatch `seq`'s activation from the upstream, or
@@ -99,10 +160,15 @@ class Auditor:
             return
         if not self._draws[backward].draw():
             return
+        recheck, self._recheck[backward] = self._recheck[backward], False
         if len(self._tasks) >= MAX_WAITING:
             self.counts.skipped += 1
             return
-        task = asyncio.create_task(self._audit(backward, seq, received))
+        reserved = not recheck
+        if reserved and not self._budgets[backward].take(self._bandwidth(backward), self._clock()):
+            self.counts.skipped += 1
+            return
+        task = asyncio.create_task(self._audit(backward, seq, received, reserved))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -112,7 +178,9 @@ class Auditor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _audit(self, backward: bool, seq: int, received: torch.Tensor) -> None:
+    async def _audit(
+        self, backward: bool, seq: int, received: torch.Tensor, reserved: bool
+    ) -> None:
         fetch = self._fetch[backward]
         assert fetch is not None
         side = "downstream" if backward else "upstream"
@@ -127,6 +195,7 @@ class Auditor:
                      str(exc)[:200])  # fmt: skip
             return
         self.counts.record_bytes += len(data)
+        self._budgets[backward].fetched(len(data), reserved)
         async with self._one:
             started = time.perf_counter()
             try:
@@ -155,6 +224,7 @@ class Auditor:
                     self._in_a_row[backward])  # fmt: skip
         if self._in_a_row[backward] < 2:
             self._draws[backward].again()  # checked again on its next frame
+            self._recheck[backward] = True
             return
         self._in_a_row[backward] = 0
         try:

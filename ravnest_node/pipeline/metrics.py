@@ -205,6 +205,9 @@ class StageMetrics:
     reported)."""
     audits_unanswered: int = 0
     """Audits whose record did not come (the sender slow or unreachable)."""
+    audits_skipped: int = 0
+    """Frames drawn for an audit but let go: too many audits waiting, or the records' share
+    of the link spent (auditor.LINK_SHARE)."""
     audit_bytes: int = field(
         default=0,
         metadata=series("ravnest_audit_bytes_total", "Bytes of the audit records fetched."),

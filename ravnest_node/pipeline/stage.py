@@ -129,6 +129,13 @@ class StageRuntime:
         self.auditor = auditor
         if auditor is not None:
             self._inbox.on_admitted = self._audit
+            # Records from the downstream come over the link gradients go up, and back.
+            auditor.budget(
+                lambda backward: (
+                    self.activation_codec if backward else self.gradient_codec
+                ).bandwidth_bps,
+                first_bytes=sum(p.numel() for b in blocks for p in b.parameters()),
+            )
         self._evals = Evaluations(run.eval_microbatches)
         self._eval_data = None
         if spec.is_first and self._schedule.evaluates:
@@ -259,6 +266,7 @@ class StageRuntime:
         c = self.auditor.counts
         return dataclasses.replace(
             metrics, audits=c.audits, audits_failed=c.failed, audits_unanswered=c.unanswered,
+            audits_skipped=c.skipped,
             audit_bytes=c.record_bytes, audit_s=c.seconds, audit_max_passed=c.max_distance_passed,
         )  # fmt: skip
 
