@@ -53,6 +53,7 @@ SAMPLE = StageMetrics(
     audits=12,
     audits_failed=1,
     audits_unanswered=2,
+    audits_skipped=5,
     audit_bytes=3_000_000,
     audit_s=0.75,
     audit_max_passed=0.16,
