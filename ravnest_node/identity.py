@@ -44,6 +44,7 @@ __all__ = [
     "ProofError",
     "node_id_of",
     "proof_in",
+    "proof_key",
     "verify",
 ]
 
@@ -80,7 +81,23 @@ def _b64(data: bytes) -> str:
 
 
 def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """Strict base64url: any character outside its alphabet is a ValueError (binascii.Error),
+    never skipped, so every reader of a proof sees the same bytes."""
+    return base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+
+
+def proof_key(proof: str) -> bytes | None:
+    """The raw public key a proof names (None if it has none of 32 bytes): what a receiver
+    that refuses revoked keys reads (transport/membership.py), parsed exactly as `verify`
+    does."""
+    parts = proof.split(".")
+    if len(proof) > MAX_PROOF_LEN or len(parts) != 3:
+        return None
+    try:
+        public = _unb64(parts[0])
+    except ValueError:
+        return None
+    return public if len(public) == 32 else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from ravnest_node.compression import encoder, get_codec, rans
 from ravnest_node.compression.transform import (
+    CODER_COLUMNS,
     FALLBACK_WIDTH,
     KLT,
     REFRESH_FIRST,
@@ -258,6 +259,61 @@ def test_a_frame_of_another_entropy_coder_is_refused() -> None:
             codec.decode(memoryview(payload), (64, 32), torch.float32, wrong)
 
 
+@pytest.mark.parametrize("role", ["activation", "gradient"])
+def test_a_peer_that_decodes_columns_gets_the_columns_that_carry_energy(role: str) -> None:
+    """CODER_COLUMNS: in the learned basis, trailing columns whose codes' rms is under
+    drop_below are left out; the frame decodes to about what all columns would give, in fewer
+    bytes. Before the first basis (the identity) every column goes."""
+    codec = encoder("klt", role)
+    assert isinstance(codec, KLT)
+    full, cut = codec.new_state(), codec.new_state()
+    cut.columns = True
+    bases_full, bases_cut = KLTBases(), KLTBases()
+    sizes, errors, cols = [], [], []
+    for i in range(REFRESH_FIRST + 6):
+        x = correlated(256, 64, rank=6, seed=i)
+        for state, bases in ((full, bases_full), (cut, bases_cut)):
+            params, payload = codec.encode(x, state)
+            out, commit = codec.decode_stream(bases, memoryview(payload), x.shape, x.dtype,
+                                              params)  # fmt: skip
+            commit()
+            if state is cut:
+                assert params["coder"] == CODER_COLUMNS
+                cols.append(params["cols"])
+            else:
+                assert params["coder"] == 1 and "cols" not in params
+            if i >= REFRESH_FIRST + 1:  # (both in the learned basis, named not carried)
+                sizes.append(len(payload))
+                errors.append(float((out - x).norm() / x.norm()))
+    assert cols[:REFRESH_FIRST] == [64] * REFRESH_FIRST  # the identity basis: all of them
+    # Rows of rank 6 plus a little noise: the 6 columns of their directions, not 64.
+    assert all(6 <= c <= 8 for c in cols[REFRESH_FIRST:]), cols
+    full_sizes, cut_sizes = sizes[0::2], sizes[1::2]
+    full_errors, cut_errors = errors[0::2], errors[1::2]
+    assert all(c < f for c, f in zip(cut_sizes, full_sizes, strict=True))
+    assert max(cut_errors) < 1.1 * max(full_errors) + 0.01
+    # Either format decodes with any node of this version; a "cols" beyond d is refused.
+    params, payload = codec.encode(correlated(256, 64, rank=6), cut)
+    with pytest.raises(FrameError, match="cols"):
+        codec.decode_stream(bases_cut, memoryview(payload), (256, 64), torch.float32,
+                            {**params, "cols": 65})  # fmt: skip
+    with pytest.raises(FrameError, match="params must be exactly"):
+        codec.decode_stream(bases_cut, memoryview(payload), (256, 64), torch.float32,
+                            {k: v for k, v in params.items() if k != "cols"})  # fmt: skip
+
+
+def test_a_frame_of_no_column_at_all_decodes_to_zeros() -> None:
+    codec = KLT()
+    state, bases = codec.new_state(), KLTBases()
+    state.columns = True
+    for i in range(REFRESH_FIRST + 1):
+        send(codec, state, bases, correlated(64, 32, seed=i))
+    params, payload = codec.encode(torch.zeros(64, 32), state)
+    assert params["cols"] == 0 and params["a"] == 0
+    out, _ = codec.decode_stream(bases, memoryview(payload), (64, 32), torch.float32, params)
+    assert torch.equal(out, torch.zeros(64, 32))
+
+
 def test_stochastic_gradients_are_unbiased() -> None:
     codec = encoder("klt", "gradient")
     assert isinstance(codec, KLT) and codec.stochastic and not codec.per_row
@@ -272,9 +328,9 @@ def test_stochastic_gradients_are_unbiased() -> None:
 
 @given(
     params=st.dictionaries(
-        st.sampled_from(["basis", "id", "rows", "a", "packed", "coder", "x"]),
+        st.sampled_from(["basis", "id", "rows", "a", "packed", "coder", "cols", "x"]),
         HOSTILE_VALUES,
-        max_size=7,
+        max_size=8,
     ),
     shape=st.lists(st.integers(0, 40), max_size=3),
     payload=st.binary(max_size=4000),

@@ -20,7 +20,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from ravnest_node.cli.swarm import run_init_swarm
 from ravnest_node.coordination.coordinator.service import CoordinatorService
 from ravnest_node.errors import ConfigError
-from ravnest_node.identity import NODE_KEY_FILE, PROOF_METADATA, NodeKey
+from ravnest_node.identity import (
+    NODE_KEY_FILE,
+    PROOF_METADATA,
+    NodeKey,
+    ProofError,
+    proof_key,
+    verify,
+)
 from ravnest_node.launch.demo import DemoConfig
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.proto import control_pb2 as pb
@@ -40,6 +47,7 @@ from ravnest_node.transport.membership import (
     Membership,
     MembershipError,
     RevocationList,
+    _proof_node,
     certify,
     check_certificate,
     sign_revocations,
@@ -171,7 +179,7 @@ def test_revoke_adds_to_the_last_list_with_the_next_serial(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match="not node ids"):
         revoke(tmp_path, ["Z"])
     (tmp_path / REVOKED_FILE).write_bytes(b"damaged")
-    with pytest.raises(ConfigError, match="move it away"):
+    with pytest.raises(ConfigError, match="copy the newest list back"):
         revoke(tmp_path, [a])
 
 
@@ -277,8 +285,9 @@ async def test_a_list_a_node_held_before_it_coordinates_is_in_its_first_plan(
     svc = CoordinatorService(train=TrainConfig(model="tiny", steps=5), swarm_size=2,
                              swarm_id="s", summary_path=None, clock=Clock(),
                              membership=membership)  # fmt: skip
+    until = int(time.time()) + DAY
     for key in (NodeKey.generate(), NodeKey.generate()):
-        await _join(svc, key, b"")
+        await _join(svc, key, certify(private, "lab", key.public, until))
     assert svc.plan is not None and svc.book.announcements[-1].revocations
     assert gone.node_id in svc.book.announcements[-1].banned
 
@@ -357,3 +366,79 @@ def test_a_demo_refuses_a_member_directory_for_all_its_nodes(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="one node's identity"):
         DemoConfig(nodes=3, transport=TransportConfig(swarm_dir=home))
     DemoConfig(nodes=3, transport=TransportConfig(swarm_dir=tmp_path))  # the swarm's: fine
+
+
+def test_a_proof_whose_key_is_padded_with_stray_characters_is_no_proof() -> None:
+    """A revoked member must not hide its key from the interceptor with characters a lax
+    base64 decoder skips: every reader parses a proof strictly, the same way."""
+    key = NodeKey.generate()
+    proof = key.prove("/t.T/Echo", "0", "")
+    padded = "!" * 24 + proof
+    assert proof_key(proof) == key.public and proof_key(padded) is None
+    with pytest.raises(ProofError, match="malformed"):
+        verify(padded, "/t.T/Echo", key.node_id, "0", "")
+    meta = [(PROOF_METADATA, padded)]
+    assert _proof_node(meta) == ""  # no proof at all: the proof check itself refuses the call
+    assert _proof_node([(PROOF_METADATA, proof), (PROOF_METADATA, "x")]) == key.node_id
+
+
+def test_a_coordinator_started_from_the_authoritys_directory_requires_certificates(
+    tmp_path: Path,
+) -> None:
+    """Certificates are the swarm's rule, not only of nodes started from a member directory:
+    the directory that issued them, or a node that holds a revocation list, requires them."""
+    create_swarm("lab", tmp_path)
+    pem = (tmp_path / "ca.pem").read_bytes()
+    private, _ = _keys(tmp_path)
+    assert not Membership.of(pem, "lab", certified=False, state_dir=None).certified
+    add_members(tmp_path, 1, 1)
+    holder = Membership.of(pem, "lab", certified=(tmp_path / MEMBERS_DIR).is_dir(),
+                           state_dir=None)  # fmt: skip
+    assert holder.certified
+    revoking = Membership.of(pem, "lab", certified=False, state_dir=None)
+    revoking.adopt(sign_revocations(private, "lab", 1, [NodeKey.generate().node_id]).blob)
+    assert revoking.certified
+    assert not Membership(None, "", certified=True).certified  # an open swarm certifies nothing
+
+
+async def test_a_list_that_does_not_replace_the_held_one_is_refused(authority: Path) -> None:
+    private, public = _keys(authority)
+    membership = Membership(public, "lab")
+    svc = CoordinatorService(train=TrainConfig(model="tiny", steps=5), swarm_size=2,
+                             swarm_id="s", summary_path=None, clock=Clock(),
+                             membership=membership)  # fmt: skip
+    a, b = NodeKey.generate().node_id, NodeKey.generate().node_id
+    second = sign_revocations(private, "lab", 2, [a])
+    assert (await svc.Revoke(pb.RevokeRequest(revocations=second.blob), FakeContext())).serial == 2
+    restarted = sign_revocations(private, "lab", 1, [a, b])  # a list started anew
+    with pytest.raises(Aborted) as refused:
+        await svc.Revoke(pb.RevokeRequest(revocations=restarted.blob), FakeContext())
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "holds revocation list 2" in refused.value.details
+    assert membership.revoked == {a}
+
+
+def test_a_member_directory_whose_certificate_is_not_its_keys_stops_the_node(
+    tmp_path: Path,
+) -> None:
+    create_swarm("lab", tmp_path)
+    one, two = add_members(tmp_path, 2, 1)
+    home = tmp_path / MEMBERS_DIR / one
+    (home / CERTIFICATE_FILE).write_bytes((tmp_path / MEMBERS_DIR / two / CERTIFICATE_FILE)
+                                          .read_bytes())  # fmt: skip
+    with pytest.raises(ConfigError, match="vouches for node"):
+        member_identity(home)
+
+
+def test_renew_reaches_the_member_directories(tmp_path: Path) -> None:
+    out = tmp_path / "lab"
+    args = argparse.Namespace(name="lab", out=out, days=30, renew=False, members=1)
+    assert run_init_swarm(args) == 0
+    [home] = (out / MEMBERS_DIR).iterdir()
+    before = (home / "member.pem").read_bytes()
+    assert run_init_swarm(argparse.Namespace(**{**vars(args), "renew": True, "members": 0})) == 0
+    assert (home / "member.pem").read_bytes() == (out / "member.pem").read_bytes() != before
+    assert member_identity(home) is not None
+    wrong = argparse.Namespace(**{**vars(args), "name": "other"})
+    with pytest.raises(ConfigError, match="not swarm 'other'"):
+        run_init_swarm(wrong)

@@ -15,7 +15,7 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.proto import control_pb2_grpc as pb_grpc
 from ravnest_node.state import valid_swarm_name
-from ravnest_node.transport.authority import add_members, revoke
+from ravnest_node.transport.authority import add_members, renew_members, revoke
 from ravnest_node.transport.credentials import (
     CA_FILE,
     MEMBER_DAYS,
@@ -97,6 +97,7 @@ def run_init_swarm(args: argparse.Namespace) -> int:
     try:
         if not only_members:
             creds = create_swarm(name, out, days=args.days, renew=args.renew)
+            renewed = renew_members(out) if args.renew else 0
             what = (
                 "new member credentials" if args.renew else "a new authority and member credentials"
             )
@@ -108,8 +109,11 @@ def run_init_swarm(args: argparse.Namespace) -> int:
                 f"token in {token}:\n  RAVNEST_TRANSPORT_TOKEN=$(cat {token}) "
                 "ravnest-node start ..."
             )
+            if renewed:
+                print(f"the new member certificate is in the {renewed} member directories "
+                      f"under {out / MEMBERS_DIR} too")  # fmt: skip
         if args.members:
-            made = add_members(out, args.members, args.days)
+            made = add_members(out, args.members, args.days, name)
             where = out / MEMBERS_DIR
             ids = "\n  ".join(made)
             print(
@@ -123,14 +127,17 @@ def run_init_swarm(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _hand_over(address: str, blob: bytes, cfg: TransportConfig, timeout_s: float) -> str:
+async def _hand_over(
+    address: str, blob: bytes, cfg: TransportConfig, timeout_s: float
+) -> tuple[int, str]:
+    """(the serial the coordinator holds now, what it said)."""
     async with grpc_channel(address, cfg) as channel:
         reply: pb.RevokeReply = await pb_grpc.CoordinatorStub(channel).Revoke(
             pb.RevokeRequest(revocations=blob), timeout=timeout_s
         )
     banned = ", ".join(reply.banned) or "none of them a member now"
-    return (f"the coordinator holds list {reply.serial}, announced with plan epoch "
-            f"{reply.plan_epoch}; banned: {banned}")  # fmt: skip
+    return reply.serial, (f"the coordinator holds list {reply.serial}, announced with plan "
+                          f"epoch {reply.plan_epoch}; banned: {banned}")  # fmt: skip
 
 
 def run_revoke(args: argparse.Namespace) -> int:
@@ -146,9 +153,12 @@ def run_revoke(args: argparse.Namespace) -> int:
         return 0
     cfg = TransportConfig(swarm_dir=args.swarm_dir)
     try:
-        print(asyncio.run(_hand_over(args.coordinator, signed.blob, cfg, args.timeout_s)))
+        serial, said = asyncio.run(_hand_over(args.coordinator, signed.blob, cfg, args.timeout_s))
     except grpc.aio.AioRpcError as exc:
         return _fail(f"coordinator {args.coordinator}: {exc.code().name}: {exc.details()}")
     except ConfigError as exc:
         return _fail(str(exc))
+    print(said)
+    if serial != signed.serial:
+        return _fail(f"the coordinator holds list {serial}, not {signed.serial}")
     return 0

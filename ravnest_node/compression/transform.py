@@ -81,8 +81,12 @@ REFRESH_GROWTH = 2
 REFRESH_MAX = 128
 MAX_ID = 2**31 - 1
 _PARAMS = ("basis", "id", "rows", "a", "packed", "coder")
+_PARAMS_COLUMNS = (*_PARAMS, "cols")
 CODER = 1
-"""The entropy coder's format that this codec writes and reads (params "coder")."""
+"""The entropy coder's format that every node of klt reads (params "coder"): all d columns."""
+CODER_COLUMNS = 2
+"""The format with "cols": only the first `cols` coefficient columns are coded (the others
+are 0). Sent only to a peer that decodes it (its plan entry's `klt_coder`)."""
 
 
 @dataclass(slots=True)
@@ -102,6 +106,8 @@ class KLTState:
     frames: int = 0
     next_refresh: int = REFRESH_FIRST
     generator: torch.Generator | None = None
+    columns: bool = False
+    """The receiver decodes CODER_COLUMNS: trailing columns of little energy may be left out."""
 
 
 @dataclass(slots=True)
@@ -140,6 +146,9 @@ class KLT:
     alpha: float = 0.5
     per_row: bool = True
     stochastic: bool = False
+    drop_below: float = 0.3
+    """In a learned basis, towards a peer that decodes CODER_COLUMNS: the columns after the
+    last whose codes' rms reaches this are left out (their codes sent as 0)."""
 
     def applies_to(self, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
@@ -180,6 +189,14 @@ class KLT:
             z = z.add_(torch.rand(z.shape, generator=state.generator, device=z.device)).floor_()
         else:
             z = z.round_()
+        cols = d
+        if state.columns and basis is not None:
+            # The basis is ordered by energy: keep columns up to the last whose codes' rms
+            # reaches drop_below (the rest round mostly to 0 anyway; with stochastic rounding
+            # their codes are more noise than signal).
+            kept = (z.square().mean(0) >= self.drop_below**2).nonzero()
+            cols = int(kept[-1]) + 1 if kept.numel() else 0
+            z = z[:, :cols]
         # Codes lie within -MAX_CODE..MAX_CODE: int16 is all that needs to cross to the host.
         codes, step_bits = to_host(
             z.to(torch.int16), steps.reshape(-1).to(torch.bfloat16).view(torch.int16)
@@ -199,6 +216,8 @@ class KLT:
             self._learn(x, state)
         params = {"basis": mode, "id": basis_id if mode else 0, "rows": int(self.per_row),
                   "a": a, "packed": len(payload), "coder": CODER}  # fmt: skip
+        if state.columns:
+            params |= {"coder": CODER_COLUMNS, "cols": cols}
         return params, payload
 
     def _steps(self, x: torch.Tensor, peaks: torch.Tensor) -> torch.Tensor:
@@ -248,7 +267,9 @@ class KLT:
     def payload_nbytes(
         self, shape: Sequence[int], dtype: torch.dtype, params: Mapping[str, int]
     ) -> int:
-        check_params(self.name, params, _PARAMS)
+        coder = params.get("coder") if isinstance(params, Mapping) else None
+        columns = coder == CODER_COLUMNS
+        check_params(self.name, params, _PARAMS_COLUMNS if columns else _PARAMS)
         checked_numel(self.name, shape, dtype)
         rows, d, learns = layout(shape)
         if rows < 1:
@@ -257,9 +278,10 @@ class KLT:
         int_param(self.name, params, "id", 1 if mode else 0, MAX_ID if mode else 0)
         per_row = int_param(self.name, params, "rows", 0, 1)
         a = int_param(self.name, params, "a", 0, rans.MAX_CODE)
-        int_param(self.name, params, "coder", CODER, CODER)
-        fixed = 2 * (rows if per_row else 1) + (_basis_nbytes(d) if mode == 1 else 0) + d
-        lo, hi = rans.payload_bounds(d, rows, a)
+        int_param(self.name, params, "coder", CODER, CODER_COLUMNS)
+        cols = int_param(self.name, params, "cols", 0, d) if columns else d
+        fixed = 2 * (rows if per_row else 1) + (_basis_nbytes(d) if mode == 1 else 0) + cols
+        lo, hi = rans.payload_bounds(cols, rows, a)
         return int_param(self.name, params, "packed", fixed + lo, fixed + hi)
 
     def decode(
@@ -307,11 +329,19 @@ class KLT:
             if bases.basis.shape != (d, d):
                 raise FrameError(f"codec {self.name}: the stream's basis is not {d}x{d}")
             basis = bases.basis
-        models = torch.frombuffer(owned_bytes(payload[at : at + d]), dtype=torch.uint8)
-        at += d
-        codes = rans.decode(payload[at:], params["a"], models, rows)  # [d, rows]
+        cols = params.get("cols", d)
+        models = (
+            torch.frombuffer(owned_bytes(payload[at : at + cols]), dtype=torch.uint8)
+            if cols
+            else torch.zeros(0, dtype=torch.uint8)
+        )
+        at += cols
+        codes = rans.decode(payload[at:], params["a"], models, rows)  # [cols, rows]
         y = codes.T.to(torch.float32) * steps
-        out = y @ basis.T if basis is not None else y
+        if basis is not None:
+            out = y @ basis[:, :cols].T
+        else:  # (the identity basis: the columns left out are 0)
+            out = torch.cat([y, y.new_zeros(rows, d - cols)], 1) if cols < d else y
         if not bool(torch.isfinite(out).all()):
             raise FrameError(f"codec {self.name}: a decoded value is not finite")
         numel = prod(shape)
@@ -342,4 +372,4 @@ def _read_basis(codec: str, raw: memoryview, d: int) -> torch.Tensor:
 
 
 KLT_ACTIVATION = KLT()
-KLT_GRADIENT = KLT(alpha=0.35, per_row=False, stochastic=True)
+KLT_GRADIENT = KLT(alpha=0.35, per_row=False, stochastic=True, drop_below=0.5)

@@ -13,8 +13,9 @@ Records are large (a record holds the sender's weights: about 2.2 MB for a stage
 bench-small), so their bytes are budgeted against the link they come over: on average they
 take at most LINK_SHARE of its measured bandwidth. A frame drawn while the records fetched
 from that side already used the budget (the next one expected as large as the last, the first
-as large as this stage's own weights in int8) is let go and counted `skipped`; a check again
-after a failure is never let go. On a LAN the share is never reached; on a 10 Mbit/s link a
+as large as this stage's own weights in int8, so that the first waits until its bytes have
+accrued: about a second on a LAN) is let go and counted `skipped`; a check again after a
+failure is never let go. On a LAN the share is never reached; on a 10 Mbit/s link a
 stage of bench-small is audited about once a minute and a half from each side, on 2 Mbit/s
 once in seven minutes, whatever `audit_share` asks: audits slow slow links by at most about
 LINK_SHARE, and a liar there is caught later (docs/security.md).
@@ -161,11 +162,12 @@ class Auditor:
         if not self._draws[backward].draw():
             return
         recheck, self._recheck[backward] = self._recheck[backward], False
-        if len(self._tasks) >= MAX_WAITING:
-            self.counts.skipped += 1
-            return
+        # A check again after a failure always runs; others wait their turn and the budget.
         reserved = not recheck
-        if reserved and not self._budgets[backward].take(self._bandwidth(backward), self._clock()):
+        if reserved and (
+            len(self._tasks) >= MAX_WAITING
+            or not self._budgets[backward].take(self._bandwidth(backward), self._clock())
+        ):
             self.counts.skipped += 1
             return
         task = asyncio.create_task(self._audit(backward, seq, received, reserved))

@@ -48,7 +48,7 @@ from ravnest_node.compression.auto import (
     payload_sizes,
 )
 from ravnest_node.compression.codecs import Role, variant_label
-from ravnest_node.compression.transform import REFRESH_FIRST, KLTState
+from ravnest_node.compression.transform import CODER_COLUMNS, REFRESH_FIRST, KLTState
 from ravnest_node.transport.frames import Outgoing
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,9 @@ class CodecChoice:
         """The peer unpacks deflated payloads (set by the worker from the plan)."""
         self.peer_decodes_klt = False
         """The peer decodes klt frames (set by the worker from the plan): `auto` may pick it."""
+        self.peer_klt_coder = 0
+        """The newest klt coder format the peer decodes (set by the worker from the plan):
+        from transform.CODER_COLUMNS, klt frames may leave trailing columns out."""
         self.frame_bytes: dict[str, float] = {}
         """Running mean of each codec's frame bytes on this link (replaced, never mutated)."""
         self.coding_s: dict[str, float] = {}
@@ -125,6 +128,8 @@ class CodecChoice:
             self._decide(tensor)
         self._sent += 1
         codec, state = self._current
+        if isinstance(state, KLTState):  # what the peer decodes (its plan entry)
+            state.columns = self.peer_klt_coder >= CODER_COLUMNS
         self.frames = {**self.frames, codec.name: self.frames.get(codec.name, 0) + 1}
         return Outgoing(tensor_name, tensor, codec, state, deflate=self.deflate)
 

@@ -227,7 +227,7 @@ class JoinRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., compute_threads: _Optional[int] = ..., protocol: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., plan_epoch: _Optional[int] = ..., node_certificate: _Optional[bytes] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("block_s", "memory_bytes", "device", "checkpoints", "uplink_bps", "rtt_s", "relay_node_id", "peer_links", "relay_address", "unpacks_deflate", "decodes_klt")
+    __slots__ = ("block_s", "memory_bytes", "device", "checkpoints", "uplink_bps", "rtt_s", "relay_node_id", "peer_links", "relay_address", "unpacks_deflate", "decodes_klt", "klt_coder")
     BLOCK_S_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class Capabilities(_message.Message):
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     UNPACKS_DEFLATE_FIELD_NUMBER: _ClassVar[int]
     DECODES_KLT_FIELD_NUMBER: _ClassVar[int]
+    KLT_CODER_FIELD_NUMBER: _ClassVar[int]
     block_s: _containers.RepeatedScalarFieldContainer[float]
     memory_bytes: int
     device: str
@@ -250,7 +251,8 @@ class Capabilities(_message.Message):
     relay_address: str
     unpacks_deflate: bool
     decodes_klt: bool
-    def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., relay_address: _Optional[str] = ..., unpacks_deflate: _Optional[bool] = ..., decodes_klt: _Optional[bool] = ...) -> None: ...
+    klt_coder: int
+    def __init__(self, block_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOffer, _Mapping]]] = ..., uplink_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., relay_node_id: _Optional[str] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., relay_address: _Optional[str] = ..., unpacks_deflate: _Optional[bool] = ..., decodes_klt: _Optional[bool] = ..., klt_coder: _Optional[int] = ...) -> None: ...
 
 class PeerLink(_message.Message):
     __slots__ = ("node_id", "to_bps", "from_bps", "rtt_s")
@@ -423,7 +425,7 @@ class RunSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., fault_poison_pipeline: _Optional[int] = ..., recompute: _Optional[bool] = ..., stages: _Optional[int] = ..., weight_prediction: _Optional[bool] = ..., precision: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., fault_lie_stage: _Optional[int] = ..., fault_lie_after: _Optional[int] = ..., fault_lie_kind: _Optional[str] = ..., audit_share: _Optional[float] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline", "relayed", "unpacks_deflate", "member_key_sha256", "decodes_klt")
+    __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline", "relayed", "unpacks_deflate", "member_key_sha256", "decodes_klt", "klt_coder")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     STOP_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -434,6 +436,7 @@ class StageAssignment(_message.Message):
     UNPACKS_DEFLATE_FIELD_NUMBER: _ClassVar[int]
     MEMBER_KEY_SHA256_FIELD_NUMBER: _ClassVar[int]
     DECODES_KLT_FIELD_NUMBER: _ClassVar[int]
+    KLT_CODER_FIELD_NUMBER: _ClassVar[int]
     index: int
     first_block: int
     stop_block: int
@@ -444,7 +447,8 @@ class StageAssignment(_message.Message):
     unpacks_deflate: bool
     member_key_sha256: bytes
     decodes_klt: bool
-    def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ..., relayed: _Optional[bool] = ..., unpacks_deflate: _Optional[bool] = ..., member_key_sha256: _Optional[bytes] = ..., decodes_klt: _Optional[bool] = ...) -> None: ...
+    klt_coder: int
+    def __init__(self, index: _Optional[int] = ..., first_block: _Optional[int] = ..., stop_block: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pipeline: _Optional[int] = ..., relayed: _Optional[bool] = ..., unpacks_deflate: _Optional[bool] = ..., member_key_sha256: _Optional[bytes] = ..., decodes_klt: _Optional[bool] = ..., klt_coder: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("epoch", "swarm_id", "run", "stages", "start_step", "pending", "previous", "restore", "banned", "revocations")

@@ -19,7 +19,9 @@ import shutil
 import time
 from pathlib import Path
 
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from ravnest_node.errors import ConfigError
 from ravnest_node.identity import NODE_KEY_FILE, NodeKey
@@ -41,21 +43,23 @@ from ravnest_node.transport.membership import (
     MembershipError,
     RevocationList,
     certify,
+    check_certificate,
     sign_revocations,
 )
 
-__all__ = ["add_members", "member_identity", "revoke"]
+__all__ = ["add_members", "member_identity", "renew_members", "revoke"]
 
 DAY_S = 86_400
 
 
-def add_members(out: Path, count: int, days: int) -> list[str]:
+def add_members(out: Path, count: int, days: int, name: str | None = None) -> list[str]:
     """Write `count` member directories under `out/members`, each a node key of its own and
     the authority's certificate for it, valid `days`; their node ids. ConfigError if the
-    authority or the swarm's credentials in `out` cannot be read."""
+    authority (of swarm `name`, if given) or the swarm's credentials in `out` cannot be
+    read."""
     if not 1 <= count <= MAX_NEW_MEMBERS:
         raise ConfigError(f"--members {count}: 1 to {MAX_NEW_MEMBERS} at a time")
-    ca, ca_key = load_authority(out, None, "--members")
+    ca, ca_key = load_authority(out, name, "--members")
     creds = load_credentials(out, None)
     assert creds is not None
     if swarm_of_authority(ca) != creds.swarm:
@@ -80,6 +84,16 @@ def add_members(out: Path, count: int, days: int) -> list[str]:
     return made
 
 
+def renew_members(out: Path) -> int:
+    """After `init-swarm --renew`: the new member certificate and key into every member
+    directory under `out` (their node keys and certificates stay); how many."""
+    homes = sorted(p for p in (out / MEMBERS_DIR).glob("*") if p.is_dir())
+    for home in homes:
+        for name in (MEMBER_FILE, MEMBER_KEY_FILE):
+            shutil.copy2(out / name, home / name)
+    return len(homes)
+
+
 def member_identity(swarm_dir: Path | None) -> tuple[NodeKey, bytes] | None:
     """The node key and certificate of a member directory (None if `swarm_dir` is not one).
     ConfigError if it holds one without the other, or either is unreadable."""
@@ -96,7 +110,20 @@ def member_identity(swarm_dir: Path | None) -> tuple[NodeKey, bytes] | None:
         certificate = base64.b64decode(text.strip(), validate=True)
     except (OSError, binascii.Error) as exc:
         raise ConfigError(f"{cert_file}: not a node certificate ({exc})") from None
-    return NodeKey.load_or_create(swarm_dir), certificate
+    try:
+        key = NodeKey.load_or_create(swarm_dir)
+        creds = load_credentials(swarm_dir, None)
+        assert creds is not None
+        authority = x509.load_pem_x509_certificate(creds.ca_pem).public_key()
+        if not isinstance(authority, ec.EllipticCurvePublicKey):
+            raise ConfigError(f"{swarm_dir}: the authority is not this project's kind")
+        check_certificate(authority, creds.swarm, certificate, key.node_id)
+    except (MembershipError, OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{cert_file}: {exc} (a member directory of init-swarm --members holds its own "
+            "key and the authority's certificate for it)"
+        ) from None
+    return key, certificate
 
 
 def revoke(out: Path, node_ids: list[str]) -> RevocationList:
@@ -113,7 +140,11 @@ def revoke(out: Path, node_ids: list[str]) -> RevocationList:
         try:
             last = RevocationList.read(public, swarm, path.read_bytes())  # type: ignore[arg-type]
         except (OSError, MembershipError) as exc:
-            raise ConfigError(f"{path}: {exc} (move it away to start a new list)") from None
+            raise ConfigError(
+                f"{path}: {exc} (copy the newest list back from any node's state directory, "
+                "where each keeps it as `revoked`: a list of a lower serial than the swarm's "
+                "is ignored)"
+            ) from None
         before, serial = last.node_ids, last.serial + 1
     try:
         signed = sign_revocations(ca_key, swarm, serial, [*before, *node_ids])

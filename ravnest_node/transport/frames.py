@@ -65,7 +65,8 @@ from ravnest_node.errors import FrameError
 
 MAGIC = b"RVF1"
 MAX_NAME_LEN = 64
-MAX_PARAMS = 6
+MAX_PARAMS = 8
+"""A codec's params in a tensor header (klt's coder 2 has 7)."""
 # lz4 is kept for a payload only when it shrinks it at least this much (fp32 values: ~1.0x).
 LZ4_MIN_RATIO = 1.1
 LZ4_MIN_BYTES = 256

@@ -35,7 +35,6 @@ is proven with, and no maintained library binds the two.
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -50,7 +49,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from ravnest_node.identity import PROOF_METADATA, node_id_of
+from ravnest_node.errors import ConfigError
+from ravnest_node.identity import node_id_of, proof_in, proof_key
 from ravnest_node.protocol import BANNED
 from ravnest_node.state import write_atomic
 from ravnest_node.transport.errors import Refusal
@@ -225,17 +225,10 @@ def sign_revocations(
 
 
 def _proof_node(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
-    """The node id whose key made a call's proof ("" if it carries none that parses)."""
-    for name, value in metadata or ():
-        if name == PROOF_METADATA:
-            text = value.decode(errors="replace") if isinstance(value, bytes) else value
-            head = text[:64].split(".", 1)[0]
-            try:
-                public = base64.urlsafe_b64decode(head + "=" * (-len(head) % 4))
-            except ValueError:
-                return ""
-            return node_id_of(public) if len(public) == 32 else ""
-    return ""
+    """The node id whose key made a call's proof, read as `identity.verify` reads it (the
+    first proof entry, `proof_key`); "" if it carries none that parses."""
+    public = proof_key(proof_in(list(metadata or ())))
+    return node_id_of(public) if public is not None else ""
 
 
 # ----- what one node knows ---------------------------------------------------------------------
@@ -255,8 +248,7 @@ class Membership:
         self.authority = authority
         """The swarm's authority (None in an open swarm: nothing is certified or revoked)."""
         self.swarm = swarm
-        self.certified = certified and authority is not None
-        """Members need node certificates (this node was started from a member directory)."""
+        self._certified = certified
         self.current: RevocationList | None = None
         self._state_dir = state_dir
         self._clock = clock
@@ -273,17 +265,28 @@ class Membership:
         valid list among `lists` (files) and its state directory's."""
         authority = None
         if ca_pem is not None:
-            public = x509.load_pem_x509_certificate(ca_pem).public_key()
+            try:
+                public = x509.load_pem_x509_certificate(ca_pem).public_key()
+            except ValueError as exc:
+                raise ConfigError(f"the swarm's authority is unreadable: {exc}") from None
             authority = public if isinstance(public, ec.EllipticCurvePublicKey) else None
         membership = cls(authority, swarm, certified=certified, state_dir=state_dir)
         places = [*lists, *([state_dir / REVOKED_FILE] if state_dir else [])]
         for path in places:
-            if path.is_file():
-                try:
+            try:
+                if path.is_file():
                     membership.adopt(path.read_bytes()[: MAX_LIST_BYTES + 1])
-                except MembershipError as exc:
-                    log.warning("ignoring %s: %s", path, exc)
+            except (MembershipError, OSError) as exc:
+                log.warning("ignoring %s: %s", path, exc)
         return membership
+
+    @property
+    def certified(self) -> bool:
+        """Members need node certificates: this node was started from a member directory or
+        from the authority's directory that issued them, or it holds a revocation list (a
+        swarm that revokes members must certify them, or a revoked one comes back under a
+        new key)."""
+        return self.authority is not None and (self._certified or self.current is not None)
 
     @property
     def revoked(self) -> frozenset[str]:
@@ -302,7 +305,10 @@ class Membership:
             return False
         self.current = read
         if self._state_dir is not None:
-            write_atomic(self._state_dir / REVOKED_FILE, read.blob)
+            try:
+                write_atomic(self._state_dir / REVOKED_FILE, read.blob)
+            except OSError as exc:  # held in memory all the same
+                log.warning("cannot keep the revocation list in %s: %s", self._state_dir, exc)
         named = ", ".join(sorted(read.node_ids)[:8])
         log.warning("revocation list %d of the swarm's authority: %d node(s) revoked (%s)",
                     read.serial, len(read.node_ids), named)  # fmt: skip
@@ -327,9 +333,9 @@ class Membership:
         except MembershipError as exc:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
 
-    def refusal(self, metadata: Iterable[tuple[str, str | bytes]] | None, peer: str) -> str:
-        """Why a call with this `metadata` is refused ("" if it is not): its proof is a revoked
-        member's. Logged at most once a minute per member."""
+    def refusal(self, metadata: Iterable[tuple[str, str | bytes]] | None, method: str) -> str:
+        """Why a call to `method` with this `metadata` is refused ("" if it is not): its proof
+        is a revoked member's. Logged at most once a minute per member."""
         revoked = self.revoked
         if not revoked:
             return ""
@@ -340,7 +346,7 @@ class Membership:
         now = self._clock()
         if now - self._logged.get(node_id, -_LOG_EVERY_S) >= _LOG_EVERY_S:
             self._logged[node_id] = now
-            log.warning("refused a call from revoked node %s at %s", node_id, peer)
+            log.warning("refused a call from revoked node %s (%s)", node_id, method)
         serial = self.current.serial if self.current else 0
         return f"{BANNED}: node {node_id} is {REVOKED} (list {serial})"
 

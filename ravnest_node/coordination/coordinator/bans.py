@@ -35,7 +35,9 @@ import grpc
 
 from ravnest_node.coordination.coordinator.faults import Ban, Revoked
 from ravnest_node.coordination.coordinator.recovery import lose
+from ravnest_node.coordination.coordinator.replan import maybe_replan
 from ravnest_node.coordination.coordinator.swarm_state import SwarmState
+from ravnest_node.coordination.planning.static_plan import has_node
 from ravnest_node.pipeline.audit import AuditRecord
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.errors import Refusal
@@ -81,11 +83,11 @@ def ban(s: SwarmState, plan: pb.Plan, suspect: pb.StageAssignment, evidence: Ban
 
 def revoke(s: SwarmState, node_ids: frozenset[str], serial: int, blob: bytes) -> list[str]:
     """The authority's revocation list `serial` (`blob`, checked) names `node_ids`: ban those
-    not banned yet, and announce the newest plan again with the list (a re-plan without a
-    revoked stage's owner follows). The members banned now."""
+    not banned yet (as a Leave would, and lost at once where they hold a stage), and announce
+    the newest plan again with the list. The members banned now."""
     book, roster = s.book, s.roster
     book.revocations = blob
-    plan = book.current
+    now = s.clock()
     now_banned = []
     for node_id in sorted(node_ids - set(s.faults.banned)):
         s.faults.banned[node_id] = Revoked(node_id, serial, s.progress.completed())
@@ -96,10 +98,18 @@ def revoke(s: SwarmState, node_ids: frozenset[str], serial: int, blob: bytes) ->
         now_banned.append(node_id)
         log.warning("node %s is BANNED: revoked by the swarm's authority (list %d)", node_id,
                     serial)  # fmt: skip
+        already_lost = node_id in roster.lost
         roster.leave(node_id)
-        stages = [st for st in plan.stages if st.node_id == node_id] if plan else []
-        if plan is not None and stages:
-            lose(s, plan, stages, s.clock(), f"revoked (list {serial})")
+        plan = book.current
+        if plan is None:
+            roster.evict_gone(now)
+            continue
+        stages = [st for st in plan.stages if st.node_id == node_id]
+        if stages and not already_lost:
+            lose(s, plan, stages, now, f"revoked (list {serial})")
+        elif book.pending is not None and has_node(book.pending.stages, node_id):
+            book.drop_pending()  # the pending plan counted on it: made again without it
+            maybe_replan(s, force=True, keep_drains=True)
     book.announce_again()  # with the list (and the banned named, where no re-plan did)
     s.save_members()
     return now_banned

@@ -190,8 +190,15 @@ class PlanBook:
         self.epoch_floor = max(self.epoch_floor, epoch)
 
     def started(self) -> list[pb.Plan]:
-        """Every plan of the run that started, in order (copies as they started)."""
-        return [p for p in self.announcements if not p.pending]
+        """Every plan of the run that started, in order (copies as they started: one announced
+        again, with a revocation list, is listed once)."""
+        seen: set[int] = set()
+        started = []
+        for plan in self.announcements:
+            if not plan.pending and plan.epoch not in seen:
+                seen.add(plan.epoch)
+                started.append(plan)
+        return started
 
     def plan_of_report(self, epoch: int, step: int, done: bool) -> pb.Plan:
         """The plan a stage report of plan `epoch` at `step` (`done`: its final one) is for:

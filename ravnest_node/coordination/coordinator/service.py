@@ -326,9 +326,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               "an open swarm has no authority to revoke members")  # fmt: skip
             try:
-                self._membership.adopt(request.revocations)
+                adopted = self._membership.adopt(request.revocations)
             except MembershipError as exc:
                 raise Refusal(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
+            held = self._membership.current
+            if not adopted and held is not None and held.blob != request.revocations:
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"this swarm holds revocation list {held.serial}: a new list "
+                              "needs a higher serial (revoke signs the next one after the "
+                              "list in its directory)")  # fmt: skip
             banned = self._revoke()
         await self._notify()
         plan = self._state.book.pending or self.plan

@@ -374,6 +374,7 @@ def negotiated_plan(
     relayed = {m.node_id for m, c in zip(members, capabilities, strict=True) if c.relay_node_id}
     inflating = {m.node_id for m, c in zip(members, capabilities, strict=True) if c.unpacks_deflate}
     klt = {m.node_id for m, c in zip(members, capabilities, strict=True) if c.decodes_klt}
+    klt_coder = {m.node_id: c.klt_coder for m, c in zip(members, capabilities, strict=True)}
     stages = [
         pb.StageAssignment(
             pipeline=p,
@@ -385,6 +386,7 @@ def negotiated_plan(
             relayed=stage.owners[p] in relayed,
             unpacks_deflate=stage.owners[p] in inflating,
             decodes_klt=stage.owners[p] in klt,
+            klt_coder=klt_coder[stage.owners[p]],
         )
         for p in range(pipelines)
         for s, stage in enumerate(placed.stages)

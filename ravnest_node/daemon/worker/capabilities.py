@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ravnest_node import devices
+from ravnest_node.compression.transform import CODER_COLUMNS
 from ravnest_node.models import get_model
 from ravnest_node.proto import control_pb2 as pb
 
@@ -137,4 +138,5 @@ def measure(
         device=str(device),
         unpacks_deflate=True,
         decodes_klt=True,
+        klt_coder=CODER_COLUMNS,
     )

@@ -180,6 +180,7 @@ class LinkMeter:
         choice.bandwidth_bps = estimate.bandwidth_bps
         choice.peer_unpacks_deflate = peer.unpacks_deflate
         choice.peer_decodes_klt = peer.decodes_klt
+        choice.peer_klt_coder = peer.klt_coder
         log.info(
             "%s: link to %s measured at %.1f Mbit/s, RTT %.2f ms (%d probe bytes)",
             choice.what,
