@@ -7,7 +7,8 @@ random orthogonal matrix), so that the learned basis matters; gradients are the 
 steeper decay, through the gradient codec (KLT_GRADIENT). Each codec first sees WARM_FRAMES
 frames so that it has learned its basis, then the timed frames go through encode and
 decode_stream; the entropy coder (compression/rans.py) is also timed alone on the codes of a
-frame. Prints MB/s per core (MB of float32 input per second of one core) and the payload bytes.
+frame. Prints MB/s per core (MB of float32 input per second of one core) and the payload bytes,
+for frames of coder 1 (every column) and coder 2 (trailing columns of little energy left out).
 A measurement, not a test: it asserts only that what it decodes is what the codec promises.
 """
 
@@ -42,13 +43,17 @@ def _best_s(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def measure(codec: KLT, decay_power: float, repeat: int) -> dict[str, float]:
+def measure(
+    codec: KLT, decay_power: float, repeat: int, columns: bool = False
+) -> dict[str, float]:
+    """`columns`: frames of CODER_COLUMNS (trailing columns left out), else of coder 1."""
     gen = torch.Generator().manual_seed(1)
     d = SHAPE[2]
     q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen))
     decay = torch.arange(1, d + 1, dtype=torch.float32).pow(-decay_power)
     frames = [spectrum_tensor(gen, q, decay) for _ in range(WARM_FRAMES + repeat)]
     state = codec.new_state()
+    state.columns = columns
     bases = KLTBases()
     for x in frames[:WARM_FRAMES]:
         params, payload = codec.encode(x, state)
@@ -82,6 +87,7 @@ def measure(codec: KLT, decay_power: float, repeat: int) -> dict[str, float]:
         "rans_decode_MBps": mb / rans_dec_s,
         "payload_bytes": len(payload),
         "a": params["a"],
+        "cols": params.get("cols", d),
     }
 
 
@@ -91,16 +97,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"klt on {list(SHAPE)} float32 ({4 * SHAPE[0] * SHAPE[1] * SHAPE[2] / 1e6:.2f} MB)")
-    print(f"{'tensor':<11}{'encode':>9}{'decode':>9}{'rans enc':>10}{'rans dec':>10}"
-          f"{'payload B':>11}{'a':>5}   (MB/s per core)")  # fmt: skip
+    print(f"{'tensor':<11}{'coder':>6}{'encode':>9}{'decode':>9}{'rans enc':>10}"
+          f"{'rans dec':>10}{'payload B':>11}{'a':>5}{'cols':>6}   (MB/s per core)")  # fmt: skip
     for name, codec, power in (
         ("activation", KLT_ACTIVATION, 1.0),
         ("gradient", KLT_GRADIENT, 0.7),
     ):
-        r = measure(codec, power, args.repeat)
-        print(f"{name:<11}{r['encode_MBps']:>9.1f}{r['decode_MBps']:>9.1f}"
-              f"{r['rans_encode_MBps']:>10.1f}{r['rans_decode_MBps']:>10.1f}"
-              f"{int(r['payload_bytes']):>11}{int(r['a']):>5}")  # fmt: skip
+        for columns in (False, True):
+            r = measure(codec, power, args.repeat, columns)
+            print(f"{name:<11}{2 if columns else 1:>6}{r['encode_MBps']:>9.1f}"
+                  f"{r['decode_MBps']:>9.1f}{r['rans_encode_MBps']:>10.1f}"
+                  f"{r['rans_decode_MBps']:>10.1f}{int(r['payload_bytes']):>11}"
+                  f"{int(r['a']):>5}{int(r['cols']):>6}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -45,7 +45,14 @@ rANS payload                  codes [d lanes, rows codes each] in -a..a (compres
 ```
 
 params: {"basis": 0, 1 or 2, "id": the basis's number, "rows": 0 or 1, "a": largest |code|,
-"packed": payload bytes, "coder": 1}. "coder" names the entropy coder's format (1: the
+"packed": payload bytes, "coder": 1}, or with "coder": 2 (CODER_COLUMNS) also "cols": only
+the first `cols` coefficient columns are coded (models[cols] and cols lanes), the others are 0.
+A sender writes coder 2 only towards a peer whose plan entry says it decodes it (`klt_coder`),
+and there, in a learned basis (ordered by energy), it leaves out the columns after the last
+whose codes' rms reaches `drop_below` of a step (0.3 for activations, 0.5 for gradients):
+their codes are mostly 0, and the entropy coder's time goes by symbol, not by bit. With
+stochastic rounding those columns carry more noise than signal, so leaving them out lowers
+the error it adds (a small bias, in directions of little energy; docs/compression.md). "coder" names the entropy coder's format (1: the
 constriction ANS stream of compression/rans.py); frames of the numpy coder before it had no
 "coder" and are refused, as a node of that time refuses these (its params check is exact).
 Pure torch, no I/O.
