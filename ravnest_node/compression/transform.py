@@ -52,9 +52,10 @@ and there, in a learned basis (ordered by energy), it leaves out the columns aft
 whose codes' rms reaches `drop_below` of a step (0.3 for activations, 0.5 for gradients):
 their codes are mostly 0, and the entropy coder's time goes by symbol, not by bit. With
 stochastic rounding those columns carry more noise than signal, so leaving them out lowers
-the error it adds (a small bias, in directions of little energy; docs/compression.md). "coder" names the entropy coder's format (1: the
-constriction ANS stream of compression/rans.py); frames of the numpy coder before it had no
-"coder" and are refused, as a node of that time refuses these (its params check is exact).
+the error it adds (a small bias, in directions of little energy; docs/compression.md).
+"coder" names the entropy coder's format (1: the constriction ANS stream of
+compression/rans.py); frames of the numpy coder before it had no "coder" and are refused, as
+a node of that time refuses these (its params check is exact).
 Pure torch, no I/O.
 """
 
