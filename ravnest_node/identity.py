@@ -128,13 +128,17 @@ class NodeKey:
                 raise ConfigError(f"{path} is not an Ed25519 key: move it away to make a new one")
             return cls(loaded)
         key = cls.generate()
-        pem = key.private.private_bytes(
+        key.write(state_dir)
+        return key
+
+    def write(self, directory: Path) -> None:
+        """Keep this key in `directory` (NODE_KEY_FILE, readable by this user only)."""
+        pem = self.private.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
-        write_atomic(path, pem, mode=0o600)
-        return key
+        write_atomic(directory / NODE_KEY_FILE, pem, mode=0o600)
 
     @property
     def public(self) -> bytes:

@@ -50,8 +50,11 @@ def test_one_frame_of_each_window_is_drawn_where_the_sender_cannot_know() -> Non
     assert all(sum(window) == 1 for window in picks)
     places = {window.index(True) for window in picks}
     assert len(places) > 20  # anywhere in the window, not one place every time
+    assert not draw.again_drawn
     draw.again()
-    assert draw.draw()  # the re-check: the next frame too
+    assert draw.draw() and draw.again_drawn  # the re-check: the next frame too
+    draw.draw()
+    assert not draw.again_drawn
     assert not any(AuditDraw(0.0).draw() for _ in range(1000))
     assert all(AuditDraw(1.0).draw() for _ in range(10))
     assert auditable("int4-block") and not auditable("topk-ef")
@@ -320,3 +323,7 @@ async def test_an_auditor_spaces_its_audits_to_the_links_budget() -> None:
     assert auditor.counts.skipped == 19 and auditor.counts.unanswered == 1
     auditor.consider(True, 0, got, "none")  # no downstream to audit: nothing drawn
     assert auditor.counts.skipped == 19
+    auditor._draws[False].again()  # as after a failed audit: the check again is not let go
+    auditor.consider(False, 20, got, "none")
+    await asyncio.gather(*auditor._tasks)
+    assert fetched == [10, 20] and auditor.counts.skipped == 19

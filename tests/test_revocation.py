@@ -158,9 +158,7 @@ def test_a_revocation_list_is_the_authoritys_and_only_a_newer_one_replaces_it(
             m.adopt(blob)
     assert m.current is not None and m.current.serial == 2
     # A restarted node holds what it held; an open swarm has no authority to revoke.
-    again = Membership.of(
-        (authority / "ca.pem").read_bytes(), "lab", certified=True, state_dir=state
-    )
+    again = Membership.of((authority / "ca.pem").read_bytes(), "lab", state_dir=state)
     assert again.revoked == {a, b}
     with pytest.raises(MembershipError, match="open swarm"):
         Membership().adopt(second.blob)
@@ -390,12 +388,13 @@ def test_a_coordinator_started_from_the_authoritys_directory_requires_certificat
     create_swarm("lab", tmp_path)
     pem = (tmp_path / "ca.pem").read_bytes()
     private, _ = _keys(tmp_path)
-    assert not Membership.of(pem, "lab", certified=False, state_dir=None).certified
-    add_members(tmp_path, 1, 1)
-    holder = Membership.of(pem, "lab", certified=(tmp_path / MEMBERS_DIR).is_dir(),
-                           state_dir=None)  # fmt: skip
-    assert holder.certified
-    revoking = Membership.of(pem, "lab", certified=False, state_dir=None)
+    assert not Membership.of(pem, "lab", state_dir=None, swarm_dir=tmp_path).certified
+    [node_id] = add_members(tmp_path, 1, 1)
+    assert Membership.of(pem, "lab", state_dir=None, swarm_dir=tmp_path).certified
+    member = Membership.of(pem, "lab", state_dir=None, member=True,
+                           swarm_dir=tmp_path / MEMBERS_DIR / node_id)  # fmt: skip
+    assert member.certified
+    revoking = Membership.of(pem, "lab", state_dir=None)
     revoking.adopt(sign_revocations(private, "lab", 1, [NodeKey.generate().node_id]).blob)
     assert revoking.certified
     assert not Membership(None, "", certified=True).certified  # an open swarm certifies nothing

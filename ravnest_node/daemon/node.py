@@ -55,11 +55,10 @@ from ravnest_node.protocol import BANNED, PROTOCOL
 from ravnest_node.state import record_node_id, write_atomic
 from ravnest_node.transport.authority import member_identity
 from ravnest_node.transport.boundary import BoundaryServer, LinkCounters
-from ravnest_node.transport.credentials import MEMBERS_DIR
 from ravnest_node.transport.gate import TlsGate
 from ravnest_node.transport.limits import PeerLimiter
 from ravnest_node.transport.malformed import MalformedRequests
-from ravnest_node.transport.membership import REVOKED_FILE, Membership, MembershipError
+from ravnest_node.transport.membership import Membership, MembershipError
 from ravnest_node.transport.options import server_options, split_host_port
 from ravnest_node.transport.probe import ProbeServer
 
@@ -135,10 +134,7 @@ class NodeDaemon:
         swarm_dir = config.transport.swarm_dir
         self.membership = Membership.of(
             creds.ca_pem if creds else None, creds.swarm if creds else "",
-            certified=member is not None
-            or (swarm_dir is not None and (swarm_dir / MEMBERS_DIR).is_dir()),
-            state_dir=config.state_dir,
-            lists=[swarm_dir / REVOKED_FILE] if swarm_dir else [],
+            state_dir=config.state_dir, swarm_dir=swarm_dir, member=member is not None,
         )  # fmt: skip
         """Whether members need certificates; the revoked ones (transport/membership.py)."""
         self.config = replace(config, transport=config.transport.proving(self.key))

@@ -94,13 +94,16 @@ class AuditDraw:
         self._at = 0
         self._pick = 0
         self._again = False
+        self.again_drawn = False
+        """The last frame drawn was the check again (`again`), not the window's draw."""
 
     def draw(self) -> bool:
         """Whether the frame that just came is audited."""
+        self.again_drawn = False
         if not self.window:
             return False
         if self._again:
-            self._again = False
+            self._again, self.again_drawn = False, True
             return True
         if self._at == 0:
             self._pick = self._rng.randrange(self.window)

@@ -137,7 +137,6 @@ class Auditor:
         self._one = asyncio.Semaphore(1)  # one recomputation at a time
         self.counts = AuditCounts()
         self._budgets = {False: RecordBudget(0), True: RecordBudget(0)}
-        self._recheck = {False: False, True: False}
         self._bandwidth: Callable[[bool], float | None] = lambda backward: None
         self._clock = time.monotonic
 
@@ -161,9 +160,8 @@ class Auditor:
             return
         if not self._draws[backward].draw():
             return
-        recheck, self._recheck[backward] = self._recheck[backward], False
         # A check again after a failure always runs; others wait their turn and the budget.
-        reserved = not recheck
+        reserved = not self._draws[backward].again_drawn
         if reserved and (
             len(self._tasks) >= MAX_WAITING
             or not self._budgets[backward].take(self._bandwidth(backward), self._clock())
@@ -226,7 +224,6 @@ class Auditor:
                     self._in_a_row[backward])  # fmt: skip
         if self._in_a_row[backward] < 2:
             self._draws[backward].again()  # checked again on its next frame
-            self._recheck[backward] = True
             return
         self._in_a_row[backward] = 0
         try:

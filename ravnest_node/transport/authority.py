@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from ravnest_node.errors import ConfigError
 from ravnest_node.identity import NODE_KEY_FILE, NodeKey
@@ -42,6 +40,7 @@ from ravnest_node.transport.membership import (
     REVOKED_FILE,
     MembershipError,
     RevocationList,
+    authority_of,
     certify,
     check_certificate,
     sign_revocations,
@@ -70,14 +69,9 @@ def add_members(out: Path, count: int, days: int, name: str | None = None) -> li
         key = NodeKey.generate()
         home = out / MEMBERS_DIR / key.node_id
         home.mkdir(parents=True, exist_ok=False)
-        for name in (CA_FILE, MEMBER_FILE, MEMBER_KEY_FILE):
-            shutil.copy2(out / name, home / name)
-        pem = key.private.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-        write_atomic(home / NODE_KEY_FILE, pem, mode=0o600)
+        for file in (CA_FILE, MEMBER_FILE, MEMBER_KEY_FILE):
+            shutil.copy2(out / file, home / file)
+        key.write(home)
         certificate = certify(ca_key, creds.swarm, key.public, until)
         write_atomic(home / CERTIFICATE_FILE, base64.b64encode(certificate) + b"\n")
         made.append(key.node_id)
@@ -89,8 +83,8 @@ def renew_members(out: Path) -> int:
     directory under `out` (their node keys and certificates stay); how many."""
     homes = sorted(p for p in (out / MEMBERS_DIR).glob("*") if p.is_dir())
     for home in homes:
-        for name in (MEMBER_FILE, MEMBER_KEY_FILE):
-            shutil.copy2(out / name, home / name)
+        for file in (MEMBER_FILE, MEMBER_KEY_FILE):
+            shutil.copy2(out / file, home / file)
     return len(homes)
 
 
@@ -114,9 +108,7 @@ def member_identity(swarm_dir: Path | None) -> tuple[NodeKey, bytes] | None:
         key = NodeKey.load_or_create(swarm_dir)
         creds = load_credentials(swarm_dir, None)
         assert creds is not None
-        authority = x509.load_pem_x509_certificate(creds.ca_pem).public_key()
-        if not isinstance(authority, ec.EllipticCurvePublicKey):
-            raise ConfigError(f"{swarm_dir}: the authority is not this project's kind")
+        authority = authority_of(x509.load_pem_x509_certificate(creds.ca_pem))
         check_certificate(authority, creds.swarm, certificate, key.node_id)
     except (MembershipError, OSError, ValueError) as exc:
         raise ConfigError(
@@ -136,9 +128,8 @@ def revoke(out: Path, node_ids: list[str]) -> RevocationList:
     serial = 1
     path = out / REVOKED_FILE
     if path.exists():
-        public = ca.public_key()
         try:
-            last = RevocationList.read(public, swarm, path.read_bytes())  # type: ignore[arg-type]
+            last = RevocationList.read(authority_of(ca), swarm, path.read_bytes())
         except (OSError, MembershipError) as exc:
             raise ConfigError(
                 f"{path}: {exc} (copy the newest list back from any node's state directory, "

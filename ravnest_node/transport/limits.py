@@ -255,16 +255,34 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # 
         return known[1]
 
 
+_KINDS = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+"""(request streaming, response streaming) -> the handler's behaviour attribute, its maker."""
+
+
+def behaviour_of(handler: Any) -> Any:
+    """What a gRPC method handler runs, whichever its kind."""
+    return getattr(handler, _KINDS[(bool(handler.request_streaming),
+                                    bool(handler.response_streaming))][0])  # fmt: skip
+
+
+def handler_like(handler: Any, behaviour: Any) -> Any:
+    """A method handler of `handler`'s kind and (de)serializers that runs `behaviour`."""
+    make = _KINDS[(bool(handler.request_streaming), bool(handler.response_streaming))][1]
+    return make(
+        behaviour,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
 def _limited(limiter: PeerLimiter, handler: Any, method: str) -> Any:
     """`handler` with its behaviour run inside the budgets of the calling peer."""
-    kinds = {
-        (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-        (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-        (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
-    }
-    attr, make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
-    behaviour = getattr(handler, attr)
+    behaviour = behaviour_of(handler)
     streaming_request = handler.request_streaming
 
     async def opened(request: Any, context: Any) -> tuple[_Call, Any, Any] | None:
@@ -305,8 +323,4 @@ def _limited(limiter: PeerLimiter, handler: Any, method: str) -> Any:
                 limiter._close(call.peer, call.held)
 
         wrapped = wrapped_call
-    return make(
-        wrapped,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    return handler_like(handler, wrapped)

@@ -53,7 +53,9 @@ from ravnest_node.errors import ConfigError
 from ravnest_node.identity import node_id_of, proof_in, proof_key
 from ravnest_node.protocol import BANNED
 from ravnest_node.state import write_atomic
+from ravnest_node.transport.credentials import MEMBERS_DIR
 from ravnest_node.transport.errors import Refusal
+from ravnest_node.transport.limits import handler_like
 
 __all__ = [
     "CERTIFICATE_FILE",
@@ -64,6 +66,7 @@ __all__ = [
     "Membership",
     "MembershipError",
     "RevocationList",
+    "authority_of",
     "certify",
     "check_certificate",
     "sign_revocations",
@@ -135,6 +138,14 @@ def _verify(authority: ec.EllipticCurvePublicKey, signature: object, message: by
         authority.verify(signature, message, ec.ECDSA(hashes.SHA256()))
     except InvalidSignature:
         raise MembershipError(f"{what}: not signed by this swarm's authority") from None
+
+
+def authority_of(ca: x509.Certificate) -> ec.EllipticCurvePublicKey:
+    """The public key of a swarm's authority certificate; ValueError if it is not ECDSA."""
+    public = ca.public_key()
+    if not isinstance(public, ec.EllipticCurvePublicKey):
+        raise ValueError("the swarm's authority is not an ECDSA key (made by init-swarm)")
+    return public
 
 
 # ----- node certificates ----------------------------------------------------------------------
@@ -258,20 +269,22 @@ class Membership:
 
     @classmethod
     def of(
-        cls, ca_pem: bytes | None, swarm: str, *, certified: bool, state_dir: Path | None,
-        lists: Iterable[Path] = (),
+        cls, ca_pem: bytes | None, swarm: str, *, state_dir: Path | None,
+        swarm_dir: Path | None = None, member: bool = False,
     ) -> Membership:  # fmt: skip
-        """A node's view: the authority of its credentials (None: open swarm), and the newest
-        valid list among `lists` (files) and its state directory's."""
+        """A node's view: the authority of its credentials (None: open swarm); members need
+        certificates if this node is one (`member`: started from a member directory) or its
+        `swarm_dir` is the authority's that issued them (it holds MEMBERS_DIR); and the newest
+        valid list among the swarm dir's and its state directory's."""
         authority = None
         if ca_pem is not None:
             try:
-                public = x509.load_pem_x509_certificate(ca_pem).public_key()
+                authority = authority_of(x509.load_pem_x509_certificate(ca_pem))
             except ValueError as exc:
                 raise ConfigError(f"the swarm's authority is unreadable: {exc}") from None
-            authority = public if isinstance(public, ec.EllipticCurvePublicKey) else None
+        certified = member or (swarm_dir is not None and (swarm_dir / MEMBERS_DIR).is_dir())
         membership = cls(authority, swarm, certified=certified, state_dir=state_dir)
-        places = [*lists, *([state_dir / REVOKED_FILE] if state_dir else [])]
+        places = [d / REVOKED_FILE for d in (swarm_dir, state_dir) if d is not None]
         for path in places:
             try:
                 if path.is_file():
@@ -296,8 +309,8 @@ class Membership:
         """Take the list `blob` if it is the authority's and newer than the one held (kept in
         the state directory); whether it was. MembershipError if it is not the authority's
         (or this swarm has none)."""
-        if not blob:
-            return False
+        if not blob or (self.current is not None and blob == self.current.blob):
+            return False  # (every plan carries the list: it is checked once)
         if self.authority is None:
             raise MembershipError("an open swarm has no authority to revoke members")
         read = RevocationList.read(self.authority, self.swarm, blob)
@@ -365,12 +378,10 @@ class _RevokedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # untype
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or not self._membership.revoked:
+        if handler is None:
             return handler
         reason = self._membership.refusal(details.invocation_metadata, details.method)
-        if not reason:
-            return handler
-        return _refusing(handler, reason)
+        return _refusing(handler, reason) if reason else handler
 
 
 def _refusing(handler: Any, reason: str) -> Any:
@@ -383,12 +394,4 @@ def _refusing(handler: Any, reason: str) -> Any:
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
         yield  # (an async generator, as a streaming handler is)
 
-    if handler.response_streaming:
-        make = (grpc.stream_stream_rpc_method_handler if handler.request_streaming
-                else grpc.unary_stream_rpc_method_handler)  # fmt: skip
-        return make(refuse_stream, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)  # fmt: skip
-    make = (grpc.stream_unary_rpc_method_handler if handler.request_streaming
-            else grpc.unary_unary_rpc_method_handler)  # fmt: skip
-    return make(refuse, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)  # fmt: skip
+    return handler_like(handler, refuse_stream if handler.response_streaming else refuse)
