@@ -17,6 +17,8 @@ from ravnest_node.compression.transform import (
     CODER_COLUMNS,
     FALLBACK_WIDTH,
     KLT,
+    KLT_ACTIVATION,
+    KLT_GRADIENT,
     REFRESH_FIRST,
     KLTBases,
     KLTState,
@@ -133,6 +135,81 @@ def test_rans_codes_nothing_as_nothing() -> None:
     codes = torch.zeros(0, 5, dtype=torch.long)
     a, models, payload = rans.encode(codes)
     assert payload == b"" and rans.decode(memoryview(payload), a, models, 5).shape == (0, 5)
+
+
+# The wire format pinned: bytes that the codec wrote before its encoder and decoder were made
+# faster (rans: integer codes; klt: identity-basis frames of rows whose steps and coefficients
+# are exact in float32, so the bytes do not depend on the machine's float arithmetic).
+PINNED_RANS = bytes.fromhex(
+    "55361249adb3a312728d25c8a3bd1150f5dd28482bd3d9b9d28ede79c38dcfa97dee0b3e92961412a59bb8c7"
+    "7f3e120e2329393ffb3fd6a622544d742e86b9234a74385716358a37db53927d2b43e4890755ed08a436896d"
+    "b9e11884afcd8e580ee41b928ce110606a0a71d202621be53e8a18b67c3b9106a423369fe5ce9a8d931adeed"
+    "d3c119c3c1d7bff84f2ec9805c010000"
+)
+PINNED_KLT = {
+    "activation": bytes.fromhex(
+        "2f403d4024402e401a40803f22402d40fdebfdd7fdfafefce7e6fefbd7fdfee7fdfea3fbfeebd7fdfefeebfd"
+        "e7ebe7e773057ebaf086591243b43255c55fed8e802004f01214e328c63187bfc09d1b0c994d045db84fbf52"
+        "35e0d524408348dcae556ee48df3334d41b66c3a6a15bcf8c8d685556179f613ff636d90a4b6a1eaf7d85b92"
+        "029de39a2a000000"
+    ),
+    "gradient": bytes.fromhex(
+        "df3ffefbfcecfdfcfffde9e9fefdd9fdfefcfdffd7fdececfcfbfffffcfcfbe9fcfb9a71ba080a14dab11095"
+        "6aca12c691ba3c0df808a43b45e5054ebf21ffbbb0ce651bb4745b57709e7a1502fd855838adbd886304718d"
+        "bc03451919e4f3537552db8d3b589523a46826169d79740e5e14474882eda5c4d5787ecfd876d86f644bbc7b"
+        "e3d5380ca51553e6e28654580000"
+    ),
+}
+
+
+def test_rans_wire_format_is_pinned() -> None:
+    g = torch.Generator().manual_seed(3)
+    spread = torch.tensor([0, 1, 3, 9, 27, 81]).unsqueeze(1)
+    codes = (torch.randint(-1000, 1001, (6, 50), generator=g) * spread // 1000).to(torch.int16)
+    for lanes in (codes, codes.T.contiguous().T):  # (contiguous lanes, and strided ones)
+        a, models, payload = rans.encode(lanes)
+        assert (a, bytes(models.numpy()), payload) == (
+            81,
+            bytes.fromhex("0fa0e6eafdff"),
+            PINNED_RANS,
+        )
+    decoded = rans.decode(
+        memoryview(PINNED_RANS),
+        81,
+        torch.tensor([15, 160, 230, 234, 253, 255], dtype=torch.uint8),
+        50,
+    )
+    assert torch.equal(decoded, codes.long())
+
+
+@pytest.mark.parametrize("which", ["activation", "gradient"])
+@pytest.mark.parametrize("columns", [False, True])
+def test_klt_wire_format_is_pinned(which: str, columns: bool) -> None:
+    codec = KLT_ACTIVATION if which == "activation" else KLT_GRADIENT
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(-8, 9, (8, 32), generator=g).to(torch.float32)
+    x[:, 0] = torch.where(torch.arange(8) % 2 == 0, 8.0, -8.0)  # (each row's peak is 8)
+    x[5] = 0  # (a row of zeros: step 1)
+    state = codec.new_state()
+    state.columns = columns
+    if state.generator is not None:
+        state.generator = torch.Generator().manual_seed(11)
+    params, payload = codec.encode(x, state)
+    pinned = PINNED_KLT[which]
+    a = 3 if which == "activation" else 5
+    rows = int(which == "activation")
+    expect = {"basis": 0, "id": 0, "rows": rows, "a": a, "packed": len(pinned), "coder": 1}
+    if columns:
+        expect |= {"coder": CODER_COLUMNS, "cols": 32}
+    assert (params, payload) == (expect, pinned)
+    n_steps = 8 if which == "activation" else 1
+    steps = torch.frombuffer(bytearray(pinned[: 2 * n_steps]), dtype=torch.bfloat16).float()
+    out = codec.decode(memoryview(pinned), x.shape, x.dtype, params)
+    # identity basis: the decoded values are the codes times the steps, exactly
+    codes = out / steps.reshape(-1, 1)
+    assert torch.equal(codes, codes.round()) and int(codes.abs().max()) == a
+    bound = steps.reshape(-1, 1) * (0.5 if which == "activation" else 1.0)
+    assert bool(((out - x).abs() <= bound).all())
 
 
 # ---- klt ----

@@ -89,23 +89,34 @@ def _model(a: int, m: int) -> object:
 
 def encode(codes: torch.Tensor) -> tuple[int, torch.Tensor, bytes]:
     """(A, model per lane [lanes] uint8, payload) of integer codes [lanes, n]."""
-    lanes = codes.shape[0]
-    a = int(codes.abs().max()) if codes.numel() else 0
+    lanes, n = codes.shape
+    # Lane after lane in memory (a transform codec's lanes are columns: one transposed copy,
+    # cheapest in the codes' own small dtype).
+    codes = codes.contiguous()
+    a = 0
+    if codes.numel():
+        lo, hi = torch.aminmax(codes)
+        a = max(-int(lo), int(hi))
     k = 2 * a + 1
-    symbols = (codes.to(torch.int32) + a).contiguous()
+    symbols = codes.to(torch.int32) + a
     offsets = (torch.arange(lanes, dtype=torch.int32) * k).unsqueeze(1)
     hist = torch.bincount((symbols + offsets).reshape(-1), minlength=lanes * k)
     cost = hist.view(lanes, k).double() @ _bits(a)  # [lanes, MODELS]
-    model = cost.argmin(1).to(torch.uint8)
+    # (numpy's argmin, like torch's, takes the first of equal costs; it is the faster one here)
+    lane_model = cost.numpy().argmin(1).astype(np.uint8)
+    model = torch.from_numpy(lane_model)
     if a == 0:  # every code is 0: nothing to send (and a one-symbol model has no coder)
         return a, model, b""
-    lane_model = model.numpy()
-    table = symbols.numpy()
+    # The lanes in run order (by model, each model's lanes in increasing order), each lane's
+    # codes contiguous: every run is one slice of `table`.
+    order = np.argsort(lane_model, kind="stable")
+    used, counts = np.unique(lane_model, return_counts=True)
+    table = symbols.numpy()[order].reshape(-1)
+    ends = np.cumsum(counts) * n
     coder = constriction.stream.stack.AnsCoder()
     # A stack: the run the decoder reads first (lowest model number) is pushed last.
-    for m in np.unique(lane_model)[::-1]:
-        run = table[lane_model == m].reshape(-1)
-        coder.encode_reverse(run, _model(a, int(m)))
+    for m, start, end in zip(used[::-1], (ends - counts * n)[::-1], ends[::-1], strict=True):
+        coder.encode_reverse(table[start:end], _model(a, int(m)))
     words = coder.get_compressed()
     return a, model, words.astype("<u4", copy=False).tobytes()
 
@@ -123,6 +134,11 @@ def payload_bounds(lanes: int, n: int, a: int) -> tuple[int, int]:
 def decode(payload: memoryview, a: int, models: torch.Tensor, n: int) -> torch.Tensor:
     """The codes [lanes, n] (int64) of a payload; `models` [lanes] the lanes' model numbers.
     FrameError for a payload that is not what `encode` makes of some codes."""
+    return decode_symbols(payload, a, models, n).to(torch.int64) - a
+
+
+def decode_symbols(payload: memoryview, a: int, models: torch.Tensor, n: int) -> torch.Tensor:
+    """`decode` as the coder's symbols, code + a [lanes, n] (int32, contiguous)."""
     lanes = models.numel()
     if not 0 <= a <= MAX_CODE:
         raise FrameError(f"rans: codes beyond -{MAX_CODE}..{MAX_CODE}")
@@ -132,19 +148,22 @@ def decode(payload: memoryview, a: int, models: torch.Tensor, n: int) -> torch.T
     if not lo <= len(payload) <= hi or len(payload) % 4:
         raise FrameError(f"rans: payload of {len(payload)} bytes for {lanes} lanes of {n} codes")
     if a == 0 or lanes * n == 0:
-        return torch.zeros(lanes, n, dtype=torch.int64)
+        return torch.zeros(lanes, n, dtype=torch.int32)  # (symbol a of 0 is code 0)
     out = np.empty((lanes, n), dtype=np.int32)
     words = np.frombuffer(payload, dtype="<u4").astype(np.uint32)  # (a copy: the coder's own)
     lane_model = models.numpy()
+    order = np.argsort(lane_model, kind="stable")  # the lanes in run order
+    used, counts = np.unique(lane_model, return_counts=True)
     try:
         coder = constriction.stream.stack.AnsCoder(words)
-        for m in np.unique(lane_model):
-            lanes_m = lane_model == m
-            run = coder.decode(_model(a, int(m)), int(lanes_m.sum()) * n)
-            out[lanes_m] = run.reshape(-1, n)
+        start = 0
+        for m, count in zip(used, counts, strict=True):
+            run = coder.decode(_model(a, int(m)), int(count) * n)
+            out[order[start : start + count]] = run.reshape(count, n)
+            start += count
         empty = coder.is_empty()
     except (ValueError, RuntimeError) as exc:  # e.g. a last word of 0, which no encoder ends on
         raise FrameError(f"rans: corrupt payload ({exc})") from None
     if not empty:
         raise FrameError("rans: corrupt payload (its words do not decode to exactly its codes)")
-    return torch.from_numpy(out).to(torch.int64) - a
+    return torch.from_numpy(out)

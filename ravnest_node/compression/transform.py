@@ -184,14 +184,16 @@ class KLT:
         y = x @ state.analysis if basis is not None and state.analysis is not None else x
         steps = self._steps(x, peaks)
         # Double a step until its row's coefficients lie within the codes (before rounding,
-        # so that stochastic rounding stays unbiased), then round once.
+        # so that stochastic rounding stays unbiased), then round once. Division by a step
+        # rounds monotonically, so the largest |y| / step is the largest |y| over the step:
+        # the search runs on one number per row.
+        biggest = y.abs().amax(1, keepdim=True) if self.per_row else y.abs().amax()
         while True:
-            z = y / steps
-            biggest = z.abs().amax(1, keepdim=True) if self.per_row else z.abs().amax()
-            over = biggest > rans.MAX_CODE
+            over = biggest / steps > rans.MAX_CODE
             if not bool(over.any()):
                 break
             steps = torch.where(over, steps * 2, steps)
+        z = y / steps
         if state.generator is not None:
             state.generator = generator_on(state.generator, z.device)
             z = z.add_(torch.rand(z.shape, generator=state.generator, device=z.device)).floor_()
@@ -245,7 +247,7 @@ class KLT:
         """Fold x's rows into the covariance average; on a refresh frame, take the new basis
         (sent with the next frame)."""
         cov = (x.T @ x) / max(1, x.shape[0])
-        if not bool(torch.isfinite(cov).all()):
+        if not _all_finite(cov):
             return  # (squares of huge values overflow float32): leave this frame out
         if state.covariance is None:
             state.covariance = cov
@@ -344,13 +346,15 @@ class KLT:
             else torch.zeros(0, dtype=torch.uint8)
         )
         at += cols
-        codes = rans.decode(payload[at:], params["a"], models, rows)  # [cols, rows]
-        y = codes.T.to(torch.float32) * steps
+        a = params["a"]
+        symbols = rans.decode_symbols(payload[at:], a, models, rows)  # [cols, rows], codes + a
+        # (code - a) x step is exact in float32: y [rows, cols] as the codes' transpose
+        y = symbols.to(torch.float32).sub_(a).mul_(steps.reshape(1, n_steps)).T
         if basis is not None:
             out = y @ basis[:, :cols].T
         else:  # (the identity basis: the columns left out are 0)
             out = torch.cat([y, y.new_zeros(rows, d - cols)], 1) if cols < d else y
-        if not bool(torch.isfinite(out).all()):
+        if not _all_finite(out):
             raise FrameError(f"codec {self.name}: a decoded value is not finite")
         numel = prod(shape)
         value = cast_finite(self.name, out.reshape(-1)[:numel], dtype).reshape(tuple(shape))
@@ -361,6 +365,12 @@ class KLT:
                 bases.received += 1
 
         return value, commit
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a float tensor is finite: its largest |value| is (NaN propagates
+    through amax), in two passes where isfinite().all() takes five."""
+    return t.numel() == 0 or bool(torch.isfinite(t.abs().amax()))
 
 
 def _basis_nbytes(d: int) -> int:
