@@ -120,14 +120,15 @@ def ravnest(*args: str) -> list[str]:
 def demo_summary(tmp_path: Path, name: str, *args: str, timeout: float = 600) -> dict[str, Any]:
     """Run `ravnest-node demo ARGS` to the end (work dir and summary under tmp_path/name) and
     return its summary; fails the test with the demo's output if it does not exit 0."""
-    summary = tmp_path / f"{name}.json"
-    result = subprocess.run(
-        ravnest("demo", "--work-dir", str(tmp_path / name), "--summary-json", str(summary), *args),
-        env=NODE_ENV, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    data: dict[str, Any] = json.loads(summary.read_text())
-    return data
+    return demo_summaries(tmp_path, {name: args}, timeout=timeout)[name]
+
+
+def _end_demo(proc: subprocess.Popen[str]) -> None:
+    """End a demo started in a session of its own that has not exited 0, with the node
+    processes it started (its process group): none outlives a test that failed or timed out."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def demo_summaries(
@@ -138,22 +139,27 @@ def demo_summaries(
 ) -> dict[str, dict[str, Any]]:
     """`demo_summary` of several runs (name -> args) side by side, for runs whose results do
     not depend on timing (synchronous, fixed codec): their summaries by name. `env`: the
-    demos' environment (default NODE_ENV), which their node processes inherit."""
+    demos' environment (default NODE_ENV), which their node processes inherit. A demo that
+    fails or times out is ended with its nodes (`_end_demo`)."""
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
     procs = {}
-    for name, args in runs.items():
-        summary = str(tmp_path / f"{name}.json")
-        command = ravnest("demo", "--work-dir", str(tmp_path / name), "--summary-json", summary)
-        procs[name] = subprocess.Popen([*command, *args], env=env or NODE_ENV, text=True, **pipes)
     try:
+        for name, args in runs.items():
+            summary = str(tmp_path / f"{name}.json")
+            command = ravnest("demo", "--work-dir", str(tmp_path / name), "--summary-json", summary)
+            procs[name] = subprocess.Popen(
+                [*command, *args], env=env or NODE_ENV, text=True, start_new_session=True, **pipes
+            )
         for name, proc in procs.items():
-            out, _ = proc.communicate(timeout=timeout)
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"demo {name} did not end within {timeout} s") from None
             assert proc.returncode == 0, f"demo {name}:\n{out}"
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            if proc.returncode != 0:
+                _end_demo(proc)
     return {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in runs}
 
 
