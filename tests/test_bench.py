@@ -76,6 +76,14 @@ def test_bench_over_relays(tmp_path: Path) -> None:
     for field in (*fields.split(), "codec", "max_staleness", "replicas", "link"):
         assert field in ours, field
     assert ours["link"]["emulation"] == "relay"
+    # Each run's final model, from its nodes' last checkpoints, on the same held-out windows:
+    # the same model, so the same loss, and no gap to compute-bound's.
+    for r in (cb, naive, ours):
+        assert r["held_out_samples"] == 256
+        assert math.isclose(r["held_out_loss"], cb["held_out_loss"], rel_tol=1e-4), r["system"]
+        assert abs(r["held_out_gap"]) < 1e-4
+    assert ours["held_out_loss"] < ours["initial_loss"]
+    assert f"held-out {ours['held_out_loss']:.3f}" in out
     assert ours["efficiency"] is None  # relays pace connections, not hosts: no uplink bound
     assert (tmp_path / "out.md").read_text().count("| lan |") == 5
     assert (tmp_path / "out.png").stat().st_size > 10_000
@@ -194,6 +202,7 @@ def test_bench_on_the_mobile_link_estimates_naive(tmp_path: Path) -> None:
                           "--systems", "naive,ours,torch-pipelining")  # fmt: skip
     naive, ours, torch_pp = records
     assert naive["steps"] == 3 and naive["estimated_steps"] == 4 and "estimated" in naive
+    assert "held_out_loss" not in naive and 0 < ours["held_out_loss"] < 10  # naive ran 3 steps
     assert "too slow" in torch_pp["skipped"]
     assert ours["link"]["rate_mbit"] == 2 and ours["gpu_like"] == 1
     assert ours["fewer_boundary_bytes_than_naive"] >= 1

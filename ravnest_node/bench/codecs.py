@@ -10,7 +10,7 @@ Two tables:
   each codec on activations and gradients, final loss against fp32;
 - **epochs**: a multi-epoch run on a fixed dataset (what aq-delta is for), each activation codec
   against fp32: activation bytes per sample over the whole run (warm-up epoch included) and loss;
-  optionally (`held_out`) the final model's loss on samples outside the dataset.
+  optionally (`held_out`) the final model's loss on samples outside the dataset (held_out.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from ravnest_node.averaging import delta_codec
+from ravnest_node.bench.held_out import held_out_loss
 from ravnest_node.bench.suite import Suite
-from ravnest_node.checkpoint.export import blocks_at
 from ravnest_node.compression import (
     ACTIVATION_ONLY,
     CODECS,
@@ -38,7 +38,6 @@ from ravnest_node.compression import (
 from ravnest_node.compression.codecs import variant_label
 from ravnest_node.compression.transform import KLT, REFRESH_FIRST, KLTBases
 from ravnest_node.data import StdlibBytes
-from ravnest_node.errors import ConfigError, RunFailed
 from ravnest_node.launch.demo import DemoConfig, train_quietly
 from ravnest_node.models import get_model
 from ravnest_node.pipeline.run import TrainConfig
@@ -306,65 +305,6 @@ def epochs_table(
             if base is not None:
                 r["held_out_gap"] = r["held_out_loss"] / base["held_out_loss"] - 1
     return rows
-
-
-def held_out_loss(train: TrainConfig, run_dir: Path | None, samples: int) -> float:
-    """Mean loss, over `held_out_samples`, of the model a run left in `run_dir` (every block
-    from its node's newest checkpoint, which must be of the run's last step) or, with None, of
-    the model as built (before training: a pretrained model's own weights)."""
-    model = get_model(train.model)
-    blocks = model.build_blocks(train.seed)
-    if run_dir is not None:
-        try:
-            step, loaded = blocks_at(sorted(run_dir.glob("node-*")), model)
-        except ConfigError as exc:
-            raise RunFailed(f"{run_dir}: {exc}") from None
-        if step != train.steps:
-            raise RunFailed(f"{run_dir}: the newest step with every block is {step}, not the "
-                            f"run's last, {train.steps}")  # fmt: skip
-        with torch.no_grad():
-            for i, block in enumerate(blocks):
-                for name, p in block.named_parameters():
-                    p.copy_(loaded[i].tensors[("param", name)])
-    x, y, _ = held_out_samples(train, samples)
-    sequential = torch.nn.Sequential(*blocks).eval()
-    losses = []
-    with torch.no_grad():
-        for i in range(0, samples, train.batch_size):
-            end = i + train.batch_size
-            losses.append(float(model.loss(sequential(x[i:end]), y[i:end])))
-    return _mean(losses)
-
-
-def held_out_samples(
-    train: TrainConfig, samples: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`samples` inputs and targets of `train.model`'s data that its fixed dataset of
-    `train.dataset_samples` does not hold, and their window starts: the windows of the run's
-    seed drawn afresh (the data of a run without a fixed dataset), batch by batch, leaving out
-    every window that starts within a sample's length of a window of the fixed dataset, so
-    that none shares a token with the training data."""
-    model = get_model(train.model)
-    fixed = model.dataset(seed=train.seed, num_samples=train.dataset_samples)
-    fresh = model.dataset(seed=train.seed)
-    if not hasattr(fresh, "window_starts"):
-        raise ConfigError(f"{train.model}: held-out samples need data of windows of a corpus")
-    taken = fixed.window_starts(0, train.dataset_samples) if train.dataset_samples else None
-    xs, ys, starts = [], [], []
-    step, have = 0, 0
-    while have < samples:
-        x, y = fresh.batch(step, train.batch_size)
-        at = fresh.window_starts(step, train.batch_size)
-        keep = torch.ones(len(x), dtype=torch.bool)
-        if taken is not None:
-            # A window is seq_len + 1 tokens at most (a masked-LM one seq_len - 2).
-            keep = ((at[:, None] - taken[None, :]).abs() > x.shape[1]).all(dim=1)
-        xs.append(x[keep])
-        ys.append(y[keep])
-        starts.append(at[keep])
-        have += int(keep.sum())
-        step += 1
-    return torch.cat(xs)[:samples], torch.cat(ys)[:samples], torch.cat(starts)[:samples]
 
 
 def _mean(values: list[float]) -> float:

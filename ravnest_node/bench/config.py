@@ -38,6 +38,12 @@ class BenchConfig:
     quick: bool = False
     """Shrink the run to 10 steps per system (about a minute per scenario); `bench codecs`
     also trains fewer codecs."""
+    held_out: int = 256
+    """Held-out samples each run's final model is evaluated on once the run has ended (from its
+    nodes' last checkpoints, in the bench's process: no time or bytes of the run;
+    bench/held_out.py): the record's `held_out_loss`, compared at equal samples with
+    compute-bound's (`held_out_gap`). A run's training loss is one batch's and moves more
+    between runs. 0: none."""
     jsonl: Path = Path("bench.jsonl")
     """Where to write one JSON object per run; the table (.md) and plot (.png) go beside it."""
     systems: str = ",".join(DEFAULT_SYSTEMS)
@@ -70,6 +76,8 @@ class BenchConfig:
             raise ConfigError(f"model {self.train.model} has fewer than {NODES} blocks")
         if not self.gpu_like >= 1:
             raise ConfigError(f"gpu_like={self.gpu_like}: must be >= 1 (1: off)")
+        if not 0 <= self.held_out <= 100_000:
+            raise ConfigError(f"held_out={self.held_out}: must be 0 to 100000")
         if self.compute_threads < 1:
             raise ConfigError("compute_threads must be at least 1")
         resolve_device(self.device)  # ConfigError naming the choices, before anything starts

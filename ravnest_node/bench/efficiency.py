@@ -1,4 +1,5 @@
-"""The fields of a bench record that need the whole scenario: the loss at equal samples, and the
+"""The fields of a bench record that need the whole scenario: the loss at equal samples (of the
+last step's batch, and the held-out loss's gap to compute-bound's), and the
 efficiency against the lower bound of a step (the slowest stage's compute or the busiest uplink's
 transfer, whichever is longer)."""
 
@@ -26,6 +27,12 @@ def finish_scenario(records: list[Record], model: Any, train: TrainConfig) -> No
     for r in full:
         r["loss_at_equal_samples"] = r["loss_history"][equal - 1]
     compute = next((r for r in runs if r["system"] == "compute-bound"), None)
+    # Full runs all end at the same step: their final models' held-out losses are at equal
+    # samples (bench/held_out.py).
+    if compute is not None and "held_out_loss" in compute:
+        for r in full:
+            if "held_out_loss" in r:
+                r["held_out_gap"] = r["held_out_loss"] / compute["held_out_loss"] - 1
     costs = model.block_costs()
     cuts = partition(costs, NODES)
     share = max(sum(costs[a:b]) for a, b in cuts) / sum(costs)

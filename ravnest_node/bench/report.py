@@ -40,6 +40,13 @@ def _link_text(r: Record) -> str:
     return text
 
 
+def _held_out(r: Record) -> str:
+    if "held_out_loss" not in r:
+        return "-"
+    gap = r.get("held_out_gap")
+    return f"{r['held_out_loss']:.4f}" + (f" ({gap:+.2%})" if gap is not None else "")
+
+
 def _codecs(r: Record) -> str:
     return codec_text(r.get("codec_frames") or []) or "-"
 
@@ -48,7 +55,7 @@ _HEADER = (
     "| scenario | link | system | samples/s | vs compute-bound | step s | warm-up / async step s "
     "| bytes/sample | act+grad B/sample | x fewer than naive | codecs (frames per stage) "
     "| efficiency | efficiency (this machine) | initial loss | final loss "
-    "| loss at equal samples |"
+    "| loss at equal samples | held-out loss (vs compute-bound) |"
 )
 
 
@@ -82,7 +89,8 @@ def markdown_table(records: Sequence[Record]) -> str:
             f"| {_fmt(r.get('efficiency'), '.2f')} "
             f"| {_fmt(r.get('efficiency_this_machine'), '.2f')} "
             f"| {_fmt(r['initial_loss'], '.4f')} | {_fmt(r['final_loss'], '.4f')} "
-            f"| {_fmt(r.get('loss_at_equal_samples'), '.4f')} |"
+            f"| {_fmt(r.get('loss_at_equal_samples'), '.4f')} "
+            f"| {_held_out(r)} |"
         )
     return "\n".join(rows) + "\n"
 

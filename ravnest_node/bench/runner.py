@@ -126,6 +126,7 @@ class Bench:
                 f"  {record['system']:<17} {record['samples_per_s']:7.2f} samples/s{est}  "
                 f"{record['bytes_per_sample']:>10,.0f} B/sample  "
                 f"loss {record['initial_loss']:.3f} -> {record['final_loss']:.3f}"
+                + (f", held-out {h:.3f}" if (h := record.get("held_out_loss")) else "")
             )
 
     def _rewrite_jsonl(self) -> None:

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from ravnest_node.bench import link_bound, torch_pipe
 from ravnest_node.bench.config import NODES, BenchConfig, cores
+from ravnest_node.bench.held_out import held_out_loss
 from ravnest_node.bench.links import SCENARIOS, NetnsSwarm
 from ravnest_node.bench.report import Record
 from ravnest_node.bench.scenario_links import ScenarioLinks
@@ -164,7 +165,7 @@ class SystemRunner:
                 few = dataclasses.replace(train, steps=link_bound.ESTIMATE_STEPS)
                 base |= {"steps": few.steps, "samples": few.steps * few.batch_size}
                 measured = base | await self._run_ours(
-                    system, few, links.slots, links, self.cfg.compute_threads
+                    system, few, links.slots, links, self.cfg.compute_threads, evaluate=False
                 )
                 return link_bound.estimated(measured, self.train.steps)
         else:
@@ -181,7 +182,11 @@ class SystemRunner:
         links: ScenarioLinks,
         threads: int,
         transport: TransportConfig | None = None,
+        *,
+        evaluate: bool = True,
     ) -> Record:
+        """A run of our nodes (or of the one compute-bound process); with `evaluate`, its final
+        model's `held_out_loss` too (bench/held_out.py)."""
         run_dir = links.work_dir / system
         cfg = on_device(
             DemoConfig(
@@ -218,6 +223,11 @@ class SystemRunner:
         if tx_before is not None and tx_after is not None:
             record["link_bytes"] = sum(tx_after) - sum(tx_before)
             record["node_link_bytes"] = [a - b for a, b in zip(tx_after, tx_before, strict=True)]
+        if evaluate and self.cfg.held_out:
+            record["held_out_samples"] = self.cfg.held_out
+            record["held_out_loss"] = await asyncio.to_thread(
+                held_out_loss, train, run_dir, self.cfg.held_out
+            )
         return record
 
     async def _run_torch(self, system: str, links: ScenarioLinks) -> Record:
