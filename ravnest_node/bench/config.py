@@ -42,8 +42,7 @@ class BenchConfig:
     """Held-out samples each run's final model is evaluated on once the run has ended (from its
     nodes' last checkpoints, in the bench's process: no time or bytes of the run;
     bench/held_out.py): the record's `held_out_loss`, compared at equal samples with
-    compute-bound's (`held_out_gap`). A run's training loss is one batch's and moves more
-    between runs. 0: none."""
+    compute-bound's (`held_out_gap`), where a run's training loss is one batch's. 0: none."""
     jsonl: Path = Path("bench.jsonl")
     """Where to write one JSON object per run; the table (.md) and plot (.png) go beside it."""
     systems: str = ",".join(DEFAULT_SYSTEMS)

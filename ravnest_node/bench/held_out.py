@@ -1,10 +1,9 @@
 """The loss of a run's final model on data it did not train on: how the bench compares the
 quality of runs.
 
-A run's training loss at a step is one batch's (16 samples of bench-small: 2,048 tokens), and
-between two runs of the same tree on our asynchronous pipelines that single figure moved by
-2.3% (docs/benchmarks.md, 2026-12-05): more than the differences the bench is asked to judge.
-So each run's final model is also evaluated on `samples` windows of the same corpus that share
+A run's training loss at a step is one batch's (16 samples of bench-small: 2,048 tokens): a
+thin measure of a model for differences of 1-2%, which is what the bench is asked to judge. So
+each run's final model is also evaluated on `samples` windows of the same corpus that share
 no token with any window the run trained on, the same windows for every system of a scenario
 (`held_out_samples`), loaded from the checkpoints its nodes wrote at the run's last step
 (`held_out_loss`). This is done after the run, in the bench's own process: it costs the run no

@@ -44,7 +44,9 @@ def _held_out(r: Record) -> str:
     if "held_out_loss" not in r:
         return "-"
     gap = r.get("held_out_gap")
-    return f"{r['held_out_loss']:.4f}" + (f" ({gap:+.2%})" if gap is not None else "")
+    if gap is None:
+        return f"{r['held_out_loss']:.4f}"
+    return f"{r['held_out_loss']:.4f} ({0.0 if abs(gap) < 5e-5 else gap:+.2%})"  # (no -0.00%)
 
 
 def _codecs(r: Record) -> str:
