@@ -90,6 +90,23 @@ def test_bench_over_relays(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_bench_rounds_alternate_the_systems(tmp_path: Path) -> None:
+    records, out = _bench(tmp_path, "--emulation", "relay", "--systems", "compute-bound,ours",
+                          "--rounds", "2")  # fmt: skip
+    assert [(r["round"], r["system"]) for r in records] == [
+        (0, "compute-bound"), (0, "ours"), (1, "compute-bound"), (1, "ours"),
+    ]  # fmt: skip
+    assert "round 2 of 2" in out
+    # Synchronous fp32: every round trains the same model as compute-bound.
+    for r in records:
+        assert abs(r["held_out_gap"]) < 1e-4
+        assert r["log"].endswith(f"round-{r['round']}/{r['system']}")
+    table = (tmp_path / "out.md").read_text()
+    assert table.count("| lan |") == 4 + 1  # the runs, then ours over the rounds
+    assert "| lan | ours | 2 |" in table
+
+
+@pytest.mark.slow
 def test_bench_in_namespaces_with_torch_pipelining(tmp_path: Path) -> None:
     require_netns()
     records, _ = _bench(tmp_path, "--emulation", "netns", "--systems", "ours,torch-pipelining")

@@ -14,7 +14,7 @@ from ravnest_node.bench import link_bound
 from ravnest_node.bench.config import BenchConfig
 from ravnest_node.bench.efficiency import finish_scenario
 from ravnest_node.bench.links import SCENARIOS, LinkSpec, dilate
-from ravnest_node.bench.report import markdown_table
+from ravnest_node.bench.report import markdown_table, rounds_table
 from ravnest_node.bench.scenario_links import ScenarioLinks
 from ravnest_node.bench.systems import SystemRunner
 from ravnest_node.errors import ConfigError
@@ -134,3 +134,23 @@ def test_the_table_says_gpu_like_and_est() -> None:
 def test_all_scenarios_include_mobile() -> None:
     assert BenchConfig(scenario="all").scenario_names[-1] == "mobile"
     assert SCENARIOS["mobile"] == LinkSpec(2, 80)
+
+
+def test_held_out_gaps_and_rounds_against_compute_bound_of_the_same_round() -> None:
+    # Two rounds of one scenario: each round's ours against that round's compute-bound.
+    rounds = []
+    for i, (cb_speed, ours_speed, cb_loss, ours_loss) in enumerate(
+        [(40.0, 36.0, 2.0, 2.04), (30.0, 30.0, 2.0, 2.01), (32.0, 24.0, 2.0, 2.1)]
+    ):
+        cb = _run("compute-bound", samples_per_s=cb_speed, held_out_loss=cb_loss, round=i)
+        ours = _run("ours", samples_per_s=ours_speed, held_out_loss=ours_loss, round=i)
+        finish_scenario([cb, ours], get_model("tiny"), BenchConfig().run_train)
+        assert ours["held_out_gap"] == pytest.approx(ours_loss / cb_loss - 1)
+        assert cb["held_out_gap"] == 0
+        rounds += [cb, ours]
+    table = markdown_table(rounds)
+    assert "| 0.90 |" in table and "| 1.00 |" in table and "| 0.75 |" in table  # per round
+    assert "2.0400 (+2.00%)" in table and "2.0000 (+0.00%)" in table
+    summary = rounds_table(rounds)
+    assert "| mobile | ours | 3 | 0.90 (0.75 to 1.00) | +2.00% (+0.50% to +5.00%) |" in summary
+    assert "compute-bound" not in summary.split("\n", 2)[2]  # (the ceiling is not a row)

@@ -38,6 +38,11 @@ class BenchConfig:
     quick: bool = False
     """Shrink the run to 10 steps per system (about a minute per scenario); `bench codecs`
     also trains fewer codecs."""
+    rounds: int = 1
+    """Run all scenarios this many times in turn (each record says its `round`): ours against
+    compute-bound is then also told as the median and range over rounds, each round's systems
+    side by side (these machines move 10-15% between runs; one round cannot settle a 5% or a
+    1.5% question)."""
     held_out: int = 256
     """Held-out samples each run's final model is evaluated on once the run has ended (from its
     nodes' last checkpoints, in the bench's process: no time or bytes of the run;
@@ -75,6 +80,8 @@ class BenchConfig:
             raise ConfigError(f"model {self.train.model} has fewer than {NODES} blocks")
         if not self.gpu_like >= 1:
             raise ConfigError(f"gpu_like={self.gpu_like}: must be >= 1 (1: off)")
+        if not 1 <= self.rounds <= 100:
+            raise ConfigError(f"rounds={self.rounds}: must be 1 to 100")
         if not 0 <= self.held_out <= 100_000:
             raise ConfigError(f"held_out={self.held_out}: must be 0 to 100000")
         if self.compute_threads < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,12 +62,49 @@ _HEADER = (
 )
 
 
+def _key(r: Record) -> tuple[str, int]:
+    return r["scenario"], r.get("round", 0)
+
+
+def _baselines(records: Sequence[Record]) -> dict[tuple[str, int], Record]:
+    """Compute-bound's record of each scenario and round (`--rounds`)."""
+    return {_key(r): r for r in records if r["system"] == "compute-bound" and "skipped" not in r}
+
+
+def _spread(values: list[float], spec: str) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    middle = statistics.median(ordered)
+    return f"{format(middle, spec)} ({format(ordered[0], spec)} to {format(ordered[-1], spec)})"
+
+
+def rounds_table(records: Sequence[Record]) -> str:
+    """Per scenario and system over the rounds of `--rounds`: how many, and the median and
+    range of samples/s against compute-bound's of the same round and of the held-out gap."""
+    baseline = _baselines(records)
+    groups: dict[tuple[str, str], list[Record]] = {}
+    for r in records:
+        if "skipped" not in r and r["system"] != "compute-bound":
+            groups.setdefault((r["scenario"], r["system"]), []).append(r)
+    rows = [
+        "| scenario | system | rounds | vs compute-bound: median (range) "
+        "| held-out gap: median (range) |",
+        "|---|---|---|---|---|",
+    ]
+    for (scenario, system), runs in groups.items():
+        ratios = [r["samples_per_s"] / base["samples_per_s"]
+                  for r in runs if (base := baseline.get(_key(r)))]  # fmt: skip
+        gaps = [r["held_out_gap"] for r in runs if "held_out_gap" in r]
+        rows.append(f"| {scenario} | {system} | {len(runs)} | {_spread(ratios, '.2f')} "
+                    f"| {_spread(gaps, '+.2%')} |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
 def markdown_table(records: Sequence[Record]) -> str:
     """One row per record (skipped systems included, with their reason); estimated rows say
     "est.", and a gpu-like run's note comes first."""
-    baseline = {
-        r["scenario"]: r for r in records if r["system"] == "compute-bound" and "skipped" not in r
-    }
+    baseline = _baselines(records)
     columns = _HEADER.count("|") - 1
     notes = sorted({r["gpu_like"] for r in records if r.get("gpu_like", 1) > 1})
     rows = [gpu_like_note(f) + "\n" for f in notes]
@@ -77,7 +115,7 @@ def markdown_table(records: Sequence[Record]) -> str:
             cells = [r["scenario"], link_text, r["system"], f"skipped: {r['skipped']}"]
             rows.append("| " + " | ".join(cells) + " |" + " |" * (columns - len(cells)))
             continue
-        base = baseline.get(r["scenario"])
+        base = baseline.get(_key(r))
         ratio = r["samples_per_s"] / base["samples_per_s"] if base else None
         est = f" est. ({r['steps']} steps run)" if "estimated" in r else ""
         phases = f"{_fmt(r.get('warmup_step_s'), '.3f')} / {_fmt(r.get('async_step_s'), '.3f')}"
@@ -117,7 +155,8 @@ def plot(records: Sequence[Record], path: Path) -> str | None:
     for row, scenario in enumerate(scenarios):
         by_time, by_bytes = axes[row]
         for r in (r for r in runs if r["scenario"] == scenario):
-            style = {"label": r["system"], "color": colors[r["system"]]}
+            label = r["system"] + (f", round {r['round'] + 1}" if "round" in r else "")
+            style = {"label": label, "color": colors[r["system"]]}
             _samples, wall, nbytes, loss = zip(*r["curve"], strict=True)
             by_time.plot(wall, loss, **style)
             if any(nbytes):

@@ -40,7 +40,7 @@ from typing import TextIO
 from ravnest_node.bench.config import BenchConfig
 from ravnest_node.bench.efficiency import finish_scenario
 from ravnest_node.bench.links import SCENARIOS, dilate, netns_available, remove_leftovers
-from ravnest_node.bench.report import Record, gpu_like_note, markdown_table, plot
+from ravnest_node.bench.report import Record, gpu_like_note, markdown_table, plot, rounds_table
 from ravnest_node.bench.scenario_links import ScenarioLinks
 from ravnest_node.bench.systems import Interrupted, SystemRunner
 from ravnest_node.devices import describe
@@ -90,14 +90,17 @@ class Bench:
             f"{self.train.batch_size} samples per system on {describe(self.systems.device)}; "
             f"work dir {self.work_dir}"
         )
-        for name in self.cfg.scenario_names:
+        rounds = self.cfg.rounds
+        for round_, name in ((r, n) for r in range(rounds) for n in self.cfg.scenario_names):
             if self.systems.stopped.is_set():
                 break
             link = dilate(SCENARIOS[name], self.cfg.gpu_like)
-            links = ScenarioLinks(link, mode, self.work_dir / name)
+            work = self.work_dir / name / (f"round-{round_}" if rounds > 1 else "")
+            links = ScenarioLinks(link, mode, work)
             async with links.up():
                 self.say(f"scenario {name}: {link.rate_mbit:g} Mbit/s, {link.delay_ms:g} ms "
-                         f"one way ({links.description})")  # fmt: skip
+                         f"one way ({links.description})"
+                         + (f", round {round_ + 1} of {rounds}" if rounds > 1 else ""))  # fmt: skip
                 if self.cfg.gpu_like > 1:
                     self.say(f"  {gpu_like_note(self.cfg.gpu_like)}")
                 scenario_records: list[Record] = []
@@ -108,6 +111,8 @@ class Bench:
                         record = await self.systems.run(system, name, links)
                     except Interrupted:
                         break
+                    if rounds > 1:
+                        record["round"] = round_
                     scenario_records.append(record)
                     self._emit(record)
                 finish_scenario(scenario_records, self.model, self.train)
@@ -144,9 +149,11 @@ def run_bench(cfg: BenchConfig, out: TextIO = sys.stdout) -> int:
 
     started = time.monotonic()
     records = asyncio.run(main())
-    if len(records) < len(cfg.scenario_names) * len(cfg.system_list):
+    if len(records) < cfg.rounds * len(cfg.scenario_names) * len(cfg.system_list):
         print(f"interrupted: {len(records)} run(s) finished", file=out)
     table = markdown_table(records)
+    if cfg.rounds > 1:
+        table += "\n" + rounds_table(records)
     table_path = cfg.jsonl.with_suffix(".md")
     table_path.write_text(table)
     print(file=out)
