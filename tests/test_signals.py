@@ -110,3 +110,28 @@ def test_a_stuck_stop_ends_at_its_deadline_and_says_what_it_waited_for(procs: Pr
     assert status == 0
     assert "did not finish within 1 s" in err
     assert "pending <Task" in err and "in main" in err  # the task that never finished
+
+
+OWN_STOP_STUCK = """
+import asyncio
+from ravnest_node.launch.signals import install_stop_handlers
+
+async def main():
+    deadline = install_stop_handlers(asyncio.get_running_loop(), lambda: None, deadline_s=1.0)
+    print("ready", flush=True)
+    # The process decided to stop on its own (say, banned: exit status 3), and its stop hangs.
+    deadline.start(3)
+    deadline.start(0)  # a later signal's deadline changes nothing
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_a_stop_of_its_own_that_hangs_ends_at_its_deadline_with_its_status(procs: Procs) -> None:
+    proc = procs.popen([sys.executable, "-c", OWN_STOP_STUCK], stderr=subprocess.PIPE)
+    assert wait_for_line(proc, "ready", timeout_s=30)
+    assert proc.wait(10) == 3  # no signal came: the deadline the process started ended it
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode()
+    assert "did not finish within 1 s" in err and "pending <Task" in err

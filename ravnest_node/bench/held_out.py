@@ -33,10 +33,13 @@ def held_out_seed(seed: int) -> int:
     return (seed + 0x5EED) % 2**62
 
 
-def held_out_loss(train: TrainConfig, run_dir: Path | None, samples: int) -> float:
+def held_out_loss(
+    train: TrainConfig, run_dir: Path | None, samples: int, device: torch.device | None = None
+) -> float:
     """Mean loss, over `held_out_samples`, of the model a run left in `run_dir` (every block
     from its node's newest checkpoint, which must be of the run's last step) or, with None, of
-    the model as built (before training: a pretrained model's own weights)."""
+    the model as built (before training: a pretrained model's own weights); in float32 on
+    `device` (the CPU if None)."""
     model = get_model(train.model)
     blocks = model.build_blocks(train.seed)
     if run_dir is not None:
@@ -52,12 +55,14 @@ def held_out_loss(train: TrainConfig, run_dir: Path | None, samples: int) -> flo
                 for name, p in block.named_parameters():
                     p.copy_(loaded[i].tensors[("param", name)])
     x, y, _ = held_out_samples(train, samples)
-    sequential = torch.nn.Sequential(*blocks).eval()
+    where = device or torch.device("cpu")
+    sequential = torch.nn.Sequential(*blocks).to(where).eval()
     losses = []
     with torch.no_grad():
         for i in range(0, samples, train.batch_size):
             end = i + train.batch_size
-            losses.append(float(model.loss(sequential(x[i:end]), y[i:end])))
+            out = sequential(x[i:end].to(where))
+            losses.append(float(model.loss(out, y[i:end].to(where))))
     return sum(losses) / len(losses)
 
 

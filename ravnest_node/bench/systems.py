@@ -226,7 +226,7 @@ class SystemRunner:
         if evaluate and self.cfg.held_out:
             record["held_out_samples"] = self.cfg.held_out
             record["held_out_loss"] = await asyncio.to_thread(
-                held_out_loss, train, run_dir, self.cfg.held_out
+                held_out_loss, train, run_dir, self.cfg.held_out, self.device
             )
         return record
 

@@ -252,8 +252,20 @@ def _start(cfg: NodeConfig) -> int:
         deadline_s = STOP_DEADLINE_S + (
             0 if cfg.discovery.is_coordinator else cfg.membership.leave_timeout_s
         )
-        install_stop_handlers(asyncio.get_running_loop(), daemon.stop, deadline_s=deadline_s)
-        await daemon.run(announce)
+        deadline = install_stop_handlers(
+            asyncio.get_running_loop(), daemon.stop, deadline_s=deadline_s
+        )
+
+        async def deadline_of_own_stop() -> None:
+            error = await daemon.stopping()
+            if error is not None:  # a stop of its own has the deadline a signal's has
+                deadline.start(EXIT_BANNED if isinstance(error, Banned) else 1)
+
+        watch = asyncio.create_task(deadline_of_own_stop())
+        try:
+            await daemon.run(announce)
+        finally:
+            watch.cancel()
 
     try:
         asyncio.run(main())

@@ -183,6 +183,12 @@ class NodeDaemon:
         """This node's coordinator service: from the start, after an election, or never."""
         return self.leadership.service
 
+    async def stopping(self) -> BaseException | None:
+        """Once the node has begun to stop: why, if on its own (a ban, a failed run), else
+        None (asked to)."""
+        await self._ending.stop.wait()
+        return self._ending.error
+
     def stop(self) -> None:
         """Ask the node to stop (on the loop; a signal handler calls it). A worker with a stage
         first leaves and hands its blocks over (within leave_timeout_s); a second call, or any

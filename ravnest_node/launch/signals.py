@@ -26,6 +26,11 @@ task is cancelled just as what it waits for happens (CPython gh-86296; here the 
 mDNS goodbyes); the code uses `asyncio.timeout` instead. Its log had no dump either: a node
 started with `--join elect` has a worker's deadline (STOP_DEADLINE_S + --leave-timeout), long
 past the test's wait, which may explain the earlier missing dump too.
+
+A stop the node decides on itself (banned from its swarm, or its run failed) has the same
+deadline (`Deadline.start` with the exit status it would have had, cli/main.py): once in CI
+(2026-12-05) a node revoked from its swarm logged its ban, ended its server's calls, and was
+still alive two minutes later, with no signal to start a watchdog and so no dump of the wait.
 """
 
 from __future__ import annotations
@@ -47,35 +52,58 @@ GIL_WATCHDOG_AFTER_S = 1.0
 """The C watchdog (for a stop stuck holding the GIL) fires this long after the deadline."""
 
 
+class Deadline:
+    """A stop's deadline, started once per `install_stop_handlers`: a watchdog thread that,
+    `deadline_s` after `start`, dumps every thread's stack and the loop's pending tasks to
+    standard error and ends the process with the status `start` was given, and faulthandler's C
+    watchdog a moment later (status 1) should the first not run."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadline_s: float) -> None:
+        self._loop = loop
+        self._deadline_s = deadline_s
+        self._started = False
+
+    def start(self, status: int = 0) -> None:
+        """Start the deadline (a no-op once started): status 0 for a stop that was asked for,
+        the run's own exit status for a stop the process decided on itself (a ban, a failed
+        run), so that a stop stuck on something still ends as it would have."""
+        if self._started:
+            return
+        self._started = True
+        timer = threading.Timer(
+            self._deadline_s, _stop_overdue, args=(self._loop, self._deadline_s, status)
+        )
+        timer.daemon = True  # it must never keep an exiting process alive
+        timer.start()
+        faulthandler.dump_traceback_later(
+            self._deadline_s + GIL_WATCHDOG_AFTER_S, exit=True, file=sys.stderr
+        )
+
+
 def install_stop_handlers(
     loop: asyncio.AbstractEventLoop,
     stop: Callable[[], None],
     *,
     deadline_s: float = STOP_DEADLINE_S,
-) -> None:
+) -> Deadline:
     """Make SIGINT and SIGTERM call `stop()` on `loop` (or do nothing once it has closed), and
-    end the process `deadline_s` after the first of them if it has not ended by itself."""
-    watchdog: list[threading.Timer] = []
+    end the process `deadline_s` after the first of them if it has not ended by itself. The
+    returned Deadline starts the same watchdog for a stop the process decides on itself."""
+    deadline = Deadline(loop, deadline_s)
 
     def handle(signum: int, frame: FrameType | None) -> None:
-        if not watchdog:
-            timer = threading.Timer(deadline_s, _stop_overdue, args=(loop, deadline_s))
-            timer.daemon = True  # it must never keep an exiting process alive
-            timer.start()
-            watchdog.append(timer)
-            faulthandler.dump_traceback_later(
-                deadline_s + GIL_WATCHDOG_AFTER_S, exit=True, file=sys.stderr
-            )
+        deadline.start(0)
         with contextlib.suppress(RuntimeError):  # the loop is closed: we are exiting anyway
             loop.call_soon_threadsafe(stop)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handle)
+    return deadline
 
 
-def _stop_overdue(loop: asyncio.AbstractEventLoop, deadline_s: float) -> None:
-    """The watchdog: say loudly what the stop is waiting for, then end the process (status 0:
-    the stop was asked for, and nothing that needs saving is left in memory)."""
+def _stop_overdue(loop: asyncio.AbstractEventLoop, deadline_s: float, status: int) -> None:
+    """The watchdog: say loudly what the stop is waiting for, then end the process with
+    `status` (0 for a stop that was asked for: nothing that needs saving is left in memory)."""
     err = sys.stderr
     err.write(f"ravnest-node: the graceful stop did not finish within {deadline_s:g} s; "
               "ending the process. Threads:\n")  # fmt: skip
@@ -89,7 +117,7 @@ def _stop_overdue(loop: asyncio.AbstractEventLoop, deadline_s: float) -> None:
     except RuntimeError as exc:
         err.write(f"(pending tasks could not be listed: {exc})\n")
     err.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def ignore_stop_signals() -> None:
