@@ -74,20 +74,18 @@ def held_out_samples(
     starts within a sample's length of a training window is left out, so that none shares a
     token with the training data. A pure function of `train` and `samples`."""
     model = get_model(train.model)
-    if train.dataset_samples:
-        fixed = model.dataset(seed=train.seed, num_samples=train.dataset_samples)
-        taken = fixed.window_starts(0, train.dataset_samples)
-        fresh = model.dataset(seed=train.seed)
-    else:
-        shards = max(1, train.pipelines)
-        runs = [model.dataset(seed=train.seed, shard=p, num_shards=shards) for p in range(shards)]
-        if not all(hasattr(r, "window_starts") for r in runs):
-            raise ConfigError(f"{train.model}: held-out samples need data of windows of a corpus")
-        taken = torch.cat([r.window_starts(step, train.batch_size)
-                           for r in runs for step in range(train.steps)])  # fmt: skip
-        fresh = model.dataset(seed=held_out_seed(train.seed))
+    run_on_windows = not train.dataset_samples
+    fresh = model.dataset(seed=held_out_seed(train.seed) if run_on_windows else train.seed)
     if not hasattr(fresh, "window_starts"):
         raise ConfigError(f"{train.model}: held-out samples need data of windows of a corpus")
+    if run_on_windows:  # every window any pipeline's shard trains on
+        shards = [model.dataset(seed=train.seed, shard=p, num_shards=train.pipelines)
+                  for p in range(train.pipelines)]  # fmt: skip
+        taken = torch.cat([shard.window_starts(step, train.batch_size)
+                           for shard in shards for step in range(train.steps)])  # fmt: skip
+    else:
+        fixed = model.dataset(seed=train.seed, num_samples=train.dataset_samples)
+        taken = fixed.window_starts(0, train.dataset_samples)
     xs, ys, starts = [], [], []
     step, have = 0, 0
     while have < samples:
