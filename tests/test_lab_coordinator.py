@@ -15,8 +15,10 @@ from typing import Any
 import grpc
 import pytest
 
+from ravnest_node.coordination.coordinator import bans
+from ravnest_node.coordination.coordinator.faults import Ban, Revoked
 from ravnest_node.coordination.coordinator.service import CoordinatorService
-from ravnest_node.coordination.coordinator.store import STORE_FILE, CoordinatorStore
+from ravnest_node.coordination.coordinator.store import STORE_FILE, CoordinatorStore, Faults
 from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.pipeline.run import TrainConfig
@@ -221,6 +223,62 @@ async def test_a_restarted_coordinator_remembers_who_was_lost(tmp_path: Path) ->
     await _join(again, "b")  # b, restarted, joins again
     third = _service(tmp_path, clock)
     assert third.roster.lost == {} and [c.node_id for c in third.faults.crashes] == ["b"]
+
+
+async def test_a_restarted_coordinator_still_refuses_the_banned(tmp_path: Path) -> None:
+    """A member banned for failing an audit stays banned across a restart: its calls are
+    refused, and every plan the restarted coordinator announces names it."""
+    clock = Clock()
+    svc = _service(tmp_path, clock)
+    await _join(svc, "a")
+    await _join(svc, "b")
+    plan = svc.plan
+    assert plan is not None
+    suspect = next(s for s in plan.stages if s.node_id == "b")
+    evidence = Ban("b", suspect.pipeline, suspect.index, plan.epoch, 0, auditor="a",
+                   kind="input gradient", seq=5, version=1, distance=0.8,
+                   recomputed=1.25)  # fmt: skip
+    bans.ban(svc._state, plan, suspect, evidence)
+
+    again = _service(tmp_path, clock)
+    assert again.faults.banned == {"b": evidence}
+    ctx: Any = FakeContext()
+    rejoin = pb.JoinRequest(node_id="b", address="b:1", protocol=PROTOCOL)
+    for call in (again.Heartbeat(pb.HeartbeatRequest(node_id="b"), ctx), again.Join(rejoin, ctx)):
+        with pytest.raises(Aborted) as refused:
+            await call
+        assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
+        assert "banned from this swarm" in refused.value.details
+    assert again._state.book.announcements[-1].banned == ["b"]
+    await again.Heartbeat(pb.HeartbeatRequest(node_id="a"), ctx)  # a is a member still
+
+
+def test_bans_and_revocations_are_stored_as_they_were() -> None:
+    banned: list[Ban | Revoked] = [
+        Ban("n1", 0, 2, 3, 17, "n2", "activation", 68, 16, 0.31, 0.29),
+        Revoked("n3", serial=4, after_step=20),
+    ]
+    faults = Faults(banned=banned)
+    assert Faults.from_json(faults.to_json()).banned == banned
+    older = json.loads(faults.to_json())
+    del older["banned"]  # a store written before bans were kept
+    assert Faults.from_json(json.dumps(older)).banned == []
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"node_id": "n3", "after_step": 2}, {"node_id": "n3", "serial": "4", "after_step": 2},
+     {**Ban("n1", 0, 2, 3, 17, "n2", "activation", 68, 16, 0.31, 0.29).to_dict(),
+      "distance": "far"}],
+)  # fmt: skip
+def test_a_corrupt_ban_in_the_store_is_refused(tmp_path: Path, entry: dict[str, Any]) -> None:
+    _service(tmp_path, Clock())
+    faults = json.loads(Faults().to_json())
+    faults["banned"] = [entry]
+    with closing(sqlite3.connect(tmp_path / STORE_FILE)) as db, db:
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('faults', ?)", (json.dumps(faults),))
+    with pytest.raises(ConfigError, match="corrupt coordinator store"):
+        _service(tmp_path, Clock())
 
 
 def test_a_corrupt_record_of_faults_is_refused(tmp_path: Path) -> None:

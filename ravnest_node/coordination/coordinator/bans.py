@@ -23,8 +23,8 @@ they are (the authority says who, not what was wrong): lost at once if it has a 
 out of the roster if it has none, and named in every plan announced from then on, which
 carries the signed list to every node (transport/membership.py).
 
-The bans are kept in memory (the run summary's `banned`); a lab coordinator restarted forgets
-them.
+The bans are in the run summary's `banned`, and a lab coordinator keeps them in its store
+(store.py): restarted, it refuses the banned and names them in its plans as before.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def ban(s: SwarmState, plan: pb.Plan, suspect: pb.StageAssignment, evidence: Ban
                 evidence.to_dict()["reason"], evidence.auditor)  # fmt: skip
     s.roster.leave(suspect.node_id)
     lose(s, plan, [suspect], s.clock(), f"banned: {evidence.to_dict()['reason']}")
+    s.save_faults()
 
 
 def revoke(s: SwarmState, node_ids: frozenset[str], serial: int, blob: bytes) -> list[str]:
@@ -112,4 +113,5 @@ def revoke(s: SwarmState, node_ids: frozenset[str], serial: int, blob: bytes) ->
             maybe_replan(s, force=True, keep_drains=True)
     book.announce_again()  # with the list (and the banned named, where no re-plan did)
     s.save_members()
+    s.save_faults()
     return now_banned

@@ -3,8 +3,8 @@ failover's takeover (`Takeover`), restores from checkpoints (`Restore`, and `Pen
 while one waits), and the microbatches dropped or trained again. Pure: no sockets, no clock
 (callers pass `now`).
 
-Crashes and restores are stored as JSON objects by the lab coordinator's store (store.py);
-`to_dict` / `from_dict` are that format, and the run summary's.
+Crashes, restores and bans are stored as JSON objects by the lab coordinator's store
+(store.py); `to_dict` / `from_dict` are that format, and the run summary's.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ __all__ = [
     "FaultBook",
     "PendingRestore",
     "Restore",
+    "Revoked",
     "Takeover",
     "as_count",
     "as_text",
+    "ban_from_dict",
 ]
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,13 @@ def as_count(value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise TypeError(f"expected a count, got {value!r}")
     return value
+
+
+def as_number(value: object) -> float:
+    """`value`, a finite number (not a bool); TypeError otherwise."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +179,17 @@ class Ban:
                       f"{self.version}) is {self.recomputed:.3g} from its recomputation",
         }  # fmt: skip
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> Ban:
+        """KeyError / TypeError if `data` is not what `to_dict` makes (its reason is not
+        read: `to_dict` makes it again)."""
+        return cls(as_text(data["node_id"]), as_count(data["pipeline"]),
+                   as_count(data["stage"]), as_count(data["plan_epoch"]),
+                   as_count(data["after_step"]), as_text(data["auditor"]),
+                   as_text(data["kind"]), as_count(data["microbatch"]),
+                   as_count(data["version"]), as_number(data["distance"]),
+                   as_number(data["recomputed"]))  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class Revoked:
@@ -182,7 +202,20 @@ class Revoked:
 
     def to_dict(self) -> dict[str, Any]:
         why = f"revoked by the swarm's authority (revocation list {self.serial})"
-        return {"node_id": self.node_id, "after_step": self.after_step, "reason": why}
+        return {"node_id": self.node_id, "serial": self.serial, "after_step": self.after_step,
+                "reason": why}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> Revoked:
+        """KeyError / TypeError if `data` is not what `to_dict` makes."""
+        return cls(as_text(data["node_id"]), as_count(data["serial"]),
+                   as_count(data["after_step"]))  # fmt: skip
+
+
+def ban_from_dict(data: Mapping[str, object]) -> Ban | Revoked:
+    """A ban as `to_dict` wrote it: an audit's (it names its auditor) or a revocation's;
+    KeyError / TypeError otherwise."""
+    return Ban.from_dict(data) if "auditor" in data else Revoked.from_dict(data)
 
 
 class FaultBook:
@@ -217,10 +250,12 @@ class FaultBook:
         dropped: int,
         dropped_steps: dict[int, list[int]],
         redone: int,
+        banned: Iterable[Ban | Revoked] = (),
     ) -> None:
         """The record a store held."""
         self.crashes, self.restores = crashes, restores
         self.dropped, self.dropped_steps, self.redone = dropped, dropped_steps, redone
+        self.banned = {b.node_id: b for b in banned}
 
     # ----- crashes ----------------------------------------------------------------------------
     def lost_in(self, epoch: int) -> set[str]:

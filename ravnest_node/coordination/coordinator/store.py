@@ -4,8 +4,9 @@
 `DIR/coordinator.sqlite3`, one transaction per change, so that a coordinator killed at any
 moment restarts with the state of its last answered call: the members and what they measured,
 the plan, every step's loss, each stage's final report, the progress events, and its record of
-faults (members lost, steps dropped, restores). Nodes notice nothing but a gap: their
-reports wait and are retried until it answers again (daemon/worker/coordinator_client.py).
+faults (members lost, steps dropped, restores, members banned). Nodes notice nothing but a
+gap: their reports wait and are retried until it answers again
+(daemon/worker/coordinator_client.py).
 
 The file is ours, not the network's; still, a file that does not parse is refused with a
 clear error rather than half-loaded. Journal mode WAL with synchronous=NORMAL: a killed
@@ -24,7 +25,15 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from ravnest_node.coordination.coordinator.faults import Crash, Restore, as_count, as_text
+from ravnest_node.coordination.coordinator.faults import (
+    Ban,
+    Crash,
+    Restore,
+    Revoked,
+    as_count,
+    as_text,
+    ban_from_dict,
+)
 from ravnest_node.coordination.planning.static_plan import Member
 from ravnest_node.errors import ConfigError
 from ravnest_node.proto import control_pb2 as pb
@@ -72,8 +81,9 @@ class Saved:
 @dataclass(slots=True)
 class Faults:
     """The coordinator's record of faults: members lost (crashes: who, where, when), steps of
-    broken pipelines dropped, restores from checkpoints and the microbatches they redo.
-    Stored as one JSON object, crashes and restores as the objects of their `to_dict`."""
+    broken pipelines dropped, restores from checkpoints and the microbatches they redo, and
+    the members banned. Stored as one JSON object, crashes, restores and bans as the objects
+    of their `to_dict`."""
 
     crashes: list[Crash] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
@@ -83,6 +93,8 @@ class Faults:
     """Pipeline -> steps it never trained (NaN in its losses)."""
     restores: list[Restore] = field(default_factory=list)
     redone: int = 0
+    banned: list[Ban | Revoked] = field(default_factory=list)
+    """Members banned for failing audits or revoked (bans.py): refused after a restart too."""
 
     def to_json(self) -> str:
         return json.dumps({
@@ -90,6 +102,7 @@ class Faults:
             "dropped": self.dropped,
             "dropped_steps": {str(p): steps for p, steps in self.dropped_steps.items()},
             "restores": [r.to_dict() for r in self.restores], "redone": self.redone,
+            "banned": [b.to_dict() for b in self.banned],
         })  # fmt: skip
 
     @classmethod
@@ -106,6 +119,8 @@ class Faults:
             },
             restores=[Restore.from_dict(r) for r in _objects(data["restores"])],
             redone=as_count(data["redone"]),
+            # (A store written before bans were kept has none.)
+            banned=[ban_from_dict(b) for b in _objects(data.get("banned", []))],
         )
 
 

@@ -116,6 +116,7 @@ class SwarmState:
             self.store.save_faults(Faults(
                 crashes=list(f.crashes), lost=sorted(self.roster.lost), dropped=f.dropped,
                 dropped_steps=f.dropped_steps, restores=list(f.restores), redone=f.redone,
+                banned=list(f.banned.values()),
             ))  # fmt: skip
 
     def _open(self, store: CoordinatorStore) -> None:
@@ -153,8 +154,11 @@ class SwarmState:
         faults, progress = saved.faults, self.progress
         self.faults.resume(
             crashes=faults.crashes, restores=faults.restores, dropped=faults.dropped,
-            dropped_steps=faults.dropped_steps, redone=faults.redone,
+            dropped_steps=faults.dropped_steps, redone=faults.redone, banned=faults.banned,
         )  # fmt: skip
+        # Every plan announced from now on names the banned again (not this node: bans.py).
+        me = self.roster.node_id
+        self.book.banned.update(b.node_id for b in faults.banned if b.node_id != me)
         self.roster.mark_lost(faults.lost, now)
         progress.resume(
             pipeline_losses=saved.pipeline_losses, dropped_steps=faults.dropped_steps,
