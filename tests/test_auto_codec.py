@@ -20,11 +20,13 @@ from ravnest_node.compression.auto import (
     COMPACT_PRIOR_BITS,
     choose_codec,
     compact_estimate,
+    fine_fits,
     link_bound,
     payload_sizes,
 )
-from ravnest_node.compression.codecs import BOTTLENECK_BLOCK, COARSE_CODES
+from ravnest_node.compression.codecs import BOTTLENECK_BLOCK, COARSE_CODES, FINE_LABEL, encoder
 from ravnest_node.compression.quant import BlockQuant
+from ravnest_node.compression.transform import KLT_ACTIVATION, KLT_ACTIVATION_FINE
 from ravnest_node.errors import ConfigError, PeerRefused
 from ravnest_node.identity import NodeKey
 from ravnest_node.models import get_model
@@ -239,8 +241,9 @@ async def test_probe_method_checks_peer_size_and_budget(probe_server: tuple[str,
     options = [("grpc.max_send_message_length", 8 << 20)]
     async with (
         grpc.aio.insecure_channel(address, options=options, interceptors=provers(UP)) as up,
-        grpc.aio.insecure_channel(address, options=options,
-                                  interceptors=provers(STRANGER)) as stranger,  # fmt: skip
+        grpc.aio.insecure_channel(
+            address, options=options, interceptors=provers(STRANGER)
+        ) as stranger,  # fmt: skip
     ):
 
         def sender(key: NodeKey, epoch: int = 3, node_id: str = "") -> Send:
@@ -430,6 +433,69 @@ def test_auto_sends_klt_only_to_a_peer_that_decodes_it_and_keeps_its_basis() -> 
     for _ in range(8):
         back = choice.outgoing("hidden", torch.randn(4, 32, 64))
     assert back.codec.name == COMPACT and back.state is kept
+
+
+def test_fine_klt_fits_where_its_larger_frames_and_coding_fit_the_budget() -> None:
+    link = {"bandwidth_bps": 3 * MBIT, "compute_s": 0.020}  # budget 10 ms, 8 ms to move to it
+    # 1.35 x 2,000 B = 7.2 ms on the link: fits with the margin, with 0.5 ms of coding not.
+    assert fine_fits(2000, **link)
+    assert not fine_fits(2000, **link, coding_s=0.0012)
+    assert fine_fits(2000, **link, coding_s=0.0012, was=True)  # staying needs no margin
+    assert not fine_fits(2000, **link, coding_s=0.003, was=True)
+    with pytest.raises(ValueError, match="must be > 0"):
+        fine_fits(2000, bandwidth_bps=0.0, compute_s=0.02)
+
+
+def test_auto_gives_klt_activations_the_finer_step_where_the_link_has_room() -> None:
+    def run(role: str, bandwidth_bps: float, choice: CodecChoice | None = None,
+            steps: int = 6) -> tuple[CodecChoice, list[object]]:  # fmt: skip
+        compute = _Compute()
+        if choice is None:
+            choice = CodecChoice(AUTO, role, compute_s=compute, every=4, what="test")  # type: ignore[arg-type]
+            choice.peer_decodes_klt = True
+        else:
+            compute = choice._compute_s  # type: ignore[assignment]
+        choice.bandwidth_bps = bandwidth_bps
+        codecs = []
+        for _ in range(steps * 4):
+            sent = choice.outgoing("hidden", torch.randn(4, 32, 64))
+            sent.codec.encode(sent.tensor, sent.state)
+            codecs.append(sent.codec)
+            fine = sent.codec is KLT_ACTIVATION_FINE
+            choice.sent("", nbytes=2700 if fine else 2000, coding_s=0.00005)
+            compute.s += 0.020  # budget 10 ms
+        return choice, codecs
+
+    # 3 Mbit/s: int4-block (4.6 kB, 12 ms) does not fit, klt at its finer step does (1.35 x
+    # its frames). Its frames are klt on the wire, counted apart; their bytes enter klt's
+    # mean as the default step's.
+    choice, codecs = run("activation", 3 * MBIT)
+    assert codecs[8:] == [KLT_ACTIVATION_FINE] * 16 and choice.fine
+    assert KLT_ACTIVATION_FINE.name == COMPACT
+    assert choice.frames == {"int4-block": 8, COMPACT + FINE_LABEL: 16}
+    assert choice.frame_bytes[COMPACT] == pytest.approx(2000, abs=1)
+    # Gradients keep klt's own step; so do activations on a link where even klt sets the pace.
+    assert run("gradient", 3 * MBIT)[0].frames == {"int4-block": 8, COMPACT: 16}
+    slow, codecs = run("activation", 1 * MBIT)
+    assert codecs[8:] == [KLT_ACTIVATION] * 16 and not slow.fine
+    # The link slows down: back to the default step, with the same sender state (basis).
+    kept = choice.outgoing("hidden", torch.randn(4, 32, 64)).state
+    choice, codecs = run("activation", 1 * MBIT, choice)
+    assert codecs[-4:] == [KLT_ACTIVATION] * 4 and not choice.fine
+    assert choice.outgoing("hidden", torch.randn(4, 32, 64)).state is kept
+
+
+def test_the_finer_klt_step_is_read_by_every_klt_decoder_and_errs_less() -> None:
+    x = torch.randn(4, 32, 64) * torch.linspace(0.1, 3.0, 64)
+    assert encoder(COMPACT, "activation", fine=True) is KLT_ACTIVATION_FINE
+    assert encoder(COMPACT, "gradient", fine=True) is not KLT_ACTIVATION_FINE
+    errors, sizes = [], []
+    for codec in (KLT_ACTIVATION, KLT_ACTIVATION_FINE):
+        params, payload = codec.encode(x, codec.new_state())
+        back = CODECS[COMPACT].decode(memoryview(payload), x.shape, x.dtype, params)
+        errors.append(float((back - x).square().mean()))
+        sizes.append(len(payload))
+    assert errors[1] < 0.6 * errors[0] and sizes[1] > sizes[0]
 
 
 def test_auto_without_a_measured_link_keeps_the_smallest_codec() -> None:

@@ -26,11 +26,14 @@ Environment knobs (all optional):
                   divided by sqrt of AdamW's second moment (the adaptive variant)
   FRESHBW=1       the delayed stages' backward runs at the current weights on the stale
                   forward's input (no weight stashing; activations recomputed)
+  COS=0.1         cosine learning-rate decay over the run, from lr to COS x lr (all stages;
+                  not with RAMP)
   TRACE=1         also print the training loss of every step
   SEED=0          model and data seed
 """
 
 import copy
+import math
 import os
 import sys
 
@@ -91,10 +94,22 @@ def predicted(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 dc, dca = float(env("DC", "0")), env("DCA") == "1"
+cos_floor = float(env("COS", "-1"))
+base_lrs = [g["lr"] for g in opt.param_groups]
+
+
+def lr_factor(step: int) -> float:
+    """The cosine schedule's multiplier at `step` (1 without COS)."""
+    if cos_floor < 0:
+        return 1.0
+    return cos_floor + (1 - cos_floor) * 0.5 * (1 + math.cos(math.pi * step / steps))
+
 ramp, fresh = int(env("RAMP", "0")), env("FRESHBW") == "1"
 history: list[list[dict[str, torch.Tensor]]] = []  # per step: the weights a delayed forward uses
 losses = []
 for step in range(steps):
+    for g, base in zip(opt.param_groups, base_lrs, strict=True):
+        g["lr"] = base * lr_factor(step)  # this step's update, and the prediction of it
     x, y = data.batch(step, 16)
     current = [copy.deepcopy(s.state_dict()) for s in stages]
     history.append([predicted(s) for s in stages] if predict else current)

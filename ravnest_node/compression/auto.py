@@ -16,6 +16,11 @@ cost per frame (the caller measures its own encode time; the peer's decode is ta
 coding time counts against the compute budget the way link time does, so a compact codec whose
 coder is slow on this machine loses to one that is larger but cheap.
 
+When klt is chosen for activations and even its finer step fits (`fine_fits`: FINE_GROWTH times
+its frames, with the hysteresis margin to move to it), the link has room for the finer step
+(transform.py, KLT_ACTIVATION_FINE): the most faithful klt that hides. On this bench's internet
+link (10 Mbit/s) it does; on mobile (2 Mbit/s), where even klt sets the pace, it does not.
+
 When the chosen codec is int4-block and even it does not fit, the link is the pipeline's
 bottleneck, and `auto` also packs its payloads with deflate (transport/frames.py): 1.1-1.4x
 fewer bytes for about 1.5 ms of one core per 74 kB frame, time the link would spend anyway
@@ -58,6 +63,9 @@ LINK_SHARE = 0.5
 """Share of the stage's compute time per microbatch that one tensor's transfer may take."""
 HYSTERESIS = 0.2
 """A more faithful codec than the current one must fit in (1 - HYSTERESIS) of the budget."""
+FINE_GROWTH = 1.35
+"""klt activation frames at the fine step over those at the default step: 1.30 measured on the
+internet link (14.2 against 10.9 KB a sample, docs/benchmarks.md), rounded up."""
 
 Sizes = Sequence[tuple[str, int]]
 """(codec name, payload bytes of one tensor) pairs, most faithful first."""
@@ -139,6 +147,25 @@ def choose_codec(
     if current in costs and costs[cheapest] > (1 - hysteresis) * costs[current]:
         return current
     return cheapest
+
+
+def fine_fits(
+    klt_bytes: int,
+    *,
+    bandwidth_bps: float,
+    compute_s: float,
+    coding_s: float = 0.0,
+    was: bool = False,
+    share: float = LINK_SHARE,
+    hysteresis: float = HYSTERESIS,
+) -> bool:
+    """Whether klt activations at the fine step (FINE_GROWTH times `klt_bytes`, a frame at the
+    default step, plus `coding_s`) fit in `share` of `compute_s` on a link of `bandwidth_bps`;
+    moving to it (not `was`) needs the `hysteresis` margin. ValueError for non-positive
+    measurements."""
+    _fits_s(0.0, bandwidth_bps, compute_s, share, 0.0)  # ValueError before a division by 0
+    cost_s = transfer_s(round(FINE_GROWTH * klt_bytes), bandwidth_bps) + coding_s
+    return _fits_s(cost_s, bandwidth_bps, compute_s, share, 0.0 if was else hysteresis)
 
 
 def link_bound(

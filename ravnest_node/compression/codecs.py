@@ -20,7 +20,12 @@ from ravnest_node.compression.aq import AQDelta
 from ravnest_node.compression.host import to_host
 from ravnest_node.compression.quant import BlockQuant, check_payload_size, int4_block, int8_block
 from ravnest_node.compression.sparse import TopK
-from ravnest_node.compression.transform import KLT_ACTIVATION, KLT_GRADIENT
+from ravnest_node.compression.transform import (
+    KLT,
+    KLT_ACTIVATION,
+    KLT_ACTIVATION_FINE,
+    KLT_GRADIENT,
+)
 from ravnest_node.errors import ConfigError, FrameError
 
 # The dtypes a frame may name, by wire name. Anything else is refused before allocation.
@@ -206,13 +211,14 @@ def get_codec(name: str) -> Codec:
 Role = Literal["activation", "gradient"]
 
 
-def encoder(name: str, role: Role, *, bottleneck: bool = False) -> Codec:
+def encoder(name: str, role: Role, *, bottleneck: bool = False, fine: bool = False) -> Codec:
     """The codec a sender uses for `name` in `role`: the registered one, or a variant that
     any decoder of that codec reads but that encodes better for the role (stochastic rounding
     for gradients, which keeps them unbiased). With `bottleneck` (a link that sets the
     pipeline's pace, where payloads are packed with deflate), int4-block takes fewer bytes:
     activations with one scale per BOTTLENECK_BLOCK elements, gradients with codes
-    -COARSE_CODES..COARSE_CODES only. ConfigError for an unknown name."""
+    -COARSE_CODES..COARSE_CODES only. With `fine` (a link with room for it), klt activations
+    take the finer step of KLT_ACTIVATION_FINE. ConfigError for an unknown name."""
     codec = get_codec(name)
     if role == "activation" and name in GRADIENT_ONLY:
         raise ConfigError(f"codec {name} is for gradients only; it would destroy activations")
@@ -220,6 +226,8 @@ def encoder(name: str, role: Role, *, bottleneck: bool = False) -> Codec:
         raise ConfigError(f"codec {name} is for activations only (it needs per-sample references)")
     if role == "gradient":
         variant = (_BOTTLENECK_GRADIENT if bottleneck else _GRADIENT_VARIANTS).get(name)
+    elif fine and codec is KLT_ACTIVATION:
+        variant = KLT_ACTIVATION_FINE
     else:
         variant = _BOTTLENECK_ACTIVATION.get(name) if bottleneck else None
     return variant if variant is not None else codec
@@ -250,9 +258,15 @@ _BOTTLENECK_GRADIENT: dict[str, Codec] = {
 }
 
 
+FINE_LABEL = ", fine step"
+"""How logs, tables and frame counts name klt activations at KLT_ACTIVATION_FINE's step."""
+
+
 def variant_label(codec: Codec) -> str:
-    """How an int4-block bottleneck variant differs from the registered codec ("" otherwise),
-    for logs and tables: ", codes -3..3" or ", block 256"."""
+    """How an int4-block bottleneck variant or klt's fine step differs from the registered
+    codec ("" otherwise), for logs and tables: ", codes -3..3", ", block 256", ", fine step"."""
+    if isinstance(codec, KLT):
+        return FINE_LABEL if codec is KLT_ACTIVATION_FINE else ""
     if not isinstance(codec, BlockQuant) or codec.name != "int4-block":
         return ""
     if codec.codes:

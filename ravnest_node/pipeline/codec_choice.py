@@ -15,7 +15,9 @@ candidates after the ladder (compression/auto.py, COMPACT): its size is the mean
 it made on this link (a prior before the first), and the time a frame takes to encode here,
 twice (the peer decodes it), counts against the budget, for every codec: `sent` measures both.
 klt's sender state (its learned basis) is kept when `auto` moves away from it and back, and its
-frames count from its tenth on (`_learning`).
+frames count from its tenth on (`_learning`). Where klt is chosen for activations and the link
+has room for its finer step (`fine_fits`), activations take it (frames counted as "klt, fine
+step"; their bytes enter klt's running mean divided by FINE_GROWTH, as the default step's).
 
 When int4-block is chosen and still does not fit (`link_bound`) and the peer unpacks deflate
 (its plan entry says so), the payloads are also packed with deflate;
@@ -42,12 +44,14 @@ from ravnest_node.compression.auto import (
     AUTO_LADDER,
     COMPACT,
     COMPACT_PRIOR_CODING_S_PER_ELEMENT,
+    FINE_GROWTH,
     choose_codec,
     compact_estimate,
+    fine_fits,
     link_bound,
     payload_sizes,
 )
-from ravnest_node.compression.codecs import Role, variant_label
+from ravnest_node.compression.codecs import FINE_LABEL, Role, variant_label
 from ravnest_node.compression.transform import CODER_COLUMNS, REFRESH_FIRST, KLTState
 from ravnest_node.transport.frames import Outgoing
 
@@ -103,6 +107,8 @@ class CodecChoice:
         unpacks it)."""
         self.deflated = 0
         """Frames that went deflated (`sent`)."""
+        self.fine = False
+        """Whether klt activations take the finer step (auto, a link with room for it)."""
         self._compute_s = compute_s
         self._every = max(1, every)
         self._kept: dict[str, object | None] = {}  # klt's sender state, kept across switches
@@ -116,8 +122,10 @@ class CodecChoice:
         """The codec the next frame is sent with."""
         return self._current[0].name
 
-    def _make(self, name: str, bottleneck: bool = False) -> tuple[Codec, object | None]:
-        codec = encoder(name, self.role, bottleneck=bottleneck)
+    def _make(
+        self, name: str, bottleneck: bool = False, fine: bool = False
+    ) -> tuple[Codec, object | None]:
+        codec = encoder(name, self.role, bottleneck=bottleneck, fine=fine)
         if name == COMPACT:
             return codec, self._kept.setdefault(name, codec.new_state())
         return codec, codec.new_state()
@@ -130,7 +138,8 @@ class CodecChoice:
         codec, state = self._current
         if isinstance(state, KLTState):  # what the peer decodes (its plan entry)
             state.columns = self.peer_klt_coder >= CODER_COLUMNS
-        self.frames = {**self.frames, codec.name: self.frames.get(codec.name, 0) + 1}
+        key = codec.name + (FINE_LABEL if self.fine else "")
+        self.frames = {**self.frames, key: self.frames.get(key, 0) + 1}
         return Outgoing(tensor_name, tensor, codec, state, deflate=self.deflate)
 
     def stateless(self, tensor_name: str, tensor: torch.Tensor) -> Outgoing:
@@ -151,8 +160,11 @@ class CodecChoice:
         self.deflated += packing == "deflate"
         name = self.name
         if nbytes is not None and not self._learning(name):
+            if self.fine:  # (klt's running mean is of frames at its default step)
+                nbytes = round(nbytes / FINE_GROWTH)
             self.frame_bytes = {**self.frame_bytes, name: _mean(self.frame_bytes.get(name), nbytes)}
-        if coding_s is not None and self.frames.get(name, 0) > 1:  # (the first holds set-up)
+        made = self.frames.get(name, 0) + self.frames.get(name + FINE_LABEL, 0)
+        if coding_s is not None and made > 1:  # (the first frame of a codec holds set-up)
             self.coding_s = {**self.coding_s, name: _mean(self.coding_s.get(name), coding_s)}
 
     def _decide(self, tensor: torch.Tensor) -> None:
@@ -172,12 +184,24 @@ class CodecChoice:
         sizes = list(self._sizes)
         if self.peer_decodes_klt:
             sizes.append(compact_estimate(self.role, tensor.shape, self.frame_bytes.get(COMPACT)))
+        coding = self._coding_estimates(tensor.numel())
         chosen = choose_codec(
             sizes,
             bandwidth_bps=self.bandwidth_bps,
             compute_s=estimate,
             current=self.name,
-            coding_s=self._coding_estimates(tensor.numel()),
+            coding_s=coding,
+        )
+        fine = (
+            self.role == "activation"
+            and chosen == COMPACT
+            and fine_fits(
+                dict(sizes)[COMPACT],
+                bandwidth_bps=self.bandwidth_bps,
+                compute_s=estimate,
+                coding_s=coding[COMPACT],
+                was=self.fine,
+            )
         )
         smallest = self._sizes[-1][1]  # int4-block's (sizes are in ladder order)
         deflate = (
@@ -188,10 +212,10 @@ class CodecChoice:
                 smallest, bandwidth_bps=self.bandwidth_bps, compute_s=estimate, was=self.deflate
             )
         )
-        if chosen != self.name or deflate != self.deflate:
+        if chosen != self.name or deflate != self.deflate or fine != self.fine:
             before = self._label()
-            self._current = self._make(chosen, bottleneck=deflate)
-            self.deflate = deflate
+            self._current = self._make(chosen, bottleneck=deflate, fine=fine)
+            self.deflate, self.fine = deflate, fine
             log.info(
                 "%s: codec %s -> %s (link %.1f Mbit/s, compute %.1f ms per microbatch)",
                 self.what,

@@ -68,11 +68,13 @@ class TrainConfig:
     multiple of batch_size; 0 = a fresh random window for every sample). aq-delta needs it."""
     codec: str = "auto"
     """Codec of activations and gradients: none, fp16, bf16, int8-block, int4-block, klt or
-    auto. auto (the default): each link picks none, bf16, int8-block or int4-block from its
-    measured bandwidth and the stage's compute time, so a fast link sends fp32 and a slow one
-    int4-block (docs/compression.md); int4-block: 4.5 bits per element, 0.2% loss at 40 steps of
-    bench-small; klt (transform coding in a learned basis): 17-22x fewer bytes than fp32 on
-    bench-small, for ~22 ms of CPU per microbatch."""
+    auto. auto (the default): each link picks none, bf16, int8-block, int4-block or (towards a
+    node that decodes it) klt from its measured bandwidth and the stage's compute time, so a
+    fast link sends fp32 and a slow one int4-block or klt, klt's activations at a finer step
+    where the link has room (docs/compression.md); int4-block: 4.5 bits per element, 0.2%
+    loss at 40 steps of bench-small; klt (transform coding in a learned basis): 17-22x fewer
+    bytes than fp32 on bench-small, for about 6 ms of one core per microbatch to encode and
+    decode."""
     activation_codec: str = ""
     """Codec for activations only (default: --codec); also aq-delta, aq-delta2, auto."""
     gradient_codec: str = ""
