@@ -52,7 +52,12 @@ from ravnest_node.compression.auto import (
     payload_sizes,
 )
 from ravnest_node.compression.codecs import FINE_LABEL, Role, variant_label
-from ravnest_node.compression.transform import CODER_COLUMNS, REFRESH_FIRST, KLTState
+from ravnest_node.compression.transform import (
+    CODER_COLUMNS,
+    KLT_ACTIVATION_FINE,
+    REFRESH_FIRST,
+    KLTState,
+)
 from ravnest_node.transport.frames import Outgoing
 
 log = logging.getLogger(__name__)
@@ -107,8 +112,6 @@ class CodecChoice:
         unpacks it)."""
         self.deflated = 0
         """Frames that went deflated (`sent`)."""
-        self.fine = False
-        """Whether klt activations take the finer step (auto, a link with room for it)."""
         self._compute_s = compute_s
         self._every = max(1, every)
         self._kept: dict[str, object | None] = {}  # klt's sender state, kept across switches
@@ -121,6 +124,11 @@ class CodecChoice:
     def name(self) -> str:
         """The codec the next frame is sent with."""
         return self._current[0].name
+
+    @property
+    def fine(self) -> bool:
+        """Whether klt activations take the finer step (auto, a link with room for it)."""
+        return self._current[0] is KLT_ACTIVATION_FINE
 
     def _make(
         self, name: str, bottleneck: bool = False, fine: bool = False
@@ -215,7 +223,7 @@ class CodecChoice:
         if chosen != self.name or deflate != self.deflate or fine != self.fine:
             before = self._label()
             self._current = self._make(chosen, bottleneck=deflate, fine=fine)
-            self.deflate, self.fine = deflate, fine
+            self.deflate = deflate
             log.info(
                 "%s: codec %s -> %s (link %.1f Mbit/s, compute %.1f ms per microbatch)",
                 self.what,

@@ -78,8 +78,8 @@ def ban(s: SwarmState, plan: pb.Plan, suspect: pb.StageAssignment, evidence: Ban
                 suspect.node_id, suspect.pipeline, suspect.index,
                 evidence.to_dict()["reason"], evidence.auditor)  # fmt: skip
     s.roster.leave(suspect.node_id)
+    # (lose() stores the record of faults, the ban in it.)
     lose(s, plan, [suspect], s.clock(), f"banned: {evidence.to_dict()['reason']}")
-    s.save_faults()
 
 
 def revoke(s: SwarmState, node_ids: frozenset[str], serial: int, blob: bytes) -> list[str]:
