@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ravnest_node.compression import encoder, get_codec, rans
+from ravnest_node.compression import encoder, get_codec, rans, transform
 from ravnest_node.compression.transform import (
     CODER_COLUMNS,
     FALLBACK_WIDTH,
@@ -301,6 +301,48 @@ def test_the_basis_is_learned_sent_once_and_then_named() -> None:
     assert torch.equal(bases.basis, state.basis)
     # In its basis a correlated tensor takes a fraction of the identity basis' bytes.
     assert sizes[-1] < 0.6 * sizes[0]
+
+
+def drifting(frame: int, frames: int, rows: int = 256, d: int = 64) -> torch.Tensor:
+    """Rows of a boundary that drifts as a model trains: their principal directions move from
+    one set to another over `frames` frames."""
+    g = torch.Generator().manual_seed(99)
+    start, end = torch.randn(6, d, generator=g), torch.randn(6, d, generator=g)
+    t = frame / frames
+    energy = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.25])
+    g = torch.Generator().manual_seed(frame)
+    z = torch.randn(rows, 6, generator=g) * energy
+    return z @ ((1 - t) * start + t * end) + 0.05 * torch.randn(rows, d, generator=g)
+
+
+def late_frames(frames: int = 192) -> tuple[float, list[int]]:
+    """(the mean payload of frames 128 on that carry no basis, the frames that carry one) of
+    an activation stream of `drifting` rows towards a peer that decodes columns."""
+    codec = get_codec("klt")
+    assert isinstance(codec, KLT)
+    state = codec.new_state()
+    state.columns = True
+    sizes, with_basis = [], []
+    for i in range(frames):
+        params, payload = codec.encode(drifting(i, frames), state)
+        if params["basis"] == 1:
+            with_basis.append(i)
+        elif i >= 128:
+            sizes.append(len(payload))
+    return sum(sizes) / len(sizes), with_basis
+
+
+def test_the_basis_follows_a_drifting_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A basis goes at least every REFRESH_MAX frames once the doubling reaches it, and on a
+    drifting stream the fresher basis codes the later frames smaller than the sender before
+    it did (an average of weight 0.9 and a basis every 128 frames), at the same step."""
+    now, sent = late_frames()
+    assert sent == [4, 8, 16, 32, 64, 96, 128, 160]
+    monkeypatch.setattr(transform, "EMA", 0.9)
+    monkeypatch.setattr(transform, "REFRESH_MAX", 128)
+    before, sent_before = late_frames()
+    assert sent_before == [4, 8, 16, 32, 64, 128]
+    assert now < 0.95 * before, (now, before)
 
 
 def test_a_frame_naming_a_basis_the_receiver_lacks_is_refused_and_changes_nothing() -> None:

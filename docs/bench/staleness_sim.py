@@ -28,6 +28,10 @@ Environment knobs (all optional):
                   forward's input (no weight stashing; activations recomputed)
   COS=0.1         cosine learning-rate decay over the run, from lr to COS x lr (all stages;
                   not with RAMP)
+  KLT=ag          the boundaries' activations (a) and/or gradients (g) go through the klt codec
+                  as a sender uses it for the role (a stream per boundary and direction, towards
+                  a peer that decodes columns), as frames would carry them; FINE=1: activations
+                  at klt's fine step
   TRACE=1         also print the training loss of every step
   SEED=0          model and data seed
 """
@@ -40,6 +44,8 @@ import sys
 import torch
 from sim_report import report
 
+from ravnest_node.compression import encoder, get_codec
+from ravnest_node.compression.transform import KLTBases
 from ravnest_node.data.stdlib_bytes import StdlibBytes
 from ravnest_node.models import get_model
 
@@ -105,6 +111,32 @@ def lr_factor(step: int) -> float:
     return cos_floor + (1 - cos_floor) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 ramp, fresh = int(env("RAMP", "0")), env("FRESHBW") == "1"
+klt_roles = env("KLT", "")
+klt_decoder = get_codec("klt")
+klt_streams = {}
+
+
+def through_klt(role: str, boundary: int, t: torch.Tensor) -> torch.Tensor:
+    """`t` as the receiver decodes it after klt (unchanged unless KLT names the role)."""
+    if role[0] not in klt_roles:
+        return t
+    if (role, boundary) not in klt_streams:
+        codec = encoder("klt", role, fine=role == "activation" and env("FINE") == "1")
+        state = codec.new_state()
+        state.columns = True
+        klt_streams[role, boundary] = (codec, state, KLTBases())
+    codec, state, bases = klt_streams[role, boundary]
+    out = []
+    for mb in t.detach().split(4):  # a frame per microbatch of 4, as the pipeline sends
+        params, payload = codec.encode(mb, state)
+        value, commit = klt_decoder.decode_stream(
+            bases, memoryview(payload), mb.shape, mb.dtype, params
+        )
+        commit()
+        out.append(value)
+    return torch.cat(out)
+
+
 history: list[list[dict[str, torch.Tensor]]] = []  # per step: the weights a delayed forward uses
 losses = []
 for step in range(steps):
@@ -128,7 +160,7 @@ for step in range(steps):
         ins.append(hin)
         outs.append(out)
         leaves.append(w)
-        h = out
+        h = through_klt("activation", i, out) if i < len(stages) - 1 else out
     loss = model.loss(h, y)
     gout = torch.autograd.grad(loss, [outs[-1]], retain_graph=True)[0]
     for i in reversed(range(len(stages))):
@@ -141,7 +173,7 @@ for step in range(steps):
         else:
             out = outs[i]
         out.backward(gout)
-        gout = ins[i].grad
+        gout = through_klt("gradient", i - 1, ins[i].grad) if i else None
     for i, stage in enumerate(stages):
         for name, p in stage.named_parameters():
             g = leaves[i][name].grad

@@ -26,7 +26,10 @@ small fraction of a bit.
 
 The basis is the sender's: it keeps an exponential average (weight 1 - EMA for the newest
 frame) of the rows' covariance and, after frames 4, 8, 16, ... REFRESH_MAX and then every
-REFRESH_MAX, takes its eigenvectors (largest first) and sends them in the next frame (basis=1);
+REFRESH_MAX, takes its eigenvectors (largest first) and sends them in the next frame (basis=1).
+Both are the sender's choice alone (a receiver decodes any schedule): a fresher basis
+decorrelates a training model's drifting boundary better than a rarer one saves on sending it
+(docs/compression.md, "How often the basis is sent");
 later frames name it (basis=2, by `id`), and the receiver keeps the last one per stream
 (`KLTBases`). Until the first basis, frames go in the identity basis (basis=0). A receiver that
 does not hold the basis a frame names refuses the frame (FrameError) rather than decode it
@@ -83,10 +86,10 @@ from ravnest_node.errors import FrameError
 
 MIN_DIM = 16
 MAX_DIM = 1024
-EMA = 0.9
+EMA = 0.8
 REFRESH_FIRST = 4
 REFRESH_GROWTH = 2
-REFRESH_MAX = 128
+REFRESH_MAX = 32
 MAX_ID = 2**31 - 1
 _PARAMS = ("basis", "id", "rows", "a", "packed", "coder")
 _PARAMS_COLUMNS = (*_PARAMS, "cols")
