@@ -24,16 +24,14 @@ import itertools
 import os
 import sys
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+from sim_klt import KLTStream
 from sim_report import report
 from subspace_codec import Subspace, SubspaceBases, SubspaceState
 
-from ravnest_node.compression import encoder
 from ravnest_node.compression.quant import BlockQuant
-from ravnest_node.compression.transform import KLT, KLTBases, KLTState
 from ravnest_node.data.stdlib_bytes import StdlibBytes
 from ravnest_node.models import get_model
 
@@ -42,15 +40,6 @@ env = os.environ.get
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 40
 block = int(env("BLOCK", "64"))
 alpha, rank, refresh = float(env("ALPHA", "0.5")), int(env("RANK", "32")), int(env("REFRESH", "8"))
-
-
-@dataclass
-class KLTStream:
-    """One boundary's stream of klt frames: the codec, the sender's state, the receiver's."""
-
-    codec: KLT
-    state: KLTState
-    bases: KLTBases
 
 
 Coder = BlockQuant | KLTStream | tuple[Subspace, SubspaceState, SubspaceBases] | None
@@ -63,10 +52,8 @@ def codec(bits: str, stochastic: bool, block: int = block) -> Coder:
         return sub, sub.new_state(), SubspaceBases()
     if bits == "none":
         return None
-    if bits == "klt":
-        klt = encoder("klt", "gradient" if stochastic else "activation")
-        assert isinstance(klt, KLT)
-        return KLTStream(klt, klt.new_state(), KLTBases())
+    if bits == "klt":  # (towards a peer of coder 1, as when this simulation was written)
+        return KLTStream.new("gradient" if stochastic else "activation", columns=False)
     coarse = {"3": 3, "5": 2, "6": 1}.get(bits, 0)  # codes -c..c in int4 payloads
     return BlockQuant("sim", 4 if coarse else int(bits), block, stochastic, codes=coarse)
 
@@ -86,10 +73,8 @@ def through(c: Coder, x: torch.Tensor, way: str) -> torch.Tensor:
         wire_bits[way] += 32 * x.numel()
         return x
     if isinstance(c, KLTStream):
-        params, payload = c.codec.encode(x, c.state)
-        wire_bits[way] += 8 * len(payload)
-        out, commit = c.codec.decode_stream(c.bases, memoryview(payload), x.shape, x.dtype, params)
-        commit()
+        out, _, nbytes = c.through(x)
+        wire_bits[way] += 8 * nbytes
         return out
     if isinstance(c, tuple):
         sub, state, bases = c

@@ -17,13 +17,15 @@ RMAX: the most frames between two bases once the doubling reaches it (`REFRESH_M
 default to the codec's own. Memory: about 8 MB a step kept (1.7 GB for 200 steps).
 """
 
+import itertools
 import os
 import sys
 
 import torch
+from sim_klt import KLTStream
 
 import ravnest_node.compression.transform as transform
-from ravnest_node.compression import encoder, get_codec
+from ravnest_node.compression.codecs import Role
 from ravnest_node.data.stdlib_bytes import StdlibBytes
 from ravnest_node.models import get_model
 
@@ -36,10 +38,10 @@ torch.manual_seed(seed)
 model = get_model("bench-small")
 blocks = model.build_blocks(seed)
 cuts = [0, 3, 5, 8]
-stages = [torch.nn.Sequential(*blocks[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+stages = [torch.nn.Sequential(*blocks[a:b]) for a, b in itertools.pairwise(cuts)]
 opt = torch.optim.AdamW([p for s in stages for p in s.parameters()], lr=3e-4, weight_decay=0.01)
 data = StdlibBytes(seq_len=model.input_spec(1).shape[1], seed=seed)
-streams: dict[tuple[str, int], list[torch.Tensor]] = {
+streams: dict[tuple[Role, int], list[torch.Tensor]] = {
     (role, b): [] for role in ("activation", "gradient") for b in (0, 1)
 }
 for step in range(steps):
@@ -59,23 +61,20 @@ for step in range(steps):
     opt.step()
     opt.zero_grad()
 
-decoder = get_codec("klt")
 total, warm = 0, 0
 print(f"{steps} steps, seed {seed}, EMA {transform.EMA}, REFRESH_MAX {transform.REFRESH_MAX}")
 for (role, b), frames in streams.items():
-    codec = encoder("klt", role)
-    state, bases = codec.new_state(), transform.KLTBases()
-    state.columns = True
+    stream = KLTStream.new(role)
     sizes, errors, with_basis = [], [], []
     for i, t in enumerate(frames):
-        params, payload = codec.encode(t, state)
-        value, commit = decoder.decode_stream(bases, memoryview(payload), t.shape, t.dtype, params)
-        commit()
-        sizes.append(len(payload))
+        value, params, nbytes = stream.through(t)
+        sizes.append(nbytes)
         errors.append(float((value - t).norm() / t.norm()))
         if params["basis"] == 1:
             with_basis.append(i)
     total, warm = total + sum(sizes), warm + sum(sizes[:80])
-    print(f"{role} {b}: {sum(sizes) / 1e3:.0f} KB (first 80 frames {sum(sizes[:80]) / 1e3:.0f}),"
-          f" relative error {sum(errors) / len(errors):.4f}, bases with frames {with_basis}")
+    print(
+        f"{role} {b}: {sum(sizes) / 1e3:.0f} KB (first 80 frames {sum(sizes[:80]) / 1e3:.0f}),"
+        f" relative error {sum(errors) / len(errors):.4f}, bases with frames {with_basis}"
+    )
 print(f"all four streams: {total / 1e3:.0f} KB (first 80 frames of each: {warm / 1e3:.0f})")

@@ -42,10 +42,10 @@ import os
 import sys
 
 import torch
+from sim_klt import KLTStream
 from sim_report import report
 
-from ravnest_node.compression import encoder, get_codec
-from ravnest_node.compression.transform import KLTBases
+from ravnest_node.compression.codecs import Role
 from ravnest_node.data.stdlib_bytes import StdlibBytes
 from ravnest_node.models import get_model
 
@@ -112,29 +112,19 @@ def lr_factor(step: int) -> float:
 
 ramp, fresh = int(env("RAMP", "0")), env("FRESHBW") == "1"
 klt_roles = env("KLT", "")
-klt_decoder = get_codec("klt")
-klt_streams = {}
+klt_streams: dict[tuple[Role, int], KLTStream] = {}
 
 
-def through_klt(role: str, boundary: int, t: torch.Tensor) -> torch.Tensor:
+def through_klt(role: Role, boundary: int, t: torch.Tensor) -> torch.Tensor:
     """`t` as the receiver decodes it after klt (unchanged unless KLT names the role)."""
     if role[0] not in klt_roles:
         return t
-    if (role, boundary) not in klt_streams:
-        codec = encoder("klt", role, fine=role == "activation" and env("FINE") == "1")
-        state = codec.new_state()
-        state.columns = True
-        klt_streams[role, boundary] = (codec, state, KLTBases())
-    codec, state, bases = klt_streams[role, boundary]
-    out = []
-    for mb in t.detach().split(4):  # a frame per microbatch of 4, as the pipeline sends
-        params, payload = codec.encode(mb, state)
-        value, commit = klt_decoder.decode_stream(
-            bases, memoryview(payload), mb.shape, mb.dtype, params
-        )
-        commit()
-        out.append(value)
-    return torch.cat(out)
+    stream = klt_streams.get((role, boundary))
+    if stream is None:
+        fine = role == "activation" and env("FINE") == "1"
+        stream = klt_streams[role, boundary] = KLTStream.new(role, fine=fine)
+    # A frame per microbatch of 4, as the pipeline sends.
+    return torch.cat([stream.through(mb)[0] for mb in t.detach().split(4)])
 
 
 history: list[list[dict[str, torch.Tensor]]] = []  # per step: the weights a delayed forward uses

@@ -52,8 +52,8 @@ from math import prod
 
 import torch
 
+from ravnest_node.compression.host import random_generator
 from ravnest_node.compression.quant import (
-    _new_generator,
     check_params,
     checked_numel,
     flat_float32,
@@ -177,7 +177,7 @@ class Subspace:
         return dtype.is_floating_point
 
     def new_state(self) -> SubspaceState:
-        return SubspaceState(generator=_new_generator() if self.stochastic else None)
+        return SubspaceState(generator=random_generator() if self.stochastic else None)
 
     def rank_for(self, shape: Sequence[int]) -> int:
         """The rank this sender uses for a tensor of `shape` (0: residual codes only)."""
