@@ -9,17 +9,16 @@ the cheapest one when none fits:
     pick the first codec of the ladder with cost <= LINK_SHARE * compute_s_per_microbatch,
     else the codec of least cost
 
-The ladder is AUTO_LADDER (sizes known from the shape: `payload_sizes`) and, towards a peer
-that decodes it, COMPACT (klt, whose size depends on the values: `compact_estimate`, from the
-frames it made on this link or a prior). `coding_s` is what encoding and the peer's decoding
-cost per frame (the caller measures its own encode time; the peer's decode is taken as equal):
-coding time counts against the compute budget the way link time does, so a compact codec whose
-coder is slow on this machine loses to one that is larger but cheap.
-
-When klt is chosen for activations and even its finer step fits (`fine_fits`: FINE_GROWTH times
-its frames, with the hysteresis margin to move to it), the link has room for the finer step
-(transform.py, KLT_ACTIVATION_FINE): the most faithful klt that hides. On this bench's internet
-link (10 Mbit/s) it does; on mobile (2 Mbit/s), where even klt sets the pace, it does not.
+The ladder is AUTO_LADDER (sizes known from the shape: `payload_sizes`). Towards a peer that
+decodes klt, klt joins it (compression/auto.py, COMPACT; its size depends on the values:
+`compact_estimate`, from the frames it made on this link or a prior), ranked by how much each
+codec errs (`ranked`): klt at its finer step (activations, transform.py KLT_ACTIVATION_FINE)
+errs less than int4-block in a third of its bytes, and klt's gradients do too, so int4-block
+comes after them and is taken only where klt's coding does not fit. `coding_s` is what encoding
+and the peer's decoding cost per frame (the caller measures its own encode time; the peer's
+decode is taken as equal): coding time counts against the compute budget the way link time
+does, so a compact codec whose coder is slow on this machine loses to one that is larger but
+cheap.
 
 When the chosen codec is int4-block and even it does not fit, the link is the pipeline's
 bottleneck, and `auto` also packs its payloads with deflate (transport/frames.py): 1.1-1.4x
@@ -44,14 +43,19 @@ from math import prod
 
 import torch
 
-from ravnest_node.compression.codecs import Role, encoder
+from ravnest_node.compression.codecs import FINE_LABEL, Role, encoder
 
 AUTO = "auto"
 """The setting that lets each link choose its codec (never a wire codec)."""
 AUTO_LADDER: tuple[str, ...] = ("none", "bf16", "int8-block", "int4-block")
 """What `auto` chooses from, most faithful first (32, 16, 8.06 and 4.5 bits per element)."""
+DEFLATES = AUTO_LADDER[-1]
+"""The ladder's smallest codec (int4-block): the one whose payloads deflate packs on a
+bottleneck link, and the one klt's ranks around (`ranked`)."""
 COMPACT = "klt"
 """The most compact codec, after the ladder, towards a peer that decodes it."""
+FINE = COMPACT + FINE_LABEL
+"""klt activations at the finer step, as `ranked` and `choose_codec` name that candidate."""
 COMPACT_PRIOR_BITS: dict[str, float] = {"activation": 2.0, "gradient": 3.0}
 """Bits per element klt is assumed to take before a frame of it was measured on the link: above
 what it took on bench-small's boundaries (1.1-1.5 for activations, 1.8-2.2 for gradients,
@@ -149,23 +153,20 @@ def choose_codec(
     return cheapest
 
 
-def fine_fits(
-    klt_bytes: int,
-    *,
-    bandwidth_bps: float,
-    compute_s: float,
-    coding_s: float = 0.0,
-    was: bool = False,
-    share: float = LINK_SHARE,
-    hysteresis: float = HYSTERESIS,
-) -> bool:
-    """Whether klt activations at the fine step (FINE_GROWTH times `klt_bytes`, a frame at the
-    default step, plus `coding_s`) fit in `share` of `compute_s` on a link of `bandwidth_bps`;
-    moving to it (not `was`) needs the `hysteresis` margin. ValueError for non-positive
-    measurements."""
-    _fits_s(0.0, bandwidth_bps, compute_s, share, 0.0)  # ValueError before a division by 0
-    cost_s = transfer_s(round(FINE_GROWTH * klt_bytes), bandwidth_bps) + coding_s
-    return _fits_s(cost_s, bandwidth_bps, compute_s, share, 0.0 if was else hysteresis)
+def ranked(role: Role, ladder: Sizes, klt_bytes: int) -> list[tuple[str, int]]:
+    """The candidates towards a peer that decodes klt, most faithful first: the `ladder`'s
+    (payload_sizes) with klt's frames of `klt_bytes` (at its default step) ranked among them by
+    relative error ||x' - x|| / ||x||, as measured on bench-small's four boundary streams
+    (docs/bench/codec_error.py, 60 steps, frames 9-240; docs/compression.md, "Which codec errs
+    least"): int8-block 0.007-0.011; activations: klt at the finer step 0.085-0.092
+    (FINE_GROWTH times its bytes), int4-block 0.099-0.104, klt 0.109-0.122; gradients: klt
+    0.106-0.124, int4-block (stochastic) 0.149-0.151. So int4-block is taken only where klt's
+    coding leaves it the one that fits."""
+    head = [(name, n) for name, n in ladder if name != DEFLATES]
+    int4 = [(name, n) for name, n in ladder if name == DEFLATES]
+    if role == "activation":
+        return [*head, (FINE, round(FINE_GROWTH * klt_bytes)), *int4, (COMPACT, klt_bytes)]
+    return [*head, (COMPACT, klt_bytes), *int4]
 
 
 def link_bound(

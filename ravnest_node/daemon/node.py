@@ -383,15 +383,16 @@ class NodeDaemon:
         self._write_ready()
         return True
 
-    async def _admit_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
+    async def _admit_probe(self, peer_node_id: str, epoch: int, nbytes: int, done: bool) -> None:
         """Link probes: under epoch 0 a member measuring its link to this coordinator or this
-        node; under a plan's epoch, a neighbour of this node's stage. Refusal otherwise."""
+        node; under a plan's epoch, a neighbour of this node's stage; one prober at a time
+        (`done`: the probe that ends a measurement). Refusal otherwise."""
         service = self.leadership.service
         if epoch == 0 and service is not None:
-            service.admit_probe(peer_node_id, nbytes)
+            service.admit_probe(peer_node_id, nbytes, done=done)
             return
         assert self._worker is not None
-        await self._worker.admit_probe(peer_node_id, epoch, nbytes)
+        await self._worker.admit_probe(peer_node_id, epoch, nbytes, done=done)
 
     def _coordinator_service(self, epoch: int) -> CoordinatorService:
         cfg = self.config

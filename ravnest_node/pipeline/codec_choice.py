@@ -11,13 +11,14 @@ stage starts with the smallest codec of the ladder (nothing is known yet), and r
   skipped, so the first decision comes at frame 2 x `every`.
 
 Towards a peer that decodes klt (its plan entry says so; an older node does not), klt joins the
-candidates after the ladder (compression/auto.py, COMPACT): its size is the mean of the frames
-it made on this link (a prior before the first), and the time a frame takes to encode here,
-twice (the peer decodes it), counts against the budget, for every codec: `sent` measures both.
-klt's sender state (its learned basis) is kept when `auto` moves away from it and back, and its
-frames count from its tenth on (`_learning`). Where klt is chosen for activations and the link
-has room for its finer step (`fine_fits`), activations take it (frames counted as "klt, fine
-step"; their bytes enter klt's running mean divided by FINE_GROWTH, as the default step's).
+candidates, ranked among the ladder's by how much each errs (compression/auto.py, `ranked`:
+klt's activations at the finer step, then int4-block, then klt's default step; klt's gradients
+before int4-block): its size is the mean of the frames it made on this link (a prior before the
+first), and the time a frame takes to encode here, twice (the peer decodes it), counts against
+the budget, for every codec: `sent` measures both. klt's sender state (its learned basis) is
+kept when `auto` moves away from it and back, and its frames count from its tenth on
+(`_learning`). Activations at the finer step are counted as "klt, fine step"; their bytes enter
+klt's running mean divided by FINE_GROWTH, as the default step's.
 
 When int4-block is chosen and still does not fit (`link_bound`) and the peer unpacks deflate
 (its plan entry says so), the payloads are also packed with deflate;
@@ -44,12 +45,15 @@ from ravnest_node.compression.auto import (
     AUTO_LADDER,
     COMPACT,
     COMPACT_PRIOR_CODING_S_PER_ELEMENT,
+    DEFLATES,
+    FINE,
     FINE_GROWTH,
+    LINK_SHARE,
     choose_codec,
     compact_estimate,
-    fine_fits,
     link_bound,
     payload_sizes,
+    ranked,
 )
 from ravnest_node.compression.codecs import FINE_LABEL, Role, variant_label
 from ravnest_node.compression.transform import (
@@ -66,8 +70,6 @@ SMOOTHING = 0.5
 """Weight of the newest compute-time estimate against the previous one."""
 FRAME_SMOOTHING = 0.1
 """Weight of the newest frame in the running means of a codec's frame bytes and coding time."""
-DEFLATES = AUTO_LADDER[-1]
-"""The codec whose payloads deflate packs on a bottleneck link (int4-block)."""
 
 
 class CodecChoice:
@@ -93,6 +95,9 @@ class CodecChoice:
         self.what = what
         self.bandwidth_bps: float | None = None
         """The link's measured bandwidth (set by the worker before the first frame)."""
+        self.share = LINK_SHARE
+        """Share of the compute time per microbatch this link's tensor may take (auto.py);
+        the worker divides LINK_SHARE among the links that leave from this node's uplink."""
         self.compute_per_microbatch_s: float | None = None
         self.frames: dict[str, int] = {}
         """Frames sent per codec (replaced, never mutated: safe to read from another thread)."""
@@ -191,33 +196,30 @@ class CodecChoice:
             return
         sizes = list(self._sizes)
         if self.peer_decodes_klt:
-            sizes.append(compact_estimate(self.role, tensor.shape, self.frame_bytes.get(COMPACT)))
+            _, klt_bytes = compact_estimate(self.role, tensor.shape, self.frame_bytes.get(COMPACT))
+            sizes = ranked(self.role, sizes, klt_bytes)
         coding = self._coding_estimates(tensor.numel())
+        coding[FINE] = coding[COMPACT]
         chosen = choose_codec(
             sizes,
             bandwidth_bps=self.bandwidth_bps,
             compute_s=estimate,
-            current=self.name,
+            current=FINE if self.fine else self.name,
+            share=self.share,
             coding_s=coding,
         )
-        fine = (
-            self.role == "activation"
-            and chosen == COMPACT
-            and fine_fits(
-                dict(sizes)[COMPACT],
-                bandwidth_bps=self.bandwidth_bps,
-                compute_s=estimate,
-                coding_s=coding[COMPACT],
-                was=self.fine,
-            )
-        )
+        fine, chosen = chosen == FINE, COMPACT if chosen == FINE else chosen
         smallest = self._sizes[-1][1]  # int4-block's (sizes are in ladder order)
         deflate = (
             self.packs
             and self.peer_unpacks_deflate
             and chosen == DEFLATES
             and link_bound(
-                smallest, bandwidth_bps=self.bandwidth_bps, compute_s=estimate, was=self.deflate
+                smallest,
+                bandwidth_bps=self.bandwidth_bps,
+                compute_s=estimate,
+                was=self.deflate,
+                share=self.share,
             )
         )
         if chosen != self.name or deflate != self.deflate or fine != self.fine:

@@ -8,18 +8,26 @@ bytes, the answer is empty. A *pulled* probe measures the other direction: its r
 and asks, in the metadata (`PULL_KEY`), for an answer of N filler bytes.
 
 `measure_link` sends a few empty probes (their fastest is the RTT), then probes of growing size
-(64 KiB, doubling) until one takes `target_s` (100 ms) beyond the RTT or reaches `max_bytes`,
-and estimates bandwidth = bytes of the last probe / (its duration - RTT). Growing sizes keep the
-traffic small on a slow link (a 10 Mbit/s link stops at 128 KiB) and give HTTP/2's window time
-to open on a fast one (loopback stops at 1 MiB, ~2 MiB sent in all). Pushed probe bytes are
+(32 KiB, doubling), at least two, until one takes `target_s` (100 ms) beyond the RTT or reaches
+`max_bytes`, and estimates bandwidth from the last two: (bytes of the last - bytes of the one
+before) / (duration of the last - duration of the one before). What both paid alike cancels:
+the round trip, the call's own costs, and a burst that a shaped link lets pass at once (a
+token bucket: the bench's 10 Mbit/s link passes 64 KiB at wire speed, and one probe's bytes over
+its time beyond the RTT read it as 12.2 Mbit/s). Where the two are too close in time to tell
+(`MIN_SPREAD`, a fast link whose probes reach `max_bytes` first), the last probe's bytes over
+its time beyond the RTT stand. Growing sizes keep the traffic small on a slow link (a 10 Mbit/s
+link stops at 256 KiB, 480 KiB sent; 2 Mbit/s at 64 KiB) and give HTTP/2's window time to open
+on a fast one (loopback stops at 1 MiB, ~2 MiB sent in all). Pushed probe bytes are
 bytes on the wire: the prober counts them in its link counters like frames, and the probed
 node counts a pulled probe's answer in its own.
 
 The server half (`check`, given by the node) refuses a probe (either way) larger than
 `MAX_PROBE_BYTES`; under a plan's epoch, one from a node that is not a neighbour of this stage;
-under epoch 0, one from a node that is not a member measuring its links, or from a second
-prober while another measures (`ProbeTurns`); and one beyond a per-peer byte budget, which
-counts both directions.
+under epoch 0, one from a node that is not a member measuring its links; one from a second
+prober while another measures (`ProbeTurns`, under any epoch: two probers would share this
+node's link and each read a part of it); and one beyond a per-peer byte budget, which counts
+both directions. A measurement ends with an empty probe marked `DONE_KEY` (`end_measurement`),
+which passes the turn on.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ METHOD = "Probe"
 PATH = f"/{SERVICE}/{METHOD}"
 PULL_KEY = "ravnest-probe-pull-bytes"
 """Metadata of a pulled probe: the size of the answer it asks for."""
+DONE_KEY = "ravnest-probe-done"
+"""Metadata of the empty probe that ends a measurement ("1"): the probed node's turn passes at
+once (`ProbeTurns.release`) rather than after its hold. A node that does not know it takes the
+probe as an ordinary empty one."""
 MAX_PROBE_BYTES = 4 << 20
 """Largest probe request a node accepts."""
 DEFAULT_PROBE_BYTES = 1 << 20
@@ -62,7 +74,7 @@ class ProbePlan:
 
     rtt_probes: int = 3
     """Empty probes sent first; the fastest is taken as the round-trip time."""
-    first_bytes: int = 64 << 10
+    first_bytes: int = 32 << 10
     """Size of the first sized probe; each next one doubles."""
     max_bytes: int = DEFAULT_PROBE_BYTES
     """Largest probe; the measurement stops after a probe of this size."""
@@ -122,6 +134,19 @@ class ProbeTurns:
         self._holder = ""
         self._last = -math.inf
 
+    def admit(self, peer: str, *, done: bool = False) -> None:
+        """A probe from `peer` takes (or keeps) the turn (`take`); the one that ends its
+        measurement (`done`) passes it on (`release`)."""
+        if done:
+            self.release(peer)
+        else:
+            self.take(peer)
+
+    def release(self, peer: str) -> None:
+        """`peer`'s measurement has ended: the next prober need not wait out the hold."""
+        if peer == self._holder:
+            self._last = -math.inf
+
     def take(self, peer: str) -> None:
         now = self._clock()
         if peer != self._holder and now - self._last < self._hold_s:
@@ -147,18 +172,36 @@ async def measure_link(
         return clock() - started
 
     rtt_s = min([await timed(0) for _ in range(plan.rtt_probes)])
-    size, sent = plan.first_bytes, 0
+    size, sent, probes = plan.first_bytes, 0, []
     while True:
         elapsed_s = await timed(size)
         sent += size
-        if elapsed_s - rtt_s >= plan.target_s or size >= plan.max_bytes:
+        probes.append((size, elapsed_s))
+        if (elapsed_s - rtt_s >= plan.target_s and len(probes) > 1) or size >= plan.max_bytes:
             break
         size = min(2 * size, plan.max_bytes)
     return LinkEstimate(
         rtt_s=rtt_s,
-        bandwidth_bps=estimate_bandwidth_bps(size, elapsed_s, rtt_s),
+        bandwidth_bps=bandwidth_of(probes, rtt_s, plan.target_s),
         probe_bytes=sent,
     )
+
+
+MIN_SPREAD = 0.25
+"""The last two probes' durations must differ by this share of the plan's `target_s` for their
+difference to give the bandwidth (below it, timer noise would dominate)."""
+
+
+def bandwidth_of(probes: list[tuple[int, float]], rtt_s: float, target_s: float) -> float:
+    """Bits per second from sized probes [(bytes, seconds)], in the order sent: from the
+    difference of the last two (see the module doc) where they differ in size and by
+    MIN_SPREAD x `target_s` in time, else from the last one alone."""
+    if len(probes) > 1:
+        (size_a, elapsed_a), (size_b, elapsed_b) = probes[-2:]
+        if size_b > size_a and elapsed_b - elapsed_a >= MIN_SPREAD * target_s:
+            return (size_b - size_a) * 8 / (elapsed_b - elapsed_a)
+    size, elapsed_s = probes[-1]
+    return estimate_bandwidth_bps(size, elapsed_s, rtt_s)
 
 
 def probe_sender(
@@ -202,9 +245,21 @@ def probe_sender(
     return send
 
 
-Admit = Callable[[str, int, int], Awaitable[None]]
-"""admit(peer_node_id, epoch, nbytes): returns if that peer may probe with that many bytes now,
-raises Refusal otherwise."""
+async def end_measurement(
+    channel: grpc.aio.Channel, *, peer: str, node_id: str, epoch: int, timeout_s: float
+) -> None:
+    """Tell `peer` this node's measurement of it has ended (an empty probe marked DONE_KEY), so
+    that the next prober's turn comes at once. PeerUnavailable / PeerRefused if it fails."""
+    metadata = ((NODE_ID_KEY, node_id), (EPOCH_KEY, str(epoch)), (DONE_KEY, "1"))
+    try:
+        await channel.unary_unary(PATH)(b"", metadata=metadata, timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise peer_error(exc, f"end of the measurement of {peer}") from None
+
+
+Admit = Callable[[str, int, int, bool], Awaitable[None]]
+"""admit(peer_node_id, epoch, nbytes, done): returns if that peer may probe with that many bytes
+now (`done`: the empty probe that ends its measurement), raises Refusal otherwise."""
 
 
 class ProbeServer:
@@ -234,6 +289,10 @@ class ProbeServer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{PULL_KEY} must be a byte count, on an empty probe")  # fmt: skip
         assert pull is not None
+        done = _done(context)
+        if done and (request or pull):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{DONE_KEY} ends a measurement with an empty probe")  # fmt: skip
         size = max(len(request), pull)
         if size > MAX_PROBE_BYTES:
             await context.abort(
@@ -241,12 +300,17 @@ class ProbeServer:
                 f"probe of {size} bytes exceeds the limit of {MAX_PROBE_BYTES}",
             )
         try:
-            await self._admit(peer_id, epoch, size)
+            await self._admit(peer_id, epoch, size, done)
         except Refusal as refusal:
             await context.abort(refusal.code, refusal.reason)
         if pull and self._counters is not None:
             self._counters.add(peer_id, pull)
         return bytes(pull)
+
+
+def _done(context: Any) -> bool:
+    """Whether the probe ends its sender's measurement (DONE_KEY)."""
+    return any(key == DONE_KEY for key, _ in context.invocation_metadata() or ())
 
 
 def pulled_bytes(context: Any) -> int | None:

@@ -234,10 +234,11 @@ class Roster:
         since = self._measuring.get(node_id, 0.0)
         return since if since and self._clock() - since < MEASURING_S else 0.0
 
-    def admit_probe(self, node_id: str, nbytes: int) -> None:
+    def admit_probe(self, node_id: str, nbytes: int, *, done: bool = False) -> None:
         """A member measures its link to this coordinator (link probes under epoch 0): only a
         member that is measuring (between its first Join and its capabilities), within
-        PROBE_BUDGET_BYTES each time it measures; Refusal otherwise."""
+        PROBE_BUDGET_BYTES each time it measures, one at a time (`done`: the probe that ends
+        its measurement passes the turn on); Refusal otherwise."""
         if not self.measuring_since(node_id) or not self.is_member(node_id):
             raise Refusal(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -247,5 +248,5 @@ class Roster:
         if total > PROBE_BUDGET_BYTES:
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{node_id} has sent {PROBE_BUDGET_BYTES} bytes of probes")  # fmt: skip
-        self._probe_turns.take(node_id)
+        self._probe_turns.admit(node_id, done=done)
         self._probe_bytes[node_id] = total

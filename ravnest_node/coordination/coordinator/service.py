@@ -159,11 +159,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         (a pending plan's): the plans it makes start above it."""
         recovery.take_over(self._state, plan, lost, term, known_epoch)
 
-    def admit_probe(self, node_id: str, nbytes: int) -> None:
+    def admit_probe(self, node_id: str, nbytes: int, *, done: bool = False) -> None:
         """A member measures its link to this coordinator (link probes under epoch 0): only a
         member that is measuring (between its first Join and its capabilities), within
-        PROBE_BUDGET_BYTES each time it measures; Refusal otherwise."""
-        self._state.roster.admit_probe(node_id, nbytes)
+        PROBE_BUDGET_BYTES each time it measures; Refusal otherwise (Roster.admit_probe)."""
+        self._state.roster.admit_probe(node_id, nbytes, done=done)
 
     def relay_offers(self) -> list[pb.RelayOffer]:
         """Relays a node behind NAT may use: this coordinator's own, then those members serve

@@ -119,6 +119,9 @@ class Session:
     """Where the upstream stage's node listens ("" if it is reached through a relay)."""
     probe_bytes: dict[str, int] = field(default_factory=dict)
     """Probe bytes received per neighbour under this plan (bounded by PROBE_BUDGET_BYTES)."""
+    probe_turns: ProbeTurns = field(default_factory=ProbeTurns)
+    """One neighbour measures its link to this node at a time: two at once would share this
+    node's downlink, and each would read a part of it."""
     opens_upstream: bool = False
     """This stage opens its upstream stream itself (BoundaryBack: this node is behind NAT and
     its upstream's is not); a forward Boundary from upstream is refused."""
@@ -159,8 +162,9 @@ class MemberProbes:
         """Probe bytes each member has sent per measuring (node id, measuring_since)."""
         self._turns = ProbeTurns()
 
-    async def admit(self, peer_node_id: str, nbytes: int) -> None:
-        """Admit `nbytes` of probes from `peer_node_id`; Refusal otherwise."""
+    async def admit(self, peer_node_id: str, nbytes: int, *, done: bool = False) -> None:
+        """Admit `nbytes` of probes from `peer_node_id` (`done`: the probe that ends its
+        measurement); Refusal otherwise."""
         if not valid_node_id(peer_node_id):
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED, "probe without a valid node id")
         since = await self._measuring_since(peer_node_id)
@@ -174,7 +178,7 @@ class MemberProbes:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{peer_node_id} has sent {PROBE_BUDGET_BYTES} bytes of probes",
             )
-        self._turns.take(peer_node_id)
+        self._turns.admit(peer_node_id, done=done)
         self._bytes[key] = total
 
     async def _measuring_since(self, node_id: str) -> float | None:
@@ -504,13 +508,16 @@ class Sessions:
                 slot.ended.add_done_callback(_retrieve)
 
     # ----- probes -----------------------------------------------------------------------------
-    async def admit_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
+    async def admit_probe(
+        self, peer_node_id: str, epoch: int, nbytes: int, *, done: bool = False
+    ) -> None:
         """Called by the gRPC server for each link probe: only the plan's neighbours of this
-        stage may probe, under the current epoch, within PROBE_BUDGET_BYTES each; Refusal
-        otherwise. Waits for the plan like `open_session`. Under epoch 0 (before a plan, or a
-        newcomer measuring its links), any member measuring its links may (`MemberProbes`)."""
+        stage may probe, under the current epoch, within PROBE_BUDGET_BYTES each, one at a time
+        (`done`: the probe that ends a measurement passes the turn on); Refusal otherwise.
+        Waits for the plan like `open_session`. Under epoch 0 (before a plan, or a newcomer
+        measuring its links), any member measuring its links may (`MemberProbes`)."""
         if epoch == 0:
-            await self._members.admit(peer_node_id, nbytes)
+            await self._members.admit(peer_node_id, nbytes, done=done)
             return
         session = await self._session_at(epoch, "probe")
         if not peer_node_id or peer_node_id not in (
@@ -527,6 +534,7 @@ class Sessions:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{peer_node_id} has sent {PROBE_BUDGET_BYTES} bytes of probes under this plan",
             )
+        session.probe_turns.admit(peer_node_id, done=done)
         session.probe_bytes[peer_node_id] = total
 
     # ----- the end ----------------------------------------------------------------------------

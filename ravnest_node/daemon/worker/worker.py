@@ -551,9 +551,11 @@ class Worker:
         """The next stage, behind NAT, opens BoundaryBack (Sessions.dial_in)."""
         return await self._sessions.dial_in(peer_node_id, epoch)
 
-    async def admit_probe(self, peer_node_id: str, epoch: int, nbytes: int) -> None:
+    async def admit_probe(
+        self, peer_node_id: str, epoch: int, nbytes: int, *, done: bool = False
+    ) -> None:
         """Admit a link probe, or Refusal (Sessions.admit_probe)."""
-        await self._sessions.admit_probe(peer_node_id, epoch, nbytes)
+        await self._sessions.admit_probe(peer_node_id, epoch, nbytes, done=done)
 
     def fetch_block(self, request: pb.BlockRequest) -> AsyncIterator[pb.BlockChunk]:
         """Node.FetchBlock: a block this node kept when its last plan ended (Handover.serve);
