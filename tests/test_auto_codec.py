@@ -433,6 +433,13 @@ async def test_a_node_measures_its_links_one_at_a_time_and_shares_its_uplink_amo
     end = [link("down", "activation")]
     await meter.codecs(1, end)
     assert end[0][1].share == LINK_SHARE
+    # A neighbour not to be probed (behind NAT) still takes its part of the uplink.
+    order.clear()
+    behind_nat = [link("down", "activation"), (None, link("up", "gradient")[1], 0.0)]
+    await meter.codecs(1, behind_nat)
+    assert order == [("start", "down"), ("end", "down")]
+    assert [c.share for _, c, _ in behind_nat] == [LINK_SHARE / 2] * 2
+    assert behind_nat[1][1].bandwidth_bps is None
 
 
 def test_a_smaller_share_of_the_budget_takes_a_lighter_codec() -> None:

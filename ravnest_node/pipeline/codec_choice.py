@@ -199,7 +199,6 @@ class CodecChoice:
             _, klt_bytes = compact_estimate(self.role, tensor.shape, self.frame_bytes.get(COMPACT))
             sizes = ranked(self.role, sizes, klt_bytes)
         coding = self._coding_estimates(tensor.numel())
-        coding[FINE] = coding[COMPACT]
         chosen = choose_codec(
             sizes,
             bandwidth_bps=self.bandwidth_bps,
@@ -245,9 +244,11 @@ class CodecChoice:
 
     def _coding_estimates(self, numel: int) -> dict[str, float]:
         """Seconds each codec's frame costs to encode here and decode at the peer (twice the
-        measured encode time; klt's prior before its first frame)."""
+        measured encode time; klt's prior before its first frame; klt's at the finer step as
+        klt's)."""
         coding = {name: 2 * s for name, s in self.coding_s.items()}
         coding.setdefault(COMPACT, 2 * numel * COMPACT_PRIOR_CODING_S_PER_ELEMENT)
+        coding[FINE] = coding[COMPACT]
         return coding
 
     def _label(self) -> str:

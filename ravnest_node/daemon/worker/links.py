@@ -52,8 +52,9 @@ MEASURE_RETRY_S = (0.2, 1.0)
 PLAN_MEASURE_RETRY_S = (0.05, 0.25)
 MEASURE_TURN_WAIT_S = 30.0
 
-CodecLink = tuple[pb.StageAssignment, CodecChoice, float]
-"""A link a stage sends on: (the neighbour, the codec choice for it, the link's pace in bps)."""
+CodecLink = tuple[pb.StageAssignment | None, CodecChoice, float]
+"""A link a stage sends on: (the neighbour, None if it is not to be probed, the codec choice
+for it, the link's pace in bps)."""
 
 
 class LinkMeter:
@@ -179,14 +180,15 @@ class LinkMeter:
         return link
 
     async def codecs(self, epoch: int, links: list[CodecLink]) -> None:
-        """Probe each link whose codec choice is `auto`, one after another (they share this
-        node's uplink), each in turn with the peer's other probers, under plan `epoch`, and
-        give the choice the measured bandwidth and its part of LINK_SHARE: the links leave
-        from this node's one uplink (a middle stage's two), so each may take an equal part of
-        the budget. A link that cannot be measured is logged and keeps the smallest codec."""
-        for peer, choice, pace_bps in links:
+        """Give every link this stage sends on its part of LINK_SHARE (they leave from this
+        node's one uplink: a middle stage's two take half each), then probe each link with a
+        neighbour to probe and an `auto` codec choice, one after another, each in turn with the
+        peer's other probers, under plan `epoch`, and give the choice the measured bandwidth. A
+        link that cannot be measured is logged and keeps the smallest codec."""
+        for _, choice, _ in links:
             choice.share = LINK_SHARE / len(links)
-            if choice.auto:
+        for peer, choice, pace_bps in links:
+            if peer is not None and choice.auto:
                 await self._codec(epoch, peer, choice, pace_bps)
 
     async def _codec(

@@ -311,11 +311,11 @@ class StageTrainer:
                  plan.epoch, spec.index, spec.num_stages, spec.first_block, spec.stop_block,
                  run.model, plan.start_step)  # fmt: skip
         neighbours = [
-            (_probed(downstream, me), runtime.activation_codec, run.link_pace_bps(spec.index)),
-            (_probed(upstream, me), runtime.gradient_codec, run.link_pace_bps(spec.index - 1)),
+            (downstream, runtime.activation_codec, run.link_pace_bps(spec.index)),
+            (upstream, runtime.gradient_codec, run.link_pace_bps(spec.index - 1)),
         ]
         await self._links.codecs(
-            plan.epoch, [(p, c, pace) for p, c, pace in neighbours if p is not None]
+            plan.epoch, [(_probed(n, me), c, pace) for n, c, pace in neighbours if n is not None]
         )
         return _Stage(plan, me, runtime, session, reports, upstream, downstream)
 
