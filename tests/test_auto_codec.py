@@ -57,6 +57,7 @@ from ravnest_node.transport.probe import (
     MAX_PROBE_BYTES,
     MIN_SPREAD,
     PULL_KEY,
+    SINGLE,
     LinkEstimate,
     ProbePlan,
     ProbeServer,
@@ -219,6 +220,18 @@ async def test_probe_estimates_bandwidth_and_rtt(
     assert link.sent[3] == 32 << 10 and link.sent[-1] == last_probe
     assert all(b == 2 * a for a, b in itertools.pairwise(link.sent[3:]))
     assert estimate.probe_bytes == sum(link.sent)
+
+
+async def test_the_join_measurement_reads_the_last_probe_alone() -> None:
+    # SINGLE (epoch 0): from 64 KiB, and a probe past the target ends it; a burst reads high.
+    link = FakeLink(2 * MBIT, 0.08)
+    estimate = await measure_link(link.send, SINGLE, clock=link.clock)
+    assert link.sent == [0, 0, 0, 64 << 10]
+    assert estimate.bandwidth_bps == pytest.approx(2 * MBIT, rel=1e-6)
+    bucket = FakeLink(10 * MBIT, 0.1, burst=64 << 10)
+    estimate = await measure_link(bucket.send, SINGLE, clock=bucket.clock)
+    assert estimate.bandwidth_bps == pytest.approx(256 / 192 * 10 * MBIT, rel=1e-6)
+    assert ProbePlan.within(1 << 30, differential=False) == SINGLE
 
 
 def test_bandwidth_comes_from_two_probes_where_they_differ_enough() -> None:

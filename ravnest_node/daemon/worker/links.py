@@ -84,7 +84,8 @@ class LinkMeter:
                 pace_bps=pace_bps,
                 pull=pull,
             )
-            estimate = await measure_link(send, ProbePlan.within(self._transport.max_message_bytes))
+            plan = ProbePlan.within(self._transport.max_message_bytes, differential=epoch != 0)
+            estimate = await measure_link(send, plan)
             try:
                 await end_measurement(channel, peer=peer, node_id=self.node_id, epoch=epoch,
                                       timeout_s=timeout_s)  # fmt: skip
