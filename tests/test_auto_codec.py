@@ -59,6 +59,7 @@ from ravnest_node.transport.probe import (
     PULL_KEY,
     SINGLE,
     LinkEstimate,
+    ProbeBusy,
     ProbePlan,
     ProbeServer,
     ProbeTurns,
@@ -394,6 +395,74 @@ def test_probe_turns_let_one_prober_measure_at_a_time() -> None:
     turns.admit("a")
     with pytest.raises(Refusal):
         turns.admit("b")
+
+
+def test_a_node_claims_its_own_turn_while_it_measures_its_links() -> None:
+    now = [0.0]
+    turns = ProbeTurns(hold_s=2.0, clock=lambda: now[0])
+    assert turns.claim("me")
+    now[0] = 100.0  # however long its measurement takes, neighbours wait for it
+    with pytest.raises(Refusal):
+        turns.admit("up")
+    turns.admit("up", done=True)  # (a neighbour's end changes nothing it does not hold)
+    turns.release("me")
+    turns.admit("up")  # a neighbour measures this node: the node waits for it
+    assert not turns.claim("me")
+    turns.admit("up", done=True)
+    assert turns.claim("me")
+
+
+async def test_nodes_measure_their_links_while_no_neighbour_measures_them() -> None:
+    """Three stages measure the links they send on at once, each taking probes from one
+    neighbour at a time: with their own turns claimed no node is in two measurements at once
+    (the middle node's probe bytes would hold up the acknowledgements of an end node's probe
+    of it); without, the end node's measurement of the middle node runs during the middle
+    node's own."""
+    names = ("first", "middle", "last")
+
+    async def measure_all(claim: bool) -> list[tuple[str, str]]:
+        turns = {name: ProbeTurns() for name in names}
+        active: list[tuple[str, str]] = []
+        overlaps: list[tuple[str, str]] = []
+
+        def meter(me: str) -> LinkMeter:
+            meter = LinkMeter(node_id=me, transport=TransportConfig(), counters=LinkCounters())
+
+            async def probe(address: str, peer: str, **_: object) -> LinkEstimate:
+                try:
+                    turns[peer].take(me)
+                except Refusal as refusal:
+                    raise ProbeBusy(str(refusal)) from None
+                overlaps.extend(a for a in active if {me, peer} & set(a))
+                active.append((me, peer))
+                await asyncio.sleep(0.02)
+                active.remove((me, peer))
+                turns[peer].release(me)
+                return LinkEstimate(rtt_s=0.01, bandwidth_bps=10 * MBIT, probe_bytes=1)
+
+            meter.probe = probe  # type: ignore[method-assign]
+            return meter
+
+        def link(peer: str, role: Role) -> tuple[pb.StageAssignment, CodecChoice, float]:
+            choice = CodecChoice(AUTO, role, compute_s=_Compute(), every=4, what=peer)
+            return pb.StageAssignment(node_id=peer, address=f"{peer}:1"), choice, 0.0
+
+        sends = {
+            "first": [link("middle", "activation")],
+            "middle": [link("last", "activation"), link("first", "gradient")],
+            "last": [link("middle", "gradient")],
+        }
+        async with asyncio.timeout(20):
+            await asyncio.gather(*(
+                meter(me).codecs(1, links, own=turns[me] if claim else None)
+                for me, links in sends.items()
+            ))  # fmt: skip
+        assert all(c.bandwidth_bps == 10 * MBIT for links in sends.values() for _, c, _ in links)
+        return overlaps
+
+    assert await measure_all(claim=False)  # (what the check catches)
+    for _ in range(5):  # (random pauses: a few orders of turns)
+        assert await measure_all(claim=True) == []
 
 
 # ------------------------------------------------------------------ the per-link choice object

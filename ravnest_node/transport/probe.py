@@ -138,7 +138,9 @@ class ProbeTurns:
     """One prober at a time. Newcomers that start together would all measure the same early
     member at once, sharing its link, and each would see a fraction of it. So a probe from
     another peer within `hold_s` of the current prober's last probe is refused as busy
-    (`Refusal` ABORTED, which the prober's `send` raises as ProbeBusy)."""
+    (`Refusal` ABORTED, which the prober's `send` raises as ProbeBusy). The node itself may
+    `claim` the turn while it measures its own links: its probes' bytes fill its uplink, and
+    a neighbour measuring it meanwhile would wait for its acknowledgements behind them."""
 
     def __init__(self, hold_s: float = PROBE_TURN_S, clock: Callable[[], float] = time.monotonic):
         self._hold_s = hold_s
@@ -158,6 +160,15 @@ class ProbeTurns:
         """`peer`'s measurement has ended: the next prober need not wait out the hold."""
         if peer == self._holder:
             self._last = -math.inf
+
+    def claim(self, peer: str) -> bool:
+        """`peer` (this node, about to measure its own links) takes the turn if no other
+        prober holds it, and keeps it until it `release`s it: probes from others are refused
+        as busy meanwhile. False, changing nothing, while another prober holds it."""
+        if peer != self._holder and self._clock() - self._last < self._hold_s:
+            return False
+        self._holder, self._last = peer, math.inf
+        return True
 
     def take(self, peer: str) -> None:
         now = self._clock()

@@ -6,10 +6,14 @@ the later to join. Before a stage sends its first frame, the links it sends on w
 codec are measured under the plan's epoch (`codecs`): the codec then fits the link. A peer takes
 probes from one node at a time, under any epoch, so a measurement refused as busy waits its
 turn, and ends by passing the turn on (`end_measurement`); a node measures its own links one
-after another. Probes that shared a link would each read a part of it: on the bench's home
-link (50 Mbit/s a host) the middle node's two links read 11.7 and 13.3 Mbit/s when all four
-were measured at once. Every measurement is best effort: a link that cannot be measured is
-logged and left out (the planner goes by uplinks; an `auto` codec keeps the smallest).
+after another, and under a plan takes no probes while it measures (`ProbeTurns.claim`).
+Probes that shared a link would each read a part of it: on the bench's home link (50 Mbit/s
+a host) the middle node's two links read 11.7 and 13.3 Mbit/s when all four were measured at
+once; and an end node that measured the middle node while the middle node measured its other
+link read 4.3 of the internet link's 10 Mbit/s and 31.2 of home's 50 (its acknowledgements
+queued behind the middle node's probe bytes on the middle node's uplink). Every measurement
+is best effort: a link that cannot be measured is logged and left out (the planner goes by
+uplinks; an `auto` codec keeps the smallest).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ravnest_node.transport.probe import (
     LinkEstimate,
     ProbeBusy,
     ProbePlan,
+    ProbeTurns,
     end_measurement,
     measure_link,
     probe_sender,
@@ -94,19 +99,38 @@ class LinkMeter:
             return estimate
 
     async def _in_turn(
-        self, address: str, peer: str, *, pull: bool, epoch: int = 0, pace_bps: float = 0.0
+        self,
+        address: str,
+        peer: str,
+        *,
+        pull: bool,
+        epoch: int = 0,
+        pace_bps: float = 0.0,
+        own: ProbeTurns | None = None,
     ) -> LinkEstimate:
         """`probe`, tried again after a short random pause while the peer is busy being
-        measured by another node, for up to MEASURE_TURN_WAIT_S."""
+        measured by another node, for up to MEASURE_TURN_WAIT_S. With `own` (this node's turns
+        for probes it takes), the measurement holds this node's turn too (`ProbeTurns.claim`):
+        it waits while a neighbour measures this node, and a neighbour that comes meanwhile
+        waits for it; the turn is given up during each pause, so two nodes that want to
+        measure each other cannot hold each other up."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + MEASURE_TURN_WAIT_S
         pause_s = PLAN_MEASURE_RETRY_S if epoch else MEASURE_RETRY_S
         while True:
-            try:
-                return await self.probe(address, peer, epoch=epoch, pace_bps=pace_bps, pull=pull)
-            except ProbeBusy:
-                if loop.time() >= deadline:
-                    raise
+            if own is None or own.claim(self.node_id):
+                try:
+                    return await self.probe(
+                        address, peer, epoch=epoch, pace_bps=pace_bps, pull=pull
+                    )
+                except ProbeBusy:
+                    if loop.time() >= deadline:
+                        raise
+                finally:
+                    if own is not None:
+                        own.release(self.node_id)
+            elif loop.time() >= deadline:
+                raise ProbeBusy(f"this node was measured by others for {MEASURE_TURN_WAIT_S} s")
             await asyncio.sleep(random.uniform(*pause_s))  # a back-off, not a wait
 
     async def coordinator(self, coordinator: str, *, address: str) -> LinkEstimate | None:
@@ -180,24 +204,33 @@ class LinkMeter:
                  link.to_bps / 1e6, link.from_bps / 1e6, link.rtt_s * 1e3)  # fmt: skip
         return link
 
-    async def codecs(self, epoch: int, links: list[CodecLink]) -> None:
+    async def codecs(
+        self, epoch: int, links: list[CodecLink], own: ProbeTurns | None = None
+    ) -> None:
         """Give every link this stage sends on its part of LINK_SHARE (they leave from this
         node's one uplink: a middle stage's two take half each), then probe each link with a
         neighbour to probe and an `auto` codec choice, one after another, each in turn with the
-        peer's other probers, under plan `epoch`, and give the choice the measured bandwidth. A
-        link that cannot be measured is logged and keeps the smallest codec."""
+        peer's other probers and (`own`: the turns of the probes this node takes under
+        `epoch`) with the neighbours that measure this node, under plan `epoch`, and give the
+        choice the measured bandwidth. A link that cannot be measured is logged and keeps the
+        smallest codec."""
         for _, choice, _ in links:
             choice.share = LINK_SHARE / len(links)
         for peer, choice, pace_bps in links:
             if peer is not None and choice.auto:
-                await self._codec(epoch, peer, choice, pace_bps)
+                await self._codec(epoch, peer, choice, pace_bps, own)
 
     async def _codec(
-        self, epoch: int, peer: pb.StageAssignment, choice: CodecChoice, pace_bps: float
+        self,
+        epoch: int,
+        peer: pb.StageAssignment,
+        choice: CodecChoice,
+        pace_bps: float,
+        own: ProbeTurns | None,
     ) -> None:
         try:
             estimate = await self._in_turn(peer.address, peer.node_id, pull=False, epoch=epoch,
-                                           pace_bps=pace_bps)  # fmt: skip
+                                           pace_bps=pace_bps, own=own)  # fmt: skip
         except PeerError as exc:
             log.warning("%s: cannot measure the link (%s); using %s", choice.what, exc,
                         choice.name)  # fmt: skip

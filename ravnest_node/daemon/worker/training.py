@@ -315,7 +315,9 @@ class StageTrainer:
             (upstream, runtime.gradient_codec, run.link_pace_bps(spec.index - 1)),
         ]
         await self._links.codecs(
-            plan.epoch, [(_probed(n, me), c, pace) for n, c, pace in neighbours if n is not None]
+            plan.epoch,
+            [(_probed(n, me), c, pace) for n, c, pace in neighbours if n is not None],
+            own=session.probe_turns,
         )
         return _Stage(plan, me, runtime, session, reports, upstream, downstream)
 
