@@ -630,17 +630,18 @@ def test_auto_sends_klt_only_to_a_peer_that_decodes_it_and_keeps_its_basis() -> 
     assert back.codec.name == COMPACT and back.state is kept
 
 
-def test_klt_ranks_among_the_ladder_by_how_much_it_errs() -> None:
+def test_klt_comes_after_the_ladder_though_it_errs_less_than_int4_block() -> None:
     ladder = payload_sizes("activation", (4, 32, 64), torch.float32)
     assert [name for name, _ in ranked("activation", ladder, 2000)] == [
-        "none", "bf16", "int8-block", FINE, "int4-block", COMPACT,
+        "none", "bf16", "int8-block", "int4-block", FINE, COMPACT,
     ]  # fmt: skip
     assert dict(ranked("activation", ladder, 2000))[FINE] == round(FINE_GROWTH * 2000)
     assert [name for name, _ in ranked("gradient", ladder, 2000)] == [
-        "none", "bf16", "int8-block", COMPACT, "int4-block",
+        "none", "bf16", "int8-block", "int4-block", COMPACT,
     ]  # fmt: skip
-    # The order is what the codecs do: on a boundary-like tensor (a few strong directions),
-    # klt at its finer step, and klt's gradients, err less than int4-block.
+    # Not for want of fidelity by the norm: on a boundary-like tensor (a few strong
+    # directions) klt at its finer step, and klt's gradients, err less than int4-block; under
+    # the pipeline's staleness klt's error costs more loss (the rank's docstring).
     torch.manual_seed(0)
     x = torch.randn(4, 32, 8) @ torch.randn(8, 64) + 0.05 * torch.randn(4, 32, 64)
 
@@ -689,10 +690,10 @@ def test_auto_gives_klt_activations_the_finer_step_where_the_link_has_room() -> 
     assert KLT_ACTIVATION_FINE.name == COMPACT
     assert choice.frames == {"int4-block": 8, COMPACT + FINE_LABEL: 16}
     assert choice.frame_bytes[COMPACT] == pytest.approx(2000, abs=1)
-    # 8 Mbit/s: int4-block fits too (4.6 ms), but klt errs less at the finer step, and klt's
-    # gradients err less than int4-block's: klt is taken; an older peer gets int4-block.
-    assert run("activation", 8 * MBIT)[1][8:] == [KLT_ACTIVATION_FINE] * 16
-    assert run("gradient", 8 * MBIT)[0].frames == {"int4-block": 8, COMPACT: 16}
+    # 8 Mbit/s: int4-block fits (4.6 ms) and is kept, on both roles and towards an older
+    # peer alike; klt is for links where it does not fit.
+    assert run("activation", 8 * MBIT)[0].frames == {"int4-block": 24}
+    assert run("gradient", 8 * MBIT)[0].frames == {"int4-block": 24}
     older = CodecChoice(AUTO, "activation", compute_s=_Compute(), every=4, what="test")
     assert run("activation", 8 * MBIT, older)[0].frames == {"int4-block": 24}
     # Gradients keep klt's own step; so do activations on a link where even klt sets the pace.

@@ -12,6 +12,7 @@ Environment knobs (all optional):
   CUTS="0,3,5,8"  block boundaries of the stages (default: the pipeline's three stages)
   STAGES="01"     indices of the stages that see the delay (default: all but the last)
   WU=20           synchronous warm-up steps before the delay applies
+  CD=10           the last CD steps synchronous again (a cool-down)
   WUL=0.6         instead, a measured end: the warm-up lasts until the mean training loss of
                   the last 5 steps is at most WUL x the first step's (printed: the step it ended)
   PRED=1          forwards of delayed stages use weights predicted PRED steps ahead from
@@ -61,6 +62,7 @@ bounds = [int(c) for c in env("CUTS", "0,3,5,8").split(",")]
 stages = [torch.nn.Sequential(*blocks[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 delayed = env("STAGES", "".join(str(i) for i in range(len(stages) - 1)))
 warmup, predict = int(env("WU", "0")), float(env("PRED", "0"))
+cooldown = int(env("CD", "0"))
 loss_ratio = float(env("WUL", "0"))
 if loss_ratio:
     warmup = 1 << 30  # until the loss says otherwise
@@ -110,6 +112,7 @@ def lr_factor(step: int) -> float:
         return 1.0
     return cos_floor + (1 - cos_floor) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
+
 ramp, fresh = int(env("RAMP", "0")), env("FRESHBW") == "1"
 klt_roles = env("KLT", "")
 klt_streams: dict[tuple[Role, int], KLTStream] = {}
@@ -135,7 +138,8 @@ for step in range(steps):
     x, y = data.batch(step, 16)
     current = [copy.deepcopy(s.state_dict()) for s in stages]
     history.append([predicted(s) for s in stages] if predict else current)
-    lags = [delay if str(i) in delayed and step >= warmup and delay <= step else 0
+    synchronous = step < warmup or step >= steps - cooldown
+    lags = [delay if str(i) in delayed and not synchronous and delay <= step else 0
             for i in range(len(stages))]  # fmt: skip
     useds = [history[step - lag][i] if lag else current[i] for i, lag in enumerate(lags)]
     ins, outs, leaves = [], [], []
@@ -185,8 +189,11 @@ for step in range(steps):
     opt.zero_grad()
     losses.append(loss.item())
     recent = losses[-5:]
-    if loss_ratio and warmup > step and len(recent) == 5 and (
-        sum(recent) / 5 <= loss_ratio * losses[0]
+    if (
+        loss_ratio
+        and warmup > step
+        and len(recent) == 5
+        and (sum(recent) / 5 <= loss_ratio * losses[0])
     ):
         warmup = step + 1
         print(f"warm-up ended after step {warmup} (loss {sum(recent) / 5:.3f})")

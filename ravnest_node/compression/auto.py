@@ -10,15 +10,15 @@ the cheapest one when none fits:
     else the codec of least cost
 
 The ladder is AUTO_LADDER (sizes known from the shape: `payload_sizes`). Towards a peer that
-decodes klt, klt joins it (compression/auto.py, COMPACT; its size depends on the values:
-`compact_estimate`, from the frames it made on this link or a prior), ranked by how much each
-codec errs (`ranked`): klt at its finer step (activations, transform.py KLT_ACTIVATION_FINE)
-errs less than int4-block in a third of its bytes, and klt's gradients do too, so int4-block
-comes after them and is taken only where klt's coding does not fit. `coding_s` is what encoding
-and the peer's decoding cost per frame (the caller measures its own encode time; the peer's
-decode is taken as equal): coding time counts against the compute budget the way link time
-does, so a compact codec whose coder is slow on this machine loses to one that is larger but
-cheap.
+decodes klt, klt joins it after the ladder (compression/auto.py, COMPACT; its size depends on
+the values: `compact_estimate`, from the frames it made on this link or a prior), activations
+first at klt's finer step (transform.py KLT_ACTIVATION_FINE), then at its default step
+(`ranked`): klt errs less than int4-block in a third of its bytes, but under the pipeline's
+staleness its error costs more loss, so it is taken where int4-block does not fit. `coding_s`
+is what encoding and the peer's decoding cost per frame (the caller measures its own encode
+time; the peer's decode is taken as equal): coding time counts against the compute budget the
+way link time does, so a compact codec whose coder is slow on this machine loses to one that
+is larger but cheap.
 
 When the chosen codec is int4-block and even it does not fit, the link is the pipeline's
 bottleneck, and `auto` also packs its payloads with deflate (transport/frames.py): 1.1-1.4x
@@ -51,7 +51,7 @@ AUTO_LADDER: tuple[str, ...] = ("none", "bf16", "int8-block", "int4-block")
 """What `auto` chooses from, most faithful first (32, 16, 8.06 and 4.5 bits per element)."""
 DEFLATES = AUTO_LADDER[-1]
 """The ladder's smallest codec (int4-block): the one whose payloads deflate packs on a
-bottleneck link, and the one klt's ranks around (`ranked`)."""
+bottleneck link."""
 COMPACT = "klt"
 """The most compact codec, after the ladder, towards a peer that decodes it."""
 FINE = COMPACT + FINE_LABEL
@@ -155,18 +155,21 @@ def choose_codec(
 
 def ranked(role: Role, ladder: Sizes, klt_bytes: int) -> list[tuple[str, int]]:
     """The candidates towards a peer that decodes klt, most faithful first: the `ladder`'s
-    (payload_sizes) with klt's frames of `klt_bytes` (at its default step) ranked among them by
-    relative error ||x' - x|| / ||x||, as measured on bench-small's four boundary streams
-    (docs/bench/codec_error.py, 60 steps, frames 9-240; docs/compression.md, "Which codec errs
-    least"): int8-block 0.007-0.011; activations: klt at the finer step 0.085-0.092
-    (FINE_GROWTH times its bytes), int4-block 0.099-0.104, klt 0.109-0.122; gradients: klt
-    0.106-0.124, int4-block (stochastic) 0.149-0.151. So int4-block is taken only where klt's
-    coding leaves it the one that fits."""
-    head = [(name, n) for name, n in ladder if name != DEFLATES]
-    int4 = [(name, n) for name, n in ladder if name == DEFLATES]
+    (payload_sizes), then klt at its finer step (activations: FINE_GROWTH times `klt_bytes`,
+    klt's frames at its default step), then klt. So klt is taken only where int4-block does
+    not fit the link.
+
+    By relative error alone klt would come before int4-block: on bench-small's boundaries
+    (docs/bench/codec_error.py, 60 steps, frames 9-240) int4-block errs 0.099-0.104 on
+    activations and 0.149-0.151 on gradients (stochastic), klt at its finer step 0.085-0.092
+    and klt's gradients 0.106-0.124. Ranked so, klt's error cost more held-out loss under the
+    pipeline's staleness than int4-block's: six interleaved pairs of home runs (50 Mbit/s,
+    where both fit on the middle stage's links) gave +1.90% mean (+1.00% to +2.69%) with klt
+    first against +1.23% (+1.01% to +1.76%) with int4-block first, and 0.936 against 0.947
+    of compute-bound (docs/benchmarks.md, "a node takes no probes while it measures")."""
     if role == "activation":
-        return [*head, (FINE, round(FINE_GROWTH * klt_bytes)), *int4, (COMPACT, klt_bytes)]
-    return [*head, (COMPACT, klt_bytes), *int4]
+        return [*ladder, (FINE, round(FINE_GROWTH * klt_bytes)), (COMPACT, klt_bytes)]
+    return [*ladder, (COMPACT, klt_bytes)]
 
 
 def link_bound(

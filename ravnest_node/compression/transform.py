@@ -397,5 +397,5 @@ KLT_ACTIVATION_FINE = KLT(alpha=0.35)
 """Activations at a step of 0.35 rather than 0.5 of the row's rms: about 30% more activation
 bytes (14.2 against 10.9 KB a sample on the internet link) for half the squared error. The
 step travels in the frame, so every decoder of klt reads it; `auto` sends it where it hides
-(compression/auto.py, `ranked`)."""
+and int4-block does not (compression/auto.py, `ranked`)."""
 KLT_GRADIENT = KLT(alpha=0.35, per_row=False, stochastic=True, drop_below=0.5)

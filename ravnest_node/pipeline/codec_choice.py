@@ -11,12 +11,12 @@ stage starts with the smallest codec of the ladder (nothing is known yet), and r
   skipped, so the first decision comes at frame 2 x `every`.
 
 Towards a peer that decodes klt (its plan entry says so; an older node does not), klt joins the
-candidates, ranked among the ladder's by how much each errs (compression/auto.py, `ranked`:
-klt's activations at the finer step, then int4-block, then klt's default step; klt's gradients
-before int4-block): its size is the mean of the frames it made on this link (a prior before the
-first), and the time a frame takes to encode here, twice (the peer decodes it), counts against
-the budget, for every codec: `sent` measures both. klt's sender state (its learned basis) is
-kept when `auto` moves away from it and back, and its frames count from its tenth on
+candidates after the ladder's (compression/auto.py, `ranked`: activations at klt's finer step,
+then its default step; it is taken where int4-block does not fit): its size is the mean of the
+frames it made on this link (a prior before the first), and the time a frame takes to encode
+here, twice (the peer decodes it), counts against the budget, for every codec: `sent`
+measures both. klt's sender state (its learned basis) is kept when `auto` moves away from it
+and back, and its frames count from its tenth on
 (`_learning`). Activations at the finer step are counted as "klt, fine step"; their bytes enter
 klt's running mean divided by FINE_GROWTH, as the default step's.
 
