@@ -289,12 +289,27 @@ def test_records_take_at_most_their_share_of_the_link() -> None:
     assert not budget.take(mbit, 4.0)  # 80 KB
     assert budget.take(mbit, 5.0)  # 100 KB: one record's worth, set aside
     assert not budget.take(mbit, 5.0)
-    budget.fetched(50_000, reserved=True)  # smaller than expected: the rest comes back
+    budget.fetched(50_000, reserved=True, seconds=0.0)  # smaller than expected: the rest back
     assert budget.expected == 50_000 and budget.take(mbit, 5.0)
-    budget.fetched(50_000, reserved=False)  # a check again after a failure: taken anyway
+    budget.fetched(50_000, reserved=False, seconds=0.0)  # a check again after a failure
     assert not budget.take(mbit, 7.0)  # 40 KB of the 50 KB the next record needs
     assert budget.take(mbit, 10.0)
     assert all(RecordBudget(expected=10**9).take(None, t) for t in range(3))  # unmeasured link
+
+
+def test_an_unmeasured_link_is_budgeted_at_the_rate_its_last_record_came() -> None:
+    """A fixed codec's link is not probed: its first record is fetched unbudgeted, the next
+    ones at LINK_SHARE of the rate that one came at (at 10 Mbit/s a record of bench-small's
+    2.2 MB about every 90 s, not as often as they are drawn)."""
+    budget = RecordBudget(expected=100_000)
+    assert budget.take(None, 0.0)  # nothing known: the first goes
+    budget.fetched(100_000, reserved=True, seconds=0.08)  # 100 KB in 80 ms: 10 Mbit/s
+    assert budget.fetched_bps == pytest.approx(10e6)
+    rate = LINK_SHARE * 10e6 / 8
+    assert not budget.take(None, 1.0)  # budgeted from now on
+    assert not budget.take(None, 1.0 + 0.9 * 100_000 / rate)
+    assert budget.take(None, 1.0 + 1.01 * 100_000 / rate)
+    assert budget.take(8e9, 1e6)  # a measured bandwidth, where there is one, stands first
 
 
 async def test_an_auditor_spaces_its_audits_to_the_links_budget() -> None:

@@ -37,10 +37,12 @@ from ravnest_node.compression.codecs import (
 )
 from ravnest_node.compression.quant import BlockQuant
 from ravnest_node.compression.transform import (
+    CODER_COLUMNS,
     KLT,
     KLT_ACTIVATION,
     KLT_ACTIVATION_FINE,
     KLTBases,
+    KLTState,
 )
 from ravnest_node.daemon.worker.links import LinkMeter
 from ravnest_node.errors import ConfigError, PeerRefused
@@ -788,3 +790,14 @@ def test_a_slow_link_gets_a_lighter_codec_than_a_fast_one(tmp_path: Path) -> Non
     assert rank(middle["activation_codec"]) < rank("int4-block")
     assert rank(last["gradient_codec"]) < rank("int4-block")
     assert s["final_loss"] < s["initial_loss"]
+
+
+def test_a_fixed_klt_leaves_columns_out_towards_a_peer_whose_plan_entry_decodes_them() -> None:
+    """A fixed `--codec klt` learns what its peer decodes from the plan as `auto` does: the
+    coder with columns (fewer symbols to code) where the peer decodes it, all columns where
+    it does not."""
+    for coder, columns in ((CODER_COLUMNS, True), (CODER_COLUMNS - 1, False)):
+        choice = CodecChoice("klt", "gradient", compute_s=_Compute(), every=4, what="test")
+        choice.meet(unpacks_deflate=True, decodes_klt=True, klt_coder=coder)
+        out = choice.outgoing("grad", torch.randn(4, 32, 64))
+        assert isinstance(out.state, KLTState) and out.state.columns is columns

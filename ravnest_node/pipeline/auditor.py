@@ -11,7 +11,8 @@ does not come (the sender too slow, its link down) is counted, not held against 
 
 Records are large (a record holds the sender's weights: about 2.2 MB for a stage of
 bench-small), so their bytes are budgeted against the link they come over: on average they
-take at most LINK_SHARE of its measured bandwidth. A frame drawn while the records fetched
+take at most LINK_SHARE of its measured bandwidth (where nothing measured it, a fixed codec's
+link, of the rate the last record came at). A frame drawn while the records fetched
 from that side already used the budget (the next one expected as large as the last, the first
 as large as this stage's own weights in int8, so that the first waits until its bytes have
 accrued: about a second on a LAN) is let go and counted `skipped`; a check again after a
@@ -71,11 +72,15 @@ class RecordBudget:
     tokens: float = 0.0
     at: float | None = None
     """When `tokens` was last refilled (None: not yet)."""
+    fetched_bps: float | None = None
+    """The last record's bytes over the seconds its fetch took: the link's rate as the records
+    find it, where nothing measured it (a fixed codec's link is not probed)."""
 
     def take(self, bandwidth_bps: float | None, now: float) -> bool:
         """Whether a record may be fetched now (its expected bytes then taken)."""
+        bandwidth_bps = bandwidth_bps or self.fetched_bps
         if not bandwidth_bps:
-            return True  # an unmeasured link (before the first frame's measure): no budget
+            return True  # nothing measured and no record fetched yet: no budget
         if self.at is not None:
             rate = LINK_SHARE * bandwidth_bps / 8
             self.tokens = min(self.tokens + rate * (now - self.at), float(self.expected))
@@ -85,11 +90,13 @@ class RecordBudget:
         self.tokens -= self.expected
         return True
 
-    def fetched(self, nbytes: int, reserved: bool) -> None:
-        """A record of `nbytes` came (`reserved`: `take` set its expected bytes aside): its
-        bytes are taken, and the next one is expected as large."""
+    def fetched(self, nbytes: int, reserved: bool, seconds: float) -> None:
+        """A record of `nbytes` came in `seconds` (`reserved`: `take` set its expected bytes
+        aside): its bytes are taken, and the next one is expected as large."""
         self.tokens += (self.expected if reserved else 0) - nbytes
         self.expected = nbytes
+        if seconds > 0:
+            self.fetched_bps = 8 * nbytes / seconds
 
 
 @dataclass(slots=True)
@@ -185,6 +192,7 @@ class Auditor:
         assert fetch is not None
         side = "downstream" if backward else "upstream"
         what = "input gradient" if backward else "activation"
+        asked = self._clock()
         try:
             data = await fetch(backward, seq)
         except asyncio.CancelledError:
@@ -195,7 +203,7 @@ class Auditor:
                      str(exc)[:200])  # fmt: skip
             return
         self.counts.record_bytes += len(data)
-        self._budgets[backward].fetched(len(data), reserved)
+        self._budgets[backward].fetched(len(data), reserved, self._clock() - asked)
         async with self._one:
             started = time.perf_counter()
             try:

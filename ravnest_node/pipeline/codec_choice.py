@@ -102,12 +102,12 @@ class CodecChoice:
         self.frames: dict[str, int] = {}
         """Frames sent per codec (replaced, never mutated: safe to read from another thread)."""
         self.peer_unpacks_deflate = False
-        """The peer unpacks deflated payloads (set by the worker from the plan)."""
+        """The peer unpacks deflated payloads (`meet`)."""
         self.peer_decodes_klt = False
-        """The peer decodes klt frames (set by the worker from the plan): `auto` may pick it."""
+        """The peer decodes klt frames (`meet`): `auto` may pick it."""
         self.peer_klt_coder = 0
-        """The newest klt coder format the peer decodes (set by the worker from the plan):
-        from transform.CODER_COLUMNS, klt frames may leave trailing columns out."""
+        """The newest klt coder format the peer decodes (`meet`): from transform.CODER_COLUMNS,
+        klt frames may leave trailing columns out (a fixed `--codec klt` too)."""
         self.frame_bytes: dict[str, float] = {}
         """Running mean of each codec's frame bytes on this link (replaced, never mutated)."""
         self.coding_s: dict[str, float] = {}
@@ -124,6 +124,13 @@ class CodecChoice:
         self._sizes: list[tuple[str, int]] | None = None
         self._sent = 0
         self._mark_s = 0.0
+
+    def meet(self, *, unpacks_deflate: bool, decodes_klt: bool, klt_coder: int) -> None:
+        """What the peer decodes, from its plan entry (set by the worker before the first
+        frame, whether `auto` measures the link or the codec is fixed)."""
+        self.peer_unpacks_deflate = unpacks_deflate
+        self.peer_decodes_klt = decodes_klt
+        self.peer_klt_coder = klt_coder
 
     @property
     def name(self) -> str:

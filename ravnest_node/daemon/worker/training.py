@@ -314,6 +314,10 @@ class StageTrainer:
             (downstream, runtime.activation_codec, run.link_pace_bps(spec.index)),
             (upstream, runtime.gradient_codec, run.link_pace_bps(spec.index - 1)),
         ]
+        for n, choice, _ in neighbours:
+            if n is not None:
+                choice.meet(unpacks_deflate=n.unpacks_deflate, decodes_klt=n.decodes_klt,
+                            klt_coder=n.klt_coder)  # fmt: skip
         await self._links.codecs(
             plan.epoch,
             [(_probed(n, me), c, pace) for n, c, pace in neighbours if n is not None],
