@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ravnest_node.compression import get_codec
-from ravnest_node.errors import FrameError
+from ravnest_node.errors import ConfigError, FrameError
 from ravnest_node.pipeline.run import TrainConfig
 from ravnest_node.pipeline.schedule import GRAD, HIDDEN, TARGETS, Schedule, StageSpec
 from ravnest_node.transport.frames import (
@@ -107,6 +107,33 @@ def test_the_first_stage_feeds_as_far_as_the_bound_and_the_plan_allow() -> None:
     while schedule.may_produce():
         fed.append(schedule.produce())
     assert schedule.produced == 3 * M and not schedule.may_produce()
+
+
+def test_only_a_steps_first_stale_microbatches_run_ahead_of_its_update() -> None:
+    schedule = _schedule(index=0, max_staleness=1, staleness_warmup_steps=0,
+                         microbatches=M, stale_microbatches=1, steps=4)  # fmt: skip
+    # Step 0 at version 0: all of it; step 1 at version 0: its first microbatch only.
+    assert [schedule.may_forward(seq) for seq in range(2 * M)] == [True] * (M + 1) + [False] * (
+        M - 1
+    )
+    assert not schedule.may_forward(2 * M)  # step 2: beyond the bound
+    for _ in range(M + 1):
+        assert schedule.may_produce()
+        schedule.produce()
+    assert not schedule.may_produce()  # the rest of step 1 waits for the update
+    _steps(schedule, 1)
+    assert schedule.may_produce() and schedule.may_forward(M + 1)
+    # Without the setting (0), the whole step runs ahead, as far as the bound allows.
+    unlimited = _schedule(max_staleness=1, staleness_warmup_steps=0)
+    assert all(unlimited.may_forward(seq) for seq in range(2 * M))
+
+
+def test_stale_microbatches_is_checked_and_travels_in_the_run_spec() -> None:
+    for bad in (-1, M + 1):
+        with pytest.raises(ConfigError, match="stale_microbatches"):
+            TrainConfig(model="tiny", batch_size=M * MB, microbatches=M, stale_microbatches=bad)
+    config = TrainConfig(model="tiny", batch_size=M * MB, microbatches=M, stale_microbatches=1)
+    assert TrainConfig.from_proto(config.to_proto("x")).stale_microbatches == 1
 
 
 def test_the_sequential_schedule_waits_for_each_gradient() -> None:

@@ -37,3 +37,25 @@ def test_a_slow_stage_never_breaks_the_bound(tmp_path: Path) -> None:
     assert middle["busy_fraction"] > first["busy_fraction"]
     assert s["final_loss"] < s["initial_loss"]
     assert s["max_staleness"] == staleness
+
+
+def test_only_the_first_stale_microbatches_of_a_step_run_ahead(tmp_path: Path) -> None:
+    """With stale_microbatches, a stage runs at most that many microbatches of a step forward
+    before the update they follow; the rest wait for it and count as fresh. The last stage's
+    slowness keeps the first stage waiting for gradients, so without the setting it runs the
+    whole next step ahead (the first assertion of the test above)."""
+    ahead, microbatches, steps, warmup = 1, 4, 16, 4
+    s = _demo(
+        tmp_path, "capped", "--steps", str(steps), "--max-staleness", "1",
+        "--microbatches", str(microbatches), "--fault-slow-stage", "2", "--fault-slow-ms", "15",
+        "--staleness-warmup-steps", str(warmup), "--stale-microbatches", str(ahead),
+    )  # fmt: skip
+    first, middle, last = s["stages"]
+    asynchronous = steps - warmup
+    assert 0 < first["staleness_histogram"][1] <= ahead * asynchronous
+    assert middle["staleness_histogram"][1] <= ahead * asynchronous
+    assert last["staleness_histogram"] == [steps * microbatches, 0]
+    for stage in s["stages"]:  # a step ahead may hold two snapshots: its first K's and the rest's
+        assert stage["max_weight_versions"] <= 2 * 2
+    assert s["stale_microbatches"] == ahead
+    assert s["final_loss"] < s["initial_loss"]

@@ -18,11 +18,12 @@ M = 4  # microbatches per step
 Grads = dict[str, torch.Tensor]
 
 
-def _stage(pool: ThreadPoolExecutor, predict: bool) -> StageCompute:
+def _stage(pool: ThreadPoolExecutor, predict: bool, stale_microbatches: int = 0) -> StageCompute:
     """The compute of tiny's middle stage, asynchronous from the first step."""
     run = TrainConfig(
         model="tiny", steps=8, batch_size=16, microbatches=M, max_staleness=2,
         staleness_warmup_steps=0, weight_prediction=predict, codec="none",
+        stale_microbatches=stale_microbatches,
     )  # fmt: skip
     return tiny_middle_compute(pool, run)
 
@@ -35,11 +36,13 @@ def _step(stage: StageCompute, grads: Grads) -> None:
     stage.optimizer_step()
 
 
-def _stepped(pool: ThreadPoolExecutor, predict: bool) -> tuple[StageCompute, Grads]:
+def _stepped(
+    pool: ThreadPoolExecutor, predict: bool, stale_microbatches: int = 0
+) -> tuple[StageCompute, Grads]:
     """A stage (seed 0) one step into training (version 1), AdamW's moments set, and that
     step's gradients."""
     torch.manual_seed(0)
-    stage = _stage(pool, predict)
+    stage = _stage(pool, predict, stale_microbatches)
     grads = {name: torch.randn_like(p) for name, p in stage.weights.params.items()}
     _step(stage, grads)
     return stage, grads
@@ -90,6 +93,20 @@ def test_every_microbatch_of_a_step_uses_one_snapshot_until_the_step_is_fed() ->
         assert stage.live_versions == 0  # released once its last microbatch ran forward
         fresh = stage.weights.for_forward(3 * M, version=2)
         assert fresh is not first and fresh[0] == 2
+
+
+def test_microbatches_that_waited_for_the_update_run_on_a_snapshot_of_it() -> None:
+    with ThreadPoolExecutor(1) as pool:
+        stage, grads = _stepped(pool, predict=True, stale_microbatches=2)
+        ahead = stage.weights.for_forward(2 * M, version=1)  # predicted one step ahead
+        assert stage.weights.for_forward(2 * M + 1, version=1) is ahead
+        _step(stage, grads)  # the update lands before the step's other microbatches
+        fresh = stage.weights.for_forward(2 * M + 2, version=2)
+        assert fresh is not ahead and fresh[0] == 2
+        for name, p in stage.weights.params.items():
+            assert torch.equal(fresh[1][name], p.detach())  # the update's weights, unpredicted
+        assert stage.weights.for_forward(2 * M + 3, version=2) is fresh
+        assert stage.live_versions == 0  # released once the step's last ran forward
 
 
 def test_without_prediction_a_version_has_one_snapshot_dropped_at_the_update() -> None:

@@ -33,6 +33,10 @@ Environment knobs (all optional):
                   as a sender uses it for the role (a stream per boundary and direction, towards
                   a peer that decodes columns), as frames would carry them; FINE=1: activations
                   at klt's fine step
+  STALEMB=2       of each step's 4 microbatches, only the first STALEMB run at the delayed
+                  weights on a delayed stage (the rest at the current ones: a stage that
+                  forwards only that many microbatches ahead of its update; default 4, all)
+  STALEMB_STEPS=20  STALEMB only for the steps before this one (all 4 after)
   TRACE=1         also print the training loss of every step
   SEED=0          model and data seed
 """
@@ -114,6 +118,8 @@ def lr_factor(step: int) -> float:
 
 
 ramp, fresh = int(env("RAMP", "0")), env("FRESHBW") == "1"
+stale_rows = 4 * int(env("STALEMB", "4"))
+stale_rows_until = int(env("STALEMB_STEPS", str(1 << 30)))
 klt_roles = env("KLT", "")
 klt_streams: dict[tuple[Role, int], KLTStream] = {}
 
@@ -147,13 +153,19 @@ for step in range(steps):
     for i, stage in enumerate(stages):
         used = useds[i]
         hin = h.detach().requires_grad_(h.dtype.is_floating_point)
-        w = {
-            k: t.clone().requires_grad_(True) for k, t in used.items() if t.dtype.is_floating_point
-        }
-        out = torch.func.functional_call(stage, {**used, **w}, (hin,))
+        parts = [(used, slice(0, None))]
+        if lags[i] and stale_rows < len(hin) and step < stale_rows_until:
+            parts = [(used, slice(0, stale_rows)), (current[i], slice(stale_rows, None))]
+        ws, pieces = [], []
+        for weights, rows in parts:
+            w = {k: t.clone().requires_grad_(True) for k, t in weights.items()
+                 if t.dtype.is_floating_point}  # fmt: skip
+            pieces.append(torch.func.functional_call(stage, {**weights, **w}, (hin[rows],)))
+            ws.append(w)
+        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         ins.append(hin)
         outs.append(out)
-        leaves.append(w)
+        leaves.append(ws)
         h = through_klt("activation", i, out) if i < len(stages) - 1 else out
     loss = model.loss(h, y)
     gout = torch.autograd.grad(loss, [outs[-1]], retain_graph=True)[0]
@@ -163,14 +175,14 @@ for step in range(steps):
             w = {k: t.clone().requires_grad_(True) for k, t in current[i].items()
                  if t.dtype.is_floating_point}  # fmt: skip
             out = torch.func.functional_call(stage, {**current[i], **w}, (ins[i],))
-            leaves[i] = w
+            leaves[i] = [w]
         else:
             out = outs[i]
         out.backward(gout)
         gout = through_klt("gradient", i - 1, ins[i].grad) if i else None
     for i, stage in enumerate(stages):
         for name, p in stage.named_parameters():
-            g = leaves[i][name].grad
+            g = sum(w[name].grad for w in leaves[i] if w[name].grad is not None)
             if dc and lags[i]:
                 g = g + dc * g * g * (p.detach() - useds[i][name]) / (
                     opt.state[p]["exp_avg_sq"]

@@ -106,6 +106,7 @@ class SystemRunner:
             "gradient_codec": t.gradient,
             "max_staleness": t.max_staleness,
             "staleness_warmup_steps": t.staleness_warmup_steps,
+            "stale_microbatches": t.stale_microbatches,
             "weight_prediction": t.weight_prediction,
             "replicas": 1,
             "seed": t.seed,

@@ -90,6 +90,12 @@ class TrainConfig:
     staleness_warmup_steps: int = 20
     """Steps trained synchronously before max_staleness applies: stale gradients hurt most
     while the loss falls fastest (PipeMare, arXiv 1910.05124, warms up for the same reason)."""
+    stale_microbatches: int = 0
+    """Of each step's microbatches, how many a stage may run forward before the update they
+    follow has landed (with staleness): the step's first ones; the rest wait for the update
+    and run with its weights. 0: all of them. Fewer cost less loss and more time: 1 of 4
+    took 0.3-1.1 points off the held-out loss and cost 6-8% of an asynchronous step on lan
+    and home links, 27% on internet (docs/benchmarks.md)."""
     weight_prediction: bool = True
     """A microbatch that runs forward s optimizer steps before the step its gradient joins
     (staleness s >= 1) uses the weights AdamW's moments predict s steps ahead, and its backward
@@ -269,6 +275,11 @@ class TrainConfig:
                 f"max_staleness={self.max_staleness}: must be 0 to {MAX_STALENESS} (each unit "
                 "keeps one more step of microbatches and one more weight copy in flight)"
             )
+        if not 0 <= self.stale_microbatches <= self.microbatches:
+            raise ConfigError(
+                f"stale_microbatches={self.stale_microbatches}: must be 0 (all) to "
+                f"microbatches={self.microbatches}"
+            )
 
     def _check_replicas(self) -> None:
         """Pipelines side by side, and how their replicas average."""
@@ -345,6 +356,11 @@ class TrainConfig:
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
+    def may_run_ahead(self, seq: int) -> bool:
+        """Whether microbatch `seq` may run forward before the update it follows has landed
+        (one of the first stale_microbatches of its step)."""
+        return not self.stale_microbatches or seq % self.microbatches < self.stale_microbatches
+
     def staleness_bound(self, step: int) -> int:
         """The most updates microbatches of `step` may see between forward and backward:
         0 during the warm-up, max_staleness after."""
@@ -389,6 +405,7 @@ class TrainConfig:
             max_staleness=self.max_staleness,
             staleness_warmup_steps=self.staleness_warmup_steps,
             weight_prediction=self.weight_prediction,
+            stale_microbatches=self.stale_microbatches,
             data_fingerprint=data_fingerprint,
             schedule=_SCHEDULE_TO_PB[self.schedule],
             checkpoint_every=self.checkpoint_every,
@@ -442,6 +459,7 @@ class TrainConfig:
             max_staleness=spec.max_staleness,
             staleness_warmup_steps=spec.staleness_warmup_steps,
             weight_prediction=spec.weight_prediction,
+            stale_microbatches=spec.stale_microbatches,
             schedule=schedule,
             checkpoint_every=spec.checkpoint_every,
             recompute=spec.recompute,

@@ -164,9 +164,13 @@ class Schedule:
     def may_forward(self, seq: int) -> bool:
         """The staleness bound: microbatch seq (of step seq // microbatches) may run forward
         with the current weights only if they are at most max_staleness versions behind (0
-        during the synchronous warm-up)."""
+        during the synchronous warm-up), and while they are behind at all only if it is one of
+        its step's first `stale_microbatches`."""
         step = seq // self.run.microbatches
-        return step - self.version <= self.run.staleness_bound(step)
+        behind = step - self.version
+        return behind <= self.run.staleness_bound(step) and (
+            behind <= 0 or self.run.may_run_ahead(seq)
+        )
 
     def may_produce(self) -> bool:
         """GPipe/1F1B feed microbatches as far as the bound allows; the sequential (naive)

@@ -82,6 +82,9 @@ class StageWeights:
         self.outer = OuterOptimizer(list(self.params.values()), averaging) if averaging else None
         self._microbatches = run.microbatches
         self._prediction = run.weight_prediction
+        # With stale_microbatches, a step's later microbatches wait for the update and run
+        # with a snapshot of it, not with the one its first ones ran ahead with.
+        self._refresh = run.stale_microbatches > 0
         # step -> (version it was taken at, weight snapshot) for steps whose microbatches are
         # still running forward (weight stashing), or _THIS_VERSION -> the current version's
         # without weight prediction; microbatches in flight hold theirs.
@@ -91,8 +94,9 @@ class StageWeights:
         """The version and snapshot microbatch `seq` runs forward with, the weights being at
         `version` (leaves that collect the gradients of the microbatches that used them).
         With weight prediction: its step's, taken when the step's first microbatch came and
-        released for new forwards after its last; without: the current version's, taken at
-        its first forward."""
+        released for new forwards after its last (retaken, with stale_microbatches, for those
+        that come after an update); without: the current version's, taken at its first
+        forward."""
         m = self._microbatches
         step = seq // m
         if self._prediction:
@@ -100,7 +104,7 @@ class StageWeights:
         else:  # one snapshot per version, shared by every step that runs forward with it
             key, ahead = _THIS_VERSION, 0
         held = self._step_weights.get(key)
-        if held is None:
+        if held is None or (self._refresh and held[0] != version):
             held = (version, self.snapshot(ahead))
             self._step_weights[key] = held
         if key != _THIS_VERSION and seq % m == m - 1:

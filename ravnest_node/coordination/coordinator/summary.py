@@ -110,6 +110,7 @@ def _settings(t: TrainConfig, fingerprint: str) -> dict[str, Any]:
         "gradient_codec": t.gradient,
         "lz4": t.lz4,
         "max_staleness": t.max_staleness,
+        "stale_microbatches": t.stale_microbatches,
         "weight_prediction": t.weight_prediction,
         "seed": t.seed,
         "lr": t.lr,
