@@ -17,6 +17,15 @@ started without the stream coming back (the coordinator counted a member lost).
 Link probes are admitted here too (`admit_probe`): under a plan, from the stage's neighbours
 within PROBE_BUDGET_BYTES each; under epoch 0 (before a plan, or a newcomer measuring its
 links), from members measuring their links as the coordinator lists them (`MemberProbes`).
+
+The first opening of the upstream stream under a plan waits (for up to QUIET_WAIT_S) until the
+measurements of this node's links have ended: its own (`Session.links_measured`) and those of
+the neighbours that probe it (`Session.probers`, each ended by its DONE probe). Frames would
+otherwise share the links with the probes: on the bench's mobile link the first stage, its
+measurement done, sent its first step's frames into the middle node while the last stage still
+measured its link to it, which then read 0.2 and 1.3 Mbit/s of 2 (docs/benchmarks.md, "Where
+the time of a slow link's run goes"). The upstream stage writes nothing before this side
+answers the opening (transport/boundary.py).
 """
 
 from __future__ import annotations
@@ -63,6 +72,9 @@ CLOSE_WAIT_S = 0.5
 # While a broken upstream stream is not resumed: how often this side looks again whether the
 # upstream's address refuses connections.
 WATCH_S = 0.5
+QUIET_WAIT_S = 15.0
+"""The longest the upstream stream's opening waits for the measurements of this node's links
+to end (`Session.quiet`): a prober whose measurement failed sends no DONE probe."""
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -129,6 +141,38 @@ class Session:
     """Its downstream stage opens their stream (BoundaryBack); this stage waits for it."""
     dial_in: DialIn | None = None
     """That stream, once this stage waits for it (`Sessions.await_dial_in`)."""
+    probers: frozenset[str] = frozenset()
+    """The neighbours that measure their link to this node under this plan (the codec they
+    send to it with is `auto`): the upstream stream waits for their measurements' ends."""
+    probes_ended: set[str] = field(default_factory=set)
+    """Those of `probers` whose measurement has ended (its DONE probe came)."""
+    measured: bool = False
+    """This stage's own link measurements have ended (`links_measured`)."""
+    quiet: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once no measurement of a link to or from this node is left to run under this
+    plan: this stage's own ended, and every prober's."""
+
+    def probe_ended(self, peer_node_id: str) -> None:
+        """A neighbour's measurement of its link to this node has ended."""
+        self.probes_ended.add(peer_node_id)
+        self._settle()
+
+    def links_measured(self) -> None:
+        """This stage's own link measurements have ended."""
+        self.measured = True
+        self._settle()
+
+    def _settle(self) -> None:
+        if self.measured and self.probers <= self.probes_ended:
+            self.quiet.set()
+
+    async def until_quiet(self, timeout_s: float) -> bool:
+        """Wait until no measurement is left to run (`quiet`), for up to `timeout_s`; whether
+        it came."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.quiet.wait()
+        return self.quiet.is_set()
 
     @property
     def broken(self) -> bool:
@@ -330,6 +374,10 @@ class Sessions:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"unknown peer {peer_node_id!r}: the plan's upstream is {session.upstream_node_id}",
             )
+        if not session.quiet.is_set() and not await session.until_quiet(QUIET_WAIT_S):
+            log.info("plan epoch %d: the upstream stream opens while links are still measured "
+                     "(%.0f s passed; ended: %s of %s)", epoch, QUIET_WAIT_S,
+                     sorted(session.probes_ended), sorted(session.probers))  # fmt: skip
         if session.broken:
             raise Refusal(grpc.StatusCode.ABORTED, "the upstream stream broke here")
         if runtime.upstream is not None:
@@ -536,6 +584,8 @@ class Sessions:
             )
         session.probe_turns.admit(peer_node_id, done=done)
         session.probe_bytes[peer_node_id] = total
+        if done:
+            session.probe_ended(peer_node_id)
 
     # ----- the end ----------------------------------------------------------------------------
     def stop(self) -> None:

@@ -105,6 +105,22 @@ def _probed(peer: pb.StageAssignment | None, me: pb.StageAssignment) -> pb.Stage
     return None if peer is None or (peer.relayed and not me.relayed) else peer
 
 
+def _probers(
+    me: pb.StageAssignment,
+    upstream: pb.StageAssignment | None,
+    downstream: pb.StageAssignment | None,
+    runtime: StageRuntime,
+) -> frozenset[str]:
+    """The neighbours that measure their link to this stage (`me`) under the plan: the upstream
+    where activations go `auto` (the run's setting, theirs as this stage's), the downstream
+    where gradients do, each unless `_probed` leaves this stage out for it."""
+    sending = ((upstream, runtime.activation_codec), (downstream, runtime.gradient_codec))
+    return frozenset(
+        n.node_id for n, choice in sending
+        if n is not None and choice.auto and _probed(me, n) is not None
+    )  # fmt: skip
+
+
 async def stopped_blocks(
     runtime: StageRuntime, drain_s: float, pause_s: float
 ) -> dict[int, BlockWeights]:
@@ -304,6 +320,7 @@ class StageTrainer:
             upstream_address="" if upstream is None or upstream.relayed else upstream.address,
             opens_upstream=upstream is not None and dials_back(upstream, me),
             downstream_opens=downstream is not None and dials_back(me, downstream),
+            probers=_probers(me, upstream, downstream, runtime),
         )
         await self._sessions.start(plan, session)
         spec, run = runtime.spec, runtime.run_config
@@ -323,6 +340,7 @@ class StageTrainer:
             [(_probed(n, me), c, pace) for n, c, pace in neighbours if n is not None],
             own=session.probe_turns,
         )
+        session.links_measured()
         return _Stage(plan, me, runtime, session, reports, upstream, downstream)
 
     async def _run(self, stage: _Stage) -> None:
