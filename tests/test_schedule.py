@@ -113,9 +113,8 @@ def test_only_a_steps_first_stale_microbatches_run_ahead_of_its_update() -> None
     schedule = _schedule(index=0, max_staleness=1, staleness_warmup_steps=0,
                          microbatches=M, stale_microbatches=1, steps=4)  # fmt: skip
     # Step 0 at version 0: all of it; step 1 at version 0: its first microbatch only.
-    assert [schedule.may_forward(seq) for seq in range(2 * M)] == [True] * (M + 1) + [False] * (
-        M - 1
-    )
+    allowed = [True] * (M + 1) + [False] * (M - 1)
+    assert [schedule.may_forward(seq) for seq in range(2 * M)] == allowed
     assert not schedule.may_forward(2 * M)  # step 2: beyond the bound
     for _ in range(M + 1):
         assert schedule.may_produce()

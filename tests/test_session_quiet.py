@@ -14,6 +14,7 @@ from ravnest_node.daemon.worker.changes import Changes
 from ravnest_node.daemon.worker.sessions import Session, Sessions
 from ravnest_node.proto import control_pb2 as pb
 from ravnest_node.transport.boundary import LinkCounters
+from ravnest_node.transport.errors import Refusal
 from ravnest_node.transport.options import TransportConfig
 
 EPOCH = 1
@@ -110,6 +111,6 @@ async def test_a_prober_that_never_ends_holds_the_stream_only_so_long(
 
 async def test_an_unknown_peer_is_refused_without_waiting() -> None:
     sessions, _ = await _sessions(frozenset({"first"}))
-    with pytest.raises(sessions_module.Refusal, match="unknown peer"):
+    with pytest.raises(Refusal, match="unknown peer"):
         async with asyncio.timeout(5):
             await sessions.open_session("stranger", EPOCH)

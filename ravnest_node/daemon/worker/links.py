@@ -235,10 +235,7 @@ class LinkMeter:
             log.warning("%s: cannot measure the link (%s); using %s", choice.what, exc,
                         choice.name)  # fmt: skip
             return
-        choice.bandwidth_bps = estimate.bandwidth_bps
-        choice.peer_unpacks_deflate = peer.unpacks_deflate
-        choice.peer_decodes_klt = peer.decodes_klt
-        choice.peer_klt_coder = peer.klt_coder
+        choice.bandwidth_bps = estimate.bandwidth_bps  # (what the peer decodes: `meet`)
         log.info(
             "%s: link to %s measured at %.1f Mbit/s, RTT %.2f ms (%d probe bytes)",
             choice.what,

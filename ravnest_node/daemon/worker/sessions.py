@@ -374,7 +374,7 @@ class Sessions:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"unknown peer {peer_node_id!r}: the plan's upstream is {session.upstream_node_id}",
             )
-        if not session.quiet.is_set() and not await session.until_quiet(QUIET_WAIT_S):
+        if not await session.until_quiet(QUIET_WAIT_S):
             log.info("plan epoch %d: the upstream stream opens while links are still measured "
                      "(%.0f s passed; ended: %s of %s)", epoch, QUIET_WAIT_S,
                      sorted(session.probes_ended), sorted(session.probers))  # fmt: skip
