@@ -550,6 +550,16 @@ def test_auto_starts_small_then_follows_the_measurements() -> None:
     assert _send_steps(choice, compute, 2, per_mb_s=0.004)[-4:] == ["int4-block"] * 4
 
 
+def test_the_first_measured_decision_is_free_of_the_hysteresis() -> None:
+    """The codec auto starts with was chosen blind: the first decision on measurements takes
+    the most faithful codec that fits, margin or not (later ones keep the margin)."""
+    compute = _Compute()
+    choice = CodecChoice(AUTO, "activation", compute_s=compute, every=4, what="test")
+    choice.peer_decodes_klt = True
+    choice.bandwidth_bps = 8 * MBIT  # int4-block (4.6 kB) in 4.6 ms: within 5, not within 4
+    assert _send_steps(choice, compute, 4, per_mb_s=0.010) == [COMPACT] * 8 + ["int4-block"] * 8
+
+
 def test_auto_packs_with_deflate_only_while_the_link_is_the_bottleneck() -> None:
     def link(peer_unpacks_deflate: bool = True, packs: bool = True) -> tuple[CodecChoice, _Compute]:
         compute = _Compute()
@@ -614,7 +624,7 @@ def test_auto_sends_klt_only_to_a_peer_that_decodes_it_and_keeps_its_basis() -> 
         return choice, used
 
     choice, used = run(decodes=True)
-    assert used == ["int4-block"] * 8 + [COMPACT] * 16
+    assert used == [COMPACT] * 24  # (from the first frame: the most compact it decodes)
     # Its first 9 frames (the identity basis, then the first two bases) do not count.
     assert choice.frame_bytes[COMPACT] == pytest.approx(2000)
     assert choice.coding_s[COMPACT] == pytest.approx(0.0005)
@@ -690,16 +700,16 @@ def test_auto_gives_klt_activations_the_finer_step_where_the_link_has_room() -> 
     choice, codecs = run("activation", 3 * MBIT)
     assert codecs[8:] == [KLT_ACTIVATION_FINE] * 16 and choice.fine
     assert KLT_ACTIVATION_FINE.name == COMPACT
-    assert choice.frames == {"int4-block": 8, COMPACT + FINE_LABEL: 16}
+    assert choice.frames == {COMPACT: 8, COMPACT + FINE_LABEL: 16}
     assert choice.frame_bytes[COMPACT] == pytest.approx(2000, abs=1)
-    # 8 Mbit/s: int4-block fits (4.6 ms) and is kept, on both roles and towards an older
-    # peer alike; klt is for links where it does not fit.
-    assert run("activation", 8 * MBIT)[0].frames == {"int4-block": 24}
-    assert run("gradient", 8 * MBIT)[0].frames == {"int4-block": 24}
+    # 8 Mbit/s: int8-block fits (8.7 ms of 10) and is taken once measured, on both roles and
+    # towards an older peer alike; klt is for links where the ladder does not fit.
+    assert run("activation", 8 * MBIT)[0].frames == {COMPACT: 8, "int8-block": 16}
+    assert run("gradient", 8 * MBIT)[0].frames == {COMPACT: 8, "int8-block": 16}
     older = CodecChoice(AUTO, "activation", compute_s=_Compute(), every=4, what="test")
-    assert run("activation", 8 * MBIT, older)[0].frames == {"int4-block": 24}
+    assert run("activation", 8 * MBIT, older)[0].frames == {"int4-block": 8, "int8-block": 16}
     # Gradients keep klt's own step; so do activations on a link where even klt sets the pace.
-    assert run("gradient", 3 * MBIT)[0].frames == {"int4-block": 8, COMPACT: 16}
+    assert run("gradient", 3 * MBIT)[0].frames == {COMPACT: 24}
     slow, codecs = run("activation", 1 * MBIT)
     assert codecs[8:] == [KLT_ACTIVATION] * 16 and not slow.fine
     # The link slows down: back to the default step, with the same sender state (basis).
@@ -722,10 +732,12 @@ def test_the_finer_klt_step_is_read_by_every_klt_decoder_and_errs_less() -> None
     assert errors[1] < 0.6 * errors[0] and sizes[1] > sizes[0]
 
 
-def test_auto_without_a_measured_link_keeps_the_smallest_codec() -> None:
-    compute = _Compute()
-    choice = CodecChoice(AUTO, "gradient", compute_s=compute, every=4, what="test")
-    assert set(_send_steps(choice, compute, 4, per_mb_s=0.01)) == {"int4-block"}
+def test_auto_without_a_measured_link_keeps_the_most_compact_codec_its_peer_decodes() -> None:
+    for decodes_klt, kept in ((False, "int4-block"), (True, COMPACT)):
+        compute = _Compute()
+        choice = CodecChoice(AUTO, "gradient", compute_s=compute, every=4, what="test")
+        choice.peer_decodes_klt = decodes_klt
+        assert set(_send_steps(choice, compute, 4, per_mb_s=0.01)) == {kept}
 
 
 def test_a_named_codec_never_changes() -> None:
@@ -777,15 +789,17 @@ def test_a_slow_link_gets_a_lighter_codec_than_a_fast_one(tmp_path: Path) -> Non
         assert sum(stage[f"{role}_codec_frames"].values()) == steps * 4
         assert set(stage[f"{role}_codec_frames"]) <= candidates
     assert first["gradient_codec"] == "" and last["activation_codec"] == ""
-    # The slow link: measured near its pace; int4-block while nothing is measured (two
-    # steps), then klt both ways, never deflated (its payloads are entropy-coded already).
+    # The slow link: measured near its pace; klt both ways from the first frame (while nothing
+    # is measured, the most compact codec the peer decodes; then the measured choice), never
+    # deflated (its payloads are entropy-coded already).
     assert 0.5 * MBIT < first["downstream_bandwidth_bps"] < 1.1 * MBIT
     assert 0.5 * MBIT < middle["upstream_bandwidth_bps"] < 1.1 * MBIT
-    assert first["activation_codec_frames"] == {"int4-block": 8, COMPACT: steps * 4 - 8}
-    assert middle["gradient_codec_frames"] == {"int4-block": 8, COMPACT: steps * 4 - 8}
+    assert first["activation_codec_frames"] == {COMPACT: steps * 4}
+    assert middle["gradient_codec_frames"] == {COMPACT: steps * 4}
     assert first["activation_deflated_frames"] == 0 == middle["gradient_deflated_frames"]
     # The loopback link: far faster, and a more faithful codec once measured.
     assert middle["downstream_bandwidth_bps"] > 50 * MBIT
+    assert middle["activation_codec_frames"][COMPACT] == 8
     rank = AUTO_LADDER.index
     assert rank(middle["activation_codec"]) < rank("int4-block")
     assert rank(last["gradient_codec"]) < rank("int4-block")

@@ -13,6 +13,9 @@ Environment knobs (all optional):
   STAGES="01"     indices of the stages that see the delay (default: all but the last)
   WU=20           synchronous warm-up steps before the delay applies
   CD=10           the last CD steps synchronous again (a cool-down)
+  WU0=0           the first stage's own warm-up (default WU): it sees the delay from this step
+                  on while the others wait for WU (a warm-up that hides the first link's round
+                  trip)
   WUL=0.6         instead, a measured end: the warm-up lasts until the mean training loss of
                   the last 5 steps is at most WUL x the first step's (printed: the step it ended)
   PRED=1          forwards of delayed stages use weights predicted PRED steps ahead from
@@ -33,6 +36,9 @@ Environment knobs (all optional):
                   as a sender uses it for the role (a stream per boundary and direction, towards
                   a peer that decodes columns), as frames would carry them; FINE=1: activations
                   at klt's fine step
+  START=2         with KLT: the first START steps' boundaries go through int4-block instead (the
+                  sender's variant of each role: gradients with stochastic rounding), as `auto`
+                  sent before it started with klt towards a peer that decodes it
   STALEMB=2       of each step's 4 microbatches, only the first STALEMB run at the delayed
                   weights on a delayed stage (the rest at the current ones: a stage that
                   forwards only that many microbatches ahead of its update; default 4, all)
@@ -50,7 +56,7 @@ import torch
 from sim_klt import KLTStream
 from sim_report import report
 
-from ravnest_node.compression.codecs import Role
+from ravnest_node.compression.codecs import Role, encoder
 from ravnest_node.data.stdlib_bytes import StdlibBytes
 from ravnest_node.models import get_model
 
@@ -67,6 +73,7 @@ stages = [torch.nn.Sequential(*blocks[a:b]) for a, b in zip(bounds[:-1], bounds[
 delayed = env("STAGES", "".join(str(i) for i in range(len(stages) - 1)))
 warmup, predict = int(env("WU", "0")), float(env("PRED", "0"))
 cooldown = int(env("CD", "0"))
+first_warmup = int(env("WU0", str(warmup)))
 loss_ratio = float(env("WUL", "0"))
 if loss_ratio:
     warmup = 1 << 30  # until the loss says otherwise
@@ -122,12 +129,22 @@ stale_rows = 4 * int(env("STALEMB", "4"))
 stale_rows_until = int(env("STALEMB_STEPS", str(1 << 30)))
 klt_roles = env("KLT", "")
 klt_streams: dict[tuple[Role, int], KLTStream] = {}
+int4_start = int(env("START", "0"))
+int4_states: dict[tuple[Role, int], object] = {}
 
 
 def through_klt(role: Role, boundary: int, t: torch.Tensor) -> torch.Tensor:
     """`t` as the receiver decodes it after klt (unchanged unless KLT names the role)."""
     if role[0] not in klt_roles:
         return t
+    if step < int4_start:
+        codec = encoder("int4-block", role)
+        state = int4_states.setdefault((role, boundary), codec.new_state())
+        out = []
+        for mb in t.detach().split(4):
+            params, payload = codec.encode(mb, state)
+            out.append(codec.decode(memoryview(payload), mb.shape, mb.dtype, params))
+        return torch.cat(out)
     stream = klt_streams.get((role, boundary))
     if stream is None:
         fine = role == "activation" and env("FINE") == "1"
@@ -144,8 +161,9 @@ for step in range(steps):
     x, y = data.batch(step, 16)
     current = [copy.deepcopy(s.state_dict()) for s in stages]
     history.append([predicted(s) for s in stages] if predict else current)
-    synchronous = step < warmup or step >= steps - cooldown
-    lags = [delay if str(i) in delayed and not synchronous and delay <= step else 0
+    cooling = step >= steps - cooldown
+    lags = [delay if str(i) in delayed and not cooling and delay <= step
+            and step >= (first_warmup if i == 0 else warmup) else 0
             for i in range(len(stages))]  # fmt: skip
     useds = [history[step - lag][i] if lag else current[i] for i, lag in enumerate(lags)]
     ins, outs, leaves = [], [], []

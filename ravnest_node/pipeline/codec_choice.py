@@ -1,15 +1,22 @@
 """The codec one stage sends one role with over one link: fixed by the run, or chosen by `auto`.
 
 With a named codec this is that codec and its sender state, for the whole run. With `auto` the
-stage starts with the smallest codec of the ladder (nothing is known yet), and re-decides every
-`every` frames (one step's microbatches) with `choose_codec` (compression/auto.py) from:
+stage starts with the most compact codec its peer decodes (nothing is known yet): klt towards
+a peer that decodes it, the ladder's smallest (int4-block) otherwise. It re-decides
+every `every` frames (one step's microbatches) with `choose_codec` (compression/auto.py) from:
 - the link's bandwidth, measured by the worker's probe before the stage starts
-  (`bandwidth_bps`; a link that could not be measured keeps the smallest codec), and
+  (`bandwidth_bps`; a link that could not be measured keeps the codec it started with), and
 - the stage's compute seconds per microbatch: the growth of the stage's compute time over the
   last `every` frames divided by `every`, smoothed over decisions (mean of the last estimate and
   the new one). The first window holds start-up costs (first calls, allocations) and is
-  skipped, so the first decision comes at frame 2 x `every`.
+  skipped, so the first decision comes at frame 2 x `every`. That first decision is free of
+  the hysteresis (the codec it replaces was chosen blind).
 
+Why klt first: on the internet link (10 Mbit/s), where `auto` sends klt from the third step on
+anyway, starting with 8 int4-block frames left the held-out loss +1.55% to +3.42% above
+compute-bound's (mean +2.86%, twelve runs), starting with klt +1.32% to +1.55% (mean +1.42%,
+seven runs; docs/benchmarks.md, "The first frames"). The one-process simulation of the same
+codecs shows no such difference; what in the pipeline makes it is not known.
 Towards a peer that decodes klt (its plan entry says so; an older node does not), klt joins the
 candidates after the ladder's (compression/auto.py, `ranked`: activations at klt's finer step,
 then its default step; it is taken where int4-block does not fit): its size is the mean of the
@@ -121,6 +128,8 @@ class CodecChoice:
         self._every = max(1, every)
         self._kept: dict[str, object | None] = {}  # klt's sender state, kept across switches
         self._current = self._make(AUTO_LADDER[-1] if self.auto else name)
+        self._decided = False
+        """A decision on measurements has been taken (the next ones keep the hysteresis)."""
         self._sizes: list[tuple[str, int]] | None = None
         self._sent = 0
         self._mark_s = 0.0
@@ -192,6 +201,8 @@ class CodecChoice:
         window_s, self._mark_s = now_s - self._mark_s, now_s
         if self._sizes is None:  # the first frame: nothing measured yet
             self._sizes = payload_sizes(self.role, tensor.shape, tensor.dtype)
+            if self.peer_decodes_klt:  # the most compact codec the peer decodes
+                self._current = self._make(COMPACT)
             return
         if self._sent == self._every:  # the first window holds start-up costs: skip it
             return
@@ -210,10 +221,11 @@ class CodecChoice:
             sizes,
             bandwidth_bps=self.bandwidth_bps,
             compute_s=estimate,
-            current=FINE if self.fine else self.name,
+            current=(FINE if self.fine else self.name) if self._decided else None,
             share=self.share,
             coding_s=coding,
         )
+        self._decided = True
         fine, chosen = chosen == FINE, COMPACT if chosen == FINE else chosen
         smallest = self._sizes[-1][1]  # int4-block's (sizes are in ladder order)
         deflate = (

@@ -213,7 +213,7 @@ class LinkMeter:
         peer's other probers and (`own`: the turns of the probes this node takes under
         `epoch`) with the neighbours that measure this node, under plan `epoch`, and give the
         choice the measured bandwidth. A link that cannot be measured is logged and keeps the
-        smallest codec."""
+        codec it starts with (the most compact its peer decodes)."""
         for _, choice, _ in links:
             choice.share = LINK_SHARE / len(links)
         for peer, choice, pace_bps in links:
