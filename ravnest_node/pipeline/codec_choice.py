@@ -14,9 +14,11 @@ every `every` frames (one step's microbatches) with `choose_codec` (compression/
 
 Why klt first: on the internet link (10 Mbit/s), where `auto` sends klt from the third step on
 anyway, starting with 8 int4-block frames left the held-out loss +1.55% to +3.42% above
-compute-bound's (mean +2.86%, twelve runs), starting with klt +1.32% to +1.55% (mean +1.42%,
-seven runs; docs/benchmarks.md, "The first frames"). The one-process simulation of the same
-codecs shows no such difference; what in the pipeline makes it is not known.
+compute-bound's (mean +2.86%, twelve runs), 8 bf16 frames +2.98% to +3.30% (three), starting
+with klt +1.17% to +1.55% (mean +1.39%, nine; docs/benchmarks.md, "The first frames"): klt's
+stream starting two steps late costs the loss, not the first frames' error. The one-process
+simulation of the same codecs shows no such difference; what in the pipeline makes it is not
+known.
 Towards a peer that decodes klt (its plan entry says so; an older node does not), klt joins the
 candidates after the ladder's (compression/auto.py, `ranked`: activations at klt's finer step,
 then its default step; it is taken where int4-block does not fit): its size is the mean of the
