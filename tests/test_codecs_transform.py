@@ -162,6 +162,29 @@ PINNED_KLT = {
 }
 
 
+def _tables_one_alphabet(a: int) -> torch.Tensor:
+    """The models' frequencies over -a..a as the coder first built them, one alphabet at a
+    time (the recurrence run up to a): every node must build the same ones."""
+    p0 = torch.tensor(rans._P0, dtype=torch.int64).repeat_interleave(len(rans._RATIO))
+    ratio = torch.tensor(rans._RATIO, dtype=torch.int64).repeat(len(rans._P0))
+    weights = torch.zeros(rans.MODELS, 2 * a + 1, dtype=torch.int64)
+    weights[:, a] = p0 << 16
+    tail = ((rans.TOTAL - p0) * (rans.TOTAL - ratio)) >> 1
+    for q in range(1, a + 1):
+        weights[:, a + q] = tail
+        weights[:, a - q] = tail
+        tail = (tail * ratio) >> 16
+    freq = 1 + weights * (rans.TOTAL - (2 * a + 1)) // weights.sum(1, keepdim=True)
+    freq[:, a] += rans.TOTAL - freq.sum(1)
+    return freq
+
+
+@pytest.mark.parametrize("a", [0, 1, 2, 7, 44, 81, 126, 200, rans.MAX_CODE])
+def test_rans_tables_are_the_ones_every_node_builds(a: int) -> None:
+    assert torch.equal(rans.tables(a), _tables_one_alphabet(a))
+    assert bool((rans.tables(a).sum(1) == rans.TOTAL).all())
+
+
 def test_rans_wire_format_is_pinned() -> None:
     g = torch.Generator().manual_seed(3)
     spread = torch.tensor([0, 1, 3, 9, 27, 81]).unsqueeze(1)

@@ -50,23 +50,32 @@ MODELS = len(_P0) * len(_RATIO)
 """Number of models a lane may name (one byte)."""
 
 
+@functools.lru_cache(maxsize=1)
+def _weights() -> torch.Tensor:
+    """Unnormalised weights [MODELS, 2 MAX_CODE + 1] of every model over -MAX_CODE..MAX_CODE;
+    a narrower alphabet -a..a takes the middle 2a+1 of them (the weights of |q| do not depend
+    on a). Integer arithmetic only; built once."""
+    p0 = torch.tensor(_P0, dtype=torch.int64).repeat_interleave(len(_RATIO))
+    ratio = torch.tensor(_RATIO, dtype=torch.int64).repeat(len(_P0))
+    weights = torch.zeros(MODELS, 2 * MAX_CODE + 1, dtype=torch.int64)
+    weights[:, MAX_CODE] = p0 << 16
+    # |q| = 1 takes (1 - r) of the tail mass, split between the signs; each next one r times it.
+    tail = ((TOTAL - p0) * (TOTAL - ratio)) >> 1
+    for q in range(1, MAX_CODE + 1):
+        weights[:, MAX_CODE + q] = tail
+        weights[:, MAX_CODE - q] = tail
+        tail = (tail * ratio) >> 16
+    return weights
+
+
 @functools.lru_cache(maxsize=32)
 def tables(a: int) -> torch.Tensor:
     """Frequencies [MODELS, 2a+1] of every model over the codes -a..a (int64, rows sum to
     TOTAL, every entry >= 1). Integer arithmetic only. Cached (both ends build them for every
-    frame): callers must not modify the tensor."""
+    frame, and `a` changes from frame to frame): callers must not modify the tensor."""
     if not 0 <= a <= MAX_CODE:
         raise ValueError(f"codes must lie within -{MAX_CODE}..{MAX_CODE}, not -{a}..{a}")
-    p0 = torch.tensor(_P0, dtype=torch.int64).repeat_interleave(len(_RATIO))
-    ratio = torch.tensor(_RATIO, dtype=torch.int64).repeat(len(_P0))
-    weights = torch.zeros(MODELS, 2 * a + 1, dtype=torch.int64)
-    weights[:, a] = p0 << 16
-    # |q| = 1 takes (1 - r) of the tail mass, split between the signs; each next one r times it.
-    tail = ((TOTAL - p0) * (TOTAL - ratio)) >> 1
-    for q in range(1, a + 1):
-        weights[:, a + q] = tail
-        weights[:, a - q] = tail
-        tail = (tail * ratio) >> 16
+    weights = _weights()[:, MAX_CODE - a : MAX_CODE + a + 1]
     symbols = 2 * a + 1
     freq = 1 + weights * (TOTAL - symbols) // weights.sum(1, keepdim=True)
     freq[:, a] += TOTAL - freq.sum(1)
@@ -75,8 +84,9 @@ def tables(a: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=32)
 def _bits(a: int) -> torch.Tensor:
-    """Bits [2a+1, MODELS] that each model spends on each code -a..a (cached)."""
-    return -torch.log2(tables(a).double() / TOTAL).T.contiguous()
+    """Bits [a+1, MODELS] that each model spends on a code of |q| = 0..a (cached; a model
+    spends the same on q and -q)."""
+    return -torch.log2(tables(a)[:, a:].double() / TOTAL).T.contiguous()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -100,8 +110,11 @@ def encode(codes: torch.Tensor) -> tuple[int, torch.Tensor, bytes]:
     k = 2 * a + 1
     symbols = codes.to(torch.int32) + a
     offsets = (torch.arange(lanes, dtype=torch.int32) * k).unsqueeze(1)
-    hist = torch.bincount((symbols + offsets).reshape(-1), minlength=lanes * k)
-    cost = hist.view(lanes, k).double() @ _bits(a)  # [lanes, MODELS]
+    hist = torch.bincount((symbols + offsets).reshape(-1), minlength=lanes * k).view(lanes, k)
+    # Each lane's length under every model, from its counts of |q| (the models are symmetric).
+    folded = hist[:, a:].double()
+    folded[:, 1:] += hist[:, :a].flip(1)
+    cost = folded @ _bits(a)  # [lanes, MODELS]
     # (numpy's argmin, like torch's, takes the first of equal costs; it is the faster one here)
     lane_model = cost.numpy().argmin(1).astype(np.uint8)
     model = torch.from_numpy(lane_model)

@@ -18,7 +18,10 @@ compute-bound's (mean +2.86%, twelve runs), 8 bf16 frames +2.98% to +3.30% (thre
 with klt +1.17% to +1.55% (mean +1.39%, nine; docs/benchmarks.md, "The first frames"): klt's
 stream starting two steps late costs the loss, not the first frames' error. The one-process
 simulation of the same codecs shows no such difference; what in the pipeline makes it is not
-known.
+known. (On a noisier day the same code ended five internet runs at +1.27% to +1.43% and five at
++2.25% to +3.65%, parting right after the warm-up: docs/benchmarks.md, "Where the internet runs
+part ways".)
+
 Towards a peer that decodes klt (its plan entry says so; an older node does not), klt joins the
 candidates after the ladder's (compression/auto.py, `ranked`: activations at klt's finer step,
 then its default step; it is taken where int4-block does not fit): its size is the mean of the
