@@ -266,6 +266,8 @@ def test_round_admission() -> None:
         {"clip_ratio": 0.9},
         {"clip_ratio": math.nan},
         {"ban_after": -1},
+        {"lands_after": -1},
+        {"lands_after": 1.5},
     ],
 )
 def test_config_validation(field: dict[str, Any]) -> None:

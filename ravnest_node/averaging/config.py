@@ -45,6 +45,11 @@ class AveragingConfig:
     (math.inf: no clipping)."""
     ban_after: int = 3
     """A replica whose delta is rejected in this many rounds is banned for the run (0: never)."""
+    lands_after: int = 0
+    """Where a round's mean is applied. 0: as soon as it arrives, between two microbatches
+    (when is a matter of timing). k >= 1: right after the k-th optimizer step following the
+    round's start, waited for if it is late, so that a synchronous run (`--max-staleness 0`)
+    trains the same weights every time."""
 
     def __post_init__(self) -> None:
         if type(self.every_steps) is not int or self.every_steps < 1:
@@ -72,6 +77,10 @@ class AveragingConfig:
             )
         if type(self.ban_after) is not int or self.ban_after < 0:
             raise ConfigError(f"ban_after={self.ban_after!r}: must be an int >= 0 (0: never ban)")
+        if type(self.lands_after) is not int or self.lands_after < 0:
+            raise ConfigError(
+                f"lands_after={self.lands_after!r}: must be an int >= 0 (0: when it arrives)"
+            )
 
     def round_due(self, step: int) -> bool:
         """Whether an outer round starts after optimizer step `step` (1-based count of steps

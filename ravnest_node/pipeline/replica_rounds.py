@@ -2,8 +2,10 @@
 
 **Replica averaging**: with several pipelines, every `average_every` steps the stage takes its
 parameter delta and averages it with its replica group in the background (DiLoCo outer step,
-docs/averaging.md); the result is applied between two microbatches when it arrives, and new
-forwards use the averaged weights from then on.
+docs/averaging.md); the result is applied between two microbatches when it arrives, or, where
+the config fixes where it lands (`AveragingConfig.lands_after`, synchronous runs), right after
+that many more optimizer steps, waited for if late. New forwards use the averaged weights from
+then on.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class ReplicaRounds:
         self._wake = wake
         self._stage = stage
         self._round: asyncio.Task[RoundResult] | None = None
+        self._began_at = 0
+        """The version the round in flight began after."""
 
     def due(self, version: int) -> bool:
         """A round begins now that `version` steps are applied."""
@@ -59,8 +63,19 @@ class ReplicaRounds:
 
     @property
     def arrived(self) -> bool:
-        """The round in flight has its result: `finish` applies it without waiting."""
-        return self._round is not None and self._round.done()
+        """The round in flight has its result and may be applied whenever it arrives: `finish`
+        applies it without waiting. False where the config fixes where rounds land (`lands`)."""
+        return (
+            self._round is not None
+            and self._round.done()
+            and not self._averaging.config.lands_after
+        )
+
+    def lands(self, version: int) -> bool:
+        """The round in flight is to be applied now that `version` steps are applied (waited
+        for if it is late): `lands_after` steps after the one it began after."""
+        after = self._averaging.config.lands_after
+        return self._round is not None and after > 0 and version >= self._began_at + after
 
     async def begin(self, version: int) -> None:
         """Take this replica's delta and average it with the group in the background. A round
@@ -72,6 +87,7 @@ class ReplicaRounds:
         compute = self._compute
         delta = await compute.call(compute.weights.begin_round)
         round_number = self._averaging.config.round_of(version)
+        self._began_at = version
         self._round = asyncio.create_task(
             self._averaging.averager.average(round_number, delta, step=version)
         )

@@ -132,8 +132,8 @@ class StageRuntime:
             # Records from the downstream come over the link gradients go up, and back.
             auditor.budget(
                 lambda backward: (
-                    self.activation_codec if backward else self.gradient_codec
-                ).bandwidth_bps,
+                    (self.activation_codec if backward else self.gradient_codec).bandwidth_bps
+                ),
                 first_bytes=sum(p.numel() for b in blocks for p in b.parameters()),
             )
         self._evals = Evaluations(run.eval_microbatches)
@@ -580,6 +580,8 @@ class StageRuntime:
         loss = loss if self.spec.is_last else math.nan
         self.last_loss = loss
         self._inbox.wake.set()  # the bound moved: forwards may be allowed now
+        if self._rounds is not None and self._rounds.lands(self.version):
+            await self._rounds.finish()  # (before the next step's forwards: the same every run)
         if self._rounds is not None and self._rounds.due(self.version):
             await self._rounds.begin(self.version)
         every = self.run_config.checkpoint_every

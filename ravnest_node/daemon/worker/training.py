@@ -543,6 +543,8 @@ class StageTrainer:
             momentum=run.outer_momentum,
             codec=run.average_codec,
             timeout_s=run.average_timeout_s,
+            # A synchronous run lands each round one step after it began, whatever the timing.
+            lands_after=1 if run.max_staleness == 0 else 0,
         )
         # The stage's parameters in the order its delta concatenates them (stage.py).
         params = list(torch.nn.Sequential(*blocks).parameters())
