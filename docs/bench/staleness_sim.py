@@ -35,7 +35,8 @@ Environment knobs (all optional):
   KLT=ag          the boundaries' activations (a) and/or gradients (g) go through the klt codec
                   as a sender uses it for the role (a stream per boundary and direction, towards
                   a peer that decodes columns), as frames would carry them; FINE=1: activations
-                  at klt's fine step
+                  at klt's fine step; GALPHA=0.2: gradients at that step (of the tensor's rms)
+                  instead of 0.35
   START=2         with KLT: the first START steps' boundaries go through int4-block instead (the
                   sender's variant of each role: gradients with stochastic rounding), as `auto`
                   sent before it started with klt towards a peer that decodes it
@@ -48,6 +49,7 @@ Environment knobs (all optional):
 """
 
 import copy
+import dataclasses
 import math
 import os
 import sys
@@ -149,6 +151,8 @@ def through_klt(role: Role, boundary: int, t: torch.Tensor) -> torch.Tensor:
     if stream is None:
         fine = role == "activation" and env("FINE") == "1"
         stream = klt_streams[role, boundary] = KLTStream.new(role, fine=fine)
+        if role == "gradient" and env("GALPHA"):  # another step for the gradients
+            stream.codec = dataclasses.replace(stream.codec, alpha=float(env("GALPHA")))
     # A frame per microbatch of 4, as the pipeline sends.
     return torch.cat([stream.through(mb)[0] for mb in t.detach().split(4)])
 
