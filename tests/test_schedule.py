@@ -35,10 +35,11 @@ def _schedule(
     start_step: int = 0,
     **run: Any,
 ) -> Schedule:
-    """Stage `index` of `num_stages`, at `start_step` of a run of 6 steps (or `run`'s)."""
-    config = TrainConfig(
-        **({"model": "tiny", "steps": 6, "batch_size": M * MB, "microbatches": M} | run)
-    )
+    """Stage `index` of `num_stages`, at `start_step` of a run of 6 steps (or `run`'s); a
+    step ahead runs whole and without waiting for backwards unless `run` says otherwise."""
+    base = {"model": "tiny", "steps": 6, "batch_size": M * MB, "microbatches": M,
+            "stale_microbatches": 0, "stale_after_backwards": 0}  # fmt: skip
+    config = TrainConfig(**(base | run))
     spec = StageSpec(index=index, num_stages=num_stages, first_block=index, stop_block=index + 1)
     return Schedule(spec, config, start_step=start_step, forward=FORWARD, backward=BACKWARD)
 
@@ -127,10 +128,34 @@ def test_only_a_steps_first_stale_microbatches_run_ahead_of_its_update() -> None
     assert all(unlimited.may_forward(seq) for seq in range(2 * M))
 
 
+def test_a_step_runs_ahead_only_once_stale_after_backwards_of_the_update_are_in() -> None:
+    schedule = _schedule(index=0, max_staleness=1, staleness_warmup_steps=0,
+                         microbatches=M, stale_microbatches=1, stale_after_backwards=1)  # fmt: skip
+    assert all(schedule.may_forward(seq) for seq in range(M))  # step 0 at version 0
+    assert not schedule.may_forward(M)  # step 1's first: none of step 0's backwards is in
+    assert not schedule.microbatch_done(0)
+    assert schedule.may_forward(M) and not schedule.may_forward(M + 1)  # one in: the first
+    assert schedule.microbatch_done(1)
+    schedule.stepped()
+    assert schedule.may_forward(M + 1)  # the update landed: the rest of step 1
+    assert not schedule.may_forward(2 * M)  # step 2's first waits for step 1's backwards again
+
+
+def test_stale_after_backwards_is_checked_and_travels_in_the_run_spec() -> None:
+    with pytest.raises(ConfigError, match="stale_after_backwards"):
+        TrainConfig(model="tiny", batch_size=M * MB, microbatches=M, stale_after_backwards=-1)
+    config = TrainConfig(model="tiny", batch_size=M * MB, microbatches=M, stale_after_backwards=1)
+    assert TrainConfig.from_proto(config.to_proto("x")).stale_after_backwards == 1
+    # At most microbatches - 1: the last backward lands the update (the default of 2 with
+    # 2 microbatches waits for one, with 1 for none).
+    for microbatches, after in ((1, 0), (2, 1), (4, 2)):
+        run = TrainConfig(model="tiny", batch_size=4 * microbatches, microbatches=microbatches)
+        assert run.ahead_after == after
+
+
 def test_stale_microbatches_is_checked_and_travels_in_the_run_spec() -> None:
-    for bad in (-1, M + 1):
-        with pytest.raises(ConfigError, match="stale_microbatches"):
-            TrainConfig(model="tiny", batch_size=M * MB, microbatches=M, stale_microbatches=bad)
+    with pytest.raises(ConfigError, match="stale_microbatches"):
+        TrainConfig(model="tiny", batch_size=M * MB, microbatches=M, stale_microbatches=-1)
     config = TrainConfig(model="tiny", batch_size=M * MB, microbatches=M, stale_microbatches=1)
     assert TrainConfig.from_proto(config.to_proto("x")).stale_microbatches == 1
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from .conftest import demo_summary
 
 
@@ -19,7 +21,8 @@ def test_a_slow_stage_never_breaks_the_bound(tmp_path: Path) -> None:
     s = _demo(
         tmp_path, "slow", "--steps", str(steps), "--max-staleness", str(staleness),
         "--microbatches", str(microbatches), "--fault-slow-stage", "1", "--fault-slow-ms", "15",
-        "--staleness-warmup-steps", "0",
+        "--staleness-warmup-steps", "0", "--stale-microbatches", "0",
+        "--stale-after-backwards", "0",
     )  # fmt: skip
     window = (staleness + 1) * microbatches
     first, middle, last = s["stages"]
@@ -39,16 +42,22 @@ def test_a_slow_stage_never_breaks_the_bound(tmp_path: Path) -> None:
     assert s["max_staleness"] == staleness
 
 
-def test_only_the_first_stale_microbatches_of_a_step_run_ahead(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ahead, after", [(1, 0), (2, 2)])
+def test_only_the_first_stale_microbatches_of_a_step_run_ahead(
+    tmp_path: Path, ahead: int, after: int
+) -> None:
     """With stale_microbatches, a stage runs at most that many microbatches of a step forward
     before the update they follow; the rest wait for it and count as fresh. The last stage's
     slowness keeps the first stage waiting for gradients, so without the setting it runs the
-    whole next step ahead (the first assertion of the test above)."""
-    ahead, microbatches, steps, warmup = 1, 4, 16, 4
+    whole next step ahead (the first assertion of the test above). With stale_after_backwards
+    (the defaults, 2 and 2) it still fills that wait with the next step's first microbatches,
+    once the update's first backwards are in (on the weights their gradients predict)."""
+    microbatches, steps, warmup = 4, 16, 4
     s = _demo(
         tmp_path, "capped", "--steps", str(steps), "--max-staleness", "1",
         "--microbatches", str(microbatches), "--fault-slow-stage", "2", "--fault-slow-ms", "15",
         "--staleness-warmup-steps", str(warmup), "--stale-microbatches", str(ahead),
+        "--stale-after-backwards", str(after),
     )  # fmt: skip
     first, middle, last = s["stages"]
     asynchronous = steps - warmup
@@ -57,5 +66,5 @@ def test_only_the_first_stale_microbatches_of_a_step_run_ahead(tmp_path: Path) -
     assert last["staleness_histogram"] == [steps * microbatches, 0]
     for stage in s["stages"]:  # a step ahead may hold two snapshots: its first K's and the rest's
         assert stage["max_weight_versions"] <= 2 * 2
-    assert s["stale_microbatches"] == ahead
+    assert (s["stale_microbatches"], s["stale_after_backwards"]) == (ahead, after)
     assert s["final_loss"] < s["initial_loss"]

@@ -10,6 +10,7 @@ import torch
 
 from ravnest_node.pipeline.compute import StageCompute
 from ravnest_node.pipeline.run import TrainConfig
+from ravnest_node.pipeline.weights import StageWeights
 from ravnest_node.transport.frames import FrameLimits, parse_frame
 
 from .conftest import tiny_middle_compute
@@ -144,3 +145,53 @@ def test_the_setting_travels_in_the_run_spec() -> None:
     for predict in (True, False):
         config = TrainConfig(model="tiny", weight_prediction=predict)
         assert TrainConfig.from_proto(config.to_proto("x")).weight_prediction is predict
+
+
+def _weights(after: int) -> tuple[StageWeights, torch.nn.Module]:
+    """Weights of a small stage (seed 0) that runs two microbatches of a step ahead, once
+    `after` of the update's microbatches are in."""
+    torch.manual_seed(0)
+    run = TrainConfig(
+        model="tiny", steps=8, batch_size=16, microbatches=M, max_staleness=1,
+        staleness_warmup_steps=0, codec="none", stale_microbatches=2,
+        stale_after_backwards=after,
+    )  # fmt: skip
+    blocks = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    return StageWeights(blocks, run, first_block=0), blocks
+
+
+def _backward(stage: tuple[StageWeights, torch.nn.Module], seq: int, version: int,
+              x: torch.Tensor) -> None:  # fmt: skip
+    """Microbatch seq's forward and backward on its snapshot, its gradients moved in."""
+    weights, blocks = stage
+    _, snapshot = weights.for_forward(seq, version)
+    torch.func.functional_call(blocks, snapshot, (x,)).square().mean().backward()
+    weights.release(snapshot)
+
+
+@pytest.mark.parametrize("after", [1, 2, 3])
+def test_with_the_updates_own_gradients_the_snapshot_is_the_step_they_make(after: int) -> None:
+    """A step one ahead, once `after` of the update's microbatches are in, runs on AdamW's
+    step with their gradient scaled to the whole step: with every microbatch alike it is
+    exactly the update that lands (to float rounding), where the moments' prediction is not."""
+    x = torch.randn(4, 6)
+    snapshots, landed = [], []
+    for setting in (after, 0):
+        stage = _weights(setting)
+        weights = stage[0]
+        for seq in range(M):  # step 0: AdamW's moments set
+            _backward(stage, seq, 0, torch.randn(4, 6))
+        weights.step()
+        for seq in range(M, M + after):  # step 1's first microbatches, at version 1
+            _backward(stage, seq, 1, x)
+        _, ahead = weights.for_forward(2 * M, version=1)  # step 2's first, one ahead
+        for seq in range(M + after, 2 * M):
+            _backward(stage, seq, 1, x)
+        weights.step()
+        snapshots.append(ahead)
+        landed.append({name: p.detach().clone() for name, p in weights.params.items()})
+    for name, value in landed[0].items():
+        assert torch.allclose(snapshots[0][name], value, rtol=0, atol=1e-6), name
+    assert any(
+        not torch.allclose(snapshots[1][n], v, rtol=0, atol=1e-6) for n, v in landed[1].items()
+    )

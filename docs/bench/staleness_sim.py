@@ -44,6 +44,15 @@ Environment knobs (all optional):
                   weights on a delayed stage (the rest at the current ones: a stage that
                   forwards only that many microbatches ahead of its update; default 4, all)
   STALEMB_STEPS=20  STALEMB only for the steps before this one (all 4 after)
+  WUA=2           the stages in STAGES run the first WUA_N (default 1) microbatches of each
+                  synchronous step from step WUA_FROM (default 1) to the warm-up's end (WU;
+                  WU=STEPS makes the whole run so) ahead of the update they follow, on AdamW's
+                  step with the gradient of that update's first WUA microbatches scaled to the
+                  whole step (the runtime's `stale_after_backwards`); WUA=4 is synchronous
+                  training exactly. WUA_FILL=m: the missing microbatches' share from the first
+                  moment instead of scaling
+  PARTIAL_STAGES=1  with WUA, these delayed stages use that prediction after the warm-up too,
+                  instead of the moments' alone
   TRACE=1         also print the training loss of every step
   SEED=0          model and data seed
 """
@@ -157,6 +166,41 @@ def through_klt(role: Role, boundary: int, t: torch.Tensor) -> torch.Tensor:
     return torch.cat([stream.through(mb)[0] for mb in t.detach().split(4)])
 
 
+wua = int(env("WUA", "0"))
+wua_n = int(env("WUA_N", "1"))
+wua_from = int(env("WUA_FROM", "1"))
+ahead_next: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def predict_partial(i: int, leaves_i: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stage i's next weights as AdamW's step makes them from the gradient of the step's first
+    `wua` microbatches (leaves_i: each microbatch's weight leaves), scaled to the step."""
+    weights = copy.deepcopy(stages[i].state_dict())
+    for name, p in stages[i].named_parameters():
+        group = next(g for g in opt.param_groups if any(p is q for q in g["params"]))
+        gs = [leaves_i[j][name].grad for j in range(wua) if leaves_i[j][name].grad is not None]
+        if not gs:
+            continue
+        state = opt.state.get(p)
+        if env("WUA_FILL") == "m" and state:
+            m_hat = state["exp_avg"] / (1 - group["betas"][0] ** float(state["step"]))
+            g = sum(gs) + (4 - wua) / 4 * m_hat
+        else:
+            g = sum(gs) * (4 / wua)
+        b1, b2 = group["betas"]
+        if state:
+            k, m, v = float(state["step"]), state["exp_avg"], state["exp_avg_sq"]
+        else:
+            k, m, v = 0.0, torch.zeros_like(g), torch.zeros_like(g)
+        m2, v2 = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        mh, vh = m2 / (1 - b1 ** (k + 1)), v2 / (1 - b2 ** (k + 1))
+        w = p.detach()
+        weights[name] = w * (1 - group["lr"] * group["weight_decay"]) - group["lr"] * mh / (
+            vh.sqrt() + group["eps"]
+        )
+    return weights
+
+
 history: list[list[dict[str, torch.Tensor]]] = []  # per step: the weights a delayed forward uses
 losses = []
 for step in range(steps):
@@ -169,7 +213,17 @@ for step in range(steps):
     lags = [delay if str(i) in delayed and not cooling and delay <= step
             and step >= (first_warmup if i == 0 else warmup) else 0
             for i in range(len(stages))]  # fmt: skip
-    useds = [history[step - lag][i] if lag else current[i] for i, lag in enumerate(lags)]
+    pstages = env("PARTIAL_STAGES", "")
+    useds = [
+        (
+            ahead_next[i]
+            if str(i) in pstages and lag == 1 and i in ahead_next
+            else history[step - lag][i]
+        )
+        if lag
+        else current[i]
+        for i, lag in enumerate(lags)
+    ]
     ins, outs, leaves = [], [], []
     h = x
     for i, stage in enumerate(stages):
@@ -178,6 +232,12 @@ for step in range(steps):
         parts = [(used, slice(0, None))]
         if lags[i] and stale_rows < len(hin) and step < stale_rows_until:
             parts = [(used, slice(0, stale_rows)), (current[i], slice(stale_rows, None))]
+        if wua:
+            look = str(i) in delayed and wua_from <= step < warmup and not lags[i]
+            parts = [
+                ((ahead_next[i] if look and j < wua_n else used), slice(4 * j, 4 * j + 4))
+                for j in range(4)
+            ]
         ws, pieces = [], []
         for weights, rows in parts:
             w = {k: t.clone().requires_grad_(True) for k, t in weights.items()
@@ -215,6 +275,10 @@ for step in range(steps):
                     else 1.0
                 )
             p.grad = g
+    if wua:
+        for i in range(len(stages)):
+            if str(i) in delayed and len(leaves[i]) == 4:
+                ahead_next[i] = predict_partial(i, leaves[i])
     if ramp:
         f = min(1.0, (step + 1) / ramp)
         opt.param_groups[0]["lr"] = lr * float(env("ELRS", "1")) * f

@@ -107,6 +107,7 @@ class SystemRunner:
             "max_staleness": t.max_staleness,
             "staleness_warmup_steps": t.staleness_warmup_steps,
             "stale_microbatches": t.stale_microbatches,
+            "stale_after_backwards": t.stale_after_backwards,
             "weight_prediction": t.weight_prediction,
             "replicas": 1,
             "seed": t.seed,

@@ -261,9 +261,7 @@ class AuditRecords:
         return len(self._records)
 
 
-def _unpacked(
-    record: AuditRecord, own: dict[str, torch.nn.Parameter]
-) -> dict[str, torch.Tensor]:
+def _unpacked(record: AuditRecord, own: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
     """A received record's weights, decoded: each checked against the parameter of its name
     (its shape, and its payload's size for that shape) before anything is allocated."""
     assert record.packed is not None

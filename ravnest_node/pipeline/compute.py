@@ -117,9 +117,7 @@ class StageCompute:
         """seq -> what its backward needs."""
         self.step_loss = 0.0
         """Last stage: the sum of the current step's microbatch losses."""
-        self.records = (
-            AuditRecords(run.microbatches) if run.audit_share else None
-        )
+        self.records = AuditRecords(run.microbatches) if run.audit_share else None
         """What this stage computed its last step's worth of outputs from, for its neighbours'
         audits (audit.py): at most one weight snapshot more than the stash holds anyway; None
         in a run without audits."""

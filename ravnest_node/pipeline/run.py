@@ -90,12 +90,20 @@ class TrainConfig:
     staleness_warmup_steps: int = 20
     """Steps trained synchronously before max_staleness applies: stale gradients hurt most
     while the loss falls fastest (PipeMare, arXiv 1910.05124, warms up for the same reason)."""
-    stale_microbatches: int = 0
+    stale_microbatches: int = 2
     """Of each step's microbatches, how many a stage may run forward before the update they
     follow has landed (with staleness): the step's first ones; the rest wait for the update
-    and run with its weights. 0: all of them. Fewer cost less loss and more time: 1 of 4
-    took 0.3-1.1 points off the held-out loss and cost 6-8% of an asynchronous step on lan
-    and home links, 27% on internet (docs/benchmarks.md)."""
+    and run with its weights. 0, or as many as the step has: all of them."""
+    stale_after_backwards: int = 2
+    """A microbatch may run forward ahead of the update it follows only once this many of
+    that update's microbatches have run backward on the stage (at most microbatches - 1);
+    with weight prediction it then runs on the weights AdamW's step makes from their
+    gradients, scaled to the whole step, rather than on the moments' prediction: close to
+    the weights the update lands. 0: no wait, the moments alone. With the defaults (2 and 2
+    of 4 microbatches) the held-out loss of the pipeline bench came within 0.5% of synchronous
+    training's on the home and internet links, against +1.1-3.0% with the whole step ahead
+    (0 and 0), at the same speed within the runs' noise (docs/architecture.md, "How many
+    microbatches run ahead, and when")."""
     weight_prediction: bool = True
     """A microbatch that runs forward s optimizer steps before the step its gradient joins
     (staleness s >= 1) uses the weights AdamW's moments predict s steps ahead, and its backward
@@ -275,11 +283,9 @@ class TrainConfig:
                 f"max_staleness={self.max_staleness}: must be 0 to {MAX_STALENESS} (each unit "
                 "keeps one more step of microbatches and one more weight copy in flight)"
             )
-        if not 0 <= self.stale_microbatches <= self.microbatches:
-            raise ConfigError(
-                f"stale_microbatches={self.stale_microbatches}: must be 0 (all) to "
-                f"microbatches={self.microbatches}"
-            )
+        for name in ("stale_microbatches", "stale_after_backwards"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
 
     def _check_replicas(self) -> None:
         """Pipelines side by side, and how their replicas average."""
@@ -361,6 +367,13 @@ class TrainConfig:
         (one of the first stale_microbatches of its step)."""
         return not self.stale_microbatches or seq % self.microbatches < self.stale_microbatches
 
+    @property
+    def ahead_after(self) -> int:
+        """Backwards of the current update a stage waits for before it runs a microbatch
+        ahead: stale_after_backwards, at most microbatches - 1 (the last one lands the
+        update)."""
+        return min(self.stale_after_backwards, self.microbatches - 1)
+
     def staleness_bound(self, step: int) -> int:
         """The most updates microbatches of `step` may see between forward and backward:
         0 during the warm-up, max_staleness after."""
@@ -406,6 +419,7 @@ class TrainConfig:
             staleness_warmup_steps=self.staleness_warmup_steps,
             weight_prediction=self.weight_prediction,
             stale_microbatches=self.stale_microbatches,
+            stale_after_backwards=self.stale_after_backwards,
             data_fingerprint=data_fingerprint,
             schedule=_SCHEDULE_TO_PB[self.schedule],
             checkpoint_every=self.checkpoint_every,
@@ -460,6 +474,7 @@ class TrainConfig:
             staleness_warmup_steps=spec.staleness_warmup_steps,
             weight_prediction=spec.weight_prediction,
             stale_microbatches=spec.stale_microbatches,
+            stale_after_backwards=spec.stale_after_backwards,
             schedule=schedule,
             checkpoint_every=spec.checkpoint_every,
             recompute=spec.recompute,

@@ -165,11 +165,12 @@ class Schedule:
         """The staleness bound: microbatch seq (of step seq // microbatches) may run forward
         with the current weights only if they are at most max_staleness versions behind (0
         during the synchronous warm-up), and while they are behind at all only if it is one of
-        its step's first `stale_microbatches`."""
+        its step's first `stale_microbatches` and `stale_after_backwards` of the current
+        version's microbatches have run backward here."""
         step = seq // self.run.microbatches
         behind = step - self.version
         return behind <= self.run.staleness_bound(step) and (
-            behind <= 0 or self.run.may_run_ahead(seq)
+            behind <= 0 or (self.run.may_run_ahead(seq) and self.step_done >= self.run.ahead_after)
         )
 
     def may_produce(self) -> bool:

@@ -18,6 +18,16 @@ the synchronous warm-up on bench-small it takes 40-45% off the loss that stalene
 snapshot is the current version's, taken at its first forward and shared by the steps that
 run forward with it.
 
+**The update's own gradients** (`stale_after_backwards` P > 0): a stage then runs a step ahead
+only once P of the current update's microbatches have run backward here, and the snapshot of
+a step one ahead is AdamW's step itself with the gradient those P give, scaled to the whole
+step (g = sum x microbatches / P): the update that lands differs from it only by the rest of
+the step's microbatches. The moments alone miss the step's own gradient, which AdamW weighs by
+1 - beta1 and which, early in training, sets the sign of most coordinates' move; in the
+one-process simulation (docs/bench/staleness_sim.py, `WUA`) two microbatches run ahead this way
+once two are in cost +0.01% of held-out loss against synchronous training, where the whole step
+ahead on the moments' prediction cost +1.34% (seeds 0-3, mean; docs/benchmarks.md).
+
 **On a device** the parameters, AdamW's moments and the snapshots all live on the stage's
 device, in float32 whatever the compute precision (autocast casts in the matmuls); AdamW is
 torch's fused kernel on CUDA. **Loss scaling** (fp16, run.py's FP16_LOSS_SCALE): `step`
@@ -89,6 +99,9 @@ class StageWeights:
         # still running forward (weight stashing), or _THIS_VERSION -> the current version's
         # without weight prediction; microbatches in flight hold theirs.
         self._step_weights: dict[int, tuple[int, Weights]] = {}
+        self._with_gradients = run.ahead_after > 0
+        self._backwards = 0
+        """Microbatches whose gradients `release` moved in since the last step."""
 
     def for_forward(self, seq: int, version: int) -> tuple[int, Weights]:
         """The version and snapshot microbatch `seq` runs forward with, the weights being at
@@ -105,7 +118,10 @@ class StageWeights:
             key, ahead = _THIS_VERSION, 0
         held = self._step_weights.get(key)
         if held is None or (self._refresh and held[0] != version):
-            held = (version, self.snapshot(ahead))
+            if ahead == 1 and self._with_gradients and self._backwards and self._finite():
+                held = (version, self.step_snapshot())
+            else:
+                held = (version, self.snapshot(ahead))
             self._step_weights[key] = held
         if key != _THIS_VERSION and seq % m == m - 1:
             del self._step_weights[key]
@@ -129,6 +145,42 @@ class StageWeights:
                 snapshot[name] = w.requires_grad_(True)
         return snapshot
 
+    def step_snapshot(self) -> Weights:
+        """Copies of the parameters after the AdamW step that the gradients moved in so far
+        would make, scaled to the whole step (as `step` applies it: decoupled weight decay,
+        then the moments' update with bias correction)."""
+        group = self.optimizer.param_groups[0]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        scale = self._microbatches / self._backwards / self.loss_scale
+        snapshot = {}
+        with torch.no_grad():
+            for name, p in self.params.items():
+                w = p.detach().clone()
+                if p.grad is not None:
+                    g = p.grad * scale
+                    state = self.optimizer.state.get(p)
+                    k = float(state["step"]) + 1 if state else 1.0
+                    m = (1 - beta1) * g
+                    v = (1 - beta2) * g * g
+                    if state:
+                        m += beta1 * state["exp_avg"]
+                        v += beta2 * state["exp_avg_sq"]
+                    w.mul_(1 - lr * wd)
+                    w -= lr * (m / (1 - beta1**k)) / ((v / (1 - beta2**k)).sqrt() + eps)
+                snapshot[name] = w.requires_grad_(True)
+        return snapshot
+
+    def _finite(self) -> bool:
+        """Whether the gradients moved in so far are finite: always without loss scaling (a
+        float32 or bfloat16 run's are, or the run fails anyway); with it (fp16), checked, and a
+        step whose gradients overflowed is predicted from the moments instead."""
+        if self.loss_scale == 1.0:
+            return True
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        with torch.no_grad():
+            return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
     def live_versions(self, held: Iterable[Weights]) -> int:
         """Weight snapshots alive: those of steps still running forward and those `held` by
         microbatches in flight."""
@@ -150,6 +202,7 @@ class StageWeights:
                 else:
                     p.grad += g
                 snapshot[name].grad = None
+        self._backwards += 1
 
     def step(self, *, skip: bool = False) -> bool:
         """Apply the gradients collected since the last step, divided by the loss scale
@@ -160,6 +213,7 @@ class StageWeights:
         if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._backwards = 0
         self._step_weights.pop(_THIS_VERSION, None)  # stale now; microbatches in flight keep it
         return applied
 

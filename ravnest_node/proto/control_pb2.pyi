@@ -345,7 +345,7 @@ class WatchPlanRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s", "staleness_warmup_steps", "fault_slow_link", "fault_link_kbps", "checkpoint_every", "fault_poison_pipeline", "recompute", "stages", "weight_prediction", "precision", "eval_every", "eval_batches", "fault_lie_stage", "fault_lie_after", "fault_lie_kind", "audit_share", "stale_microbatches")
+    __slots__ = ("model", "steps", "batch_size", "microbatches", "lr", "weight_decay", "seed", "max_staleness", "data_fingerprint", "fault_skip_step_stage", "schedule", "activation_codec", "gradient_codec", "lz4", "dataset_samples", "fault_slow_stage", "fault_slow_ms", "pipelines", "average_every", "outer_lr", "outer_momentum", "average_codec", "average_timeout_s", "staleness_warmup_steps", "fault_slow_link", "fault_link_kbps", "checkpoint_every", "fault_poison_pipeline", "recompute", "stages", "weight_prediction", "precision", "eval_every", "eval_batches", "fault_lie_stage", "fault_lie_after", "fault_lie_kind", "audit_share", "stale_microbatches", "stale_after_backwards")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +385,7 @@ class RunSpec(_message.Message):
     FAULT_LIE_KIND_FIELD_NUMBER: _ClassVar[int]
     AUDIT_SHARE_FIELD_NUMBER: _ClassVar[int]
     STALE_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    STALE_AFTER_BACKWARDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     steps: int
     batch_size: int
@@ -424,7 +425,8 @@ class RunSpec(_message.Message):
     fault_lie_kind: str
     audit_share: float
     stale_microbatches: int
-    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., fault_poison_pipeline: _Optional[int] = ..., recompute: _Optional[bool] = ..., stages: _Optional[int] = ..., weight_prediction: _Optional[bool] = ..., precision: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., fault_lie_stage: _Optional[int] = ..., fault_lie_after: _Optional[int] = ..., fault_lie_kind: _Optional[str] = ..., audit_share: _Optional[float] = ..., stale_microbatches: _Optional[int] = ...) -> None: ...
+    stale_after_backwards: int
+    def __init__(self, model: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., fault_skip_step_stage: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., lz4: _Optional[bool] = ..., dataset_samples: _Optional[int] = ..., fault_slow_stage: _Optional[int] = ..., fault_slow_ms: _Optional[int] = ..., pipelines: _Optional[int] = ..., average_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_codec: _Optional[str] = ..., average_timeout_s: _Optional[float] = ..., staleness_warmup_steps: _Optional[int] = ..., fault_slow_link: _Optional[int] = ..., fault_link_kbps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., fault_poison_pipeline: _Optional[int] = ..., recompute: _Optional[bool] = ..., stages: _Optional[int] = ..., weight_prediction: _Optional[bool] = ..., precision: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., fault_lie_stage: _Optional[int] = ..., fault_lie_after: _Optional[int] = ..., fault_lie_kind: _Optional[str] = ..., audit_share: _Optional[float] = ..., stale_microbatches: _Optional[int] = ..., stale_after_backwards: _Optional[int] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("index", "first_block", "stop_block", "node_id", "address", "pipeline", "relayed", "unpacks_deflate", "member_key_sha256", "decodes_klt", "klt_coder")

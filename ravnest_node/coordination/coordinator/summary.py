@@ -111,6 +111,7 @@ def _settings(t: TrainConfig, fingerprint: str) -> dict[str, Any]:
         "lz4": t.lz4,
         "max_staleness": t.max_staleness,
         "stale_microbatches": t.stale_microbatches,
+        "stale_after_backwards": t.stale_after_backwards,
         "weight_prediction": t.weight_prediction,
         "seed": t.seed,
         "lr": t.lr,
