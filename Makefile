@@ -45,7 +45,7 @@ browser:
 		|| echo "no chromium: the browser test will be skipped (fail, under RAVNEST_TEST_STRICT=1)"
 
 test: check browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Regenerate the committed protobuf/gRPC code (tests/test_protos.py checks it is up to date).
 protos: setup

@@ -141,6 +141,45 @@ def test_a_step_runs_ahead_only_once_stale_after_backwards_of_the_update_are_in(
     assert not schedule.may_forward(2 * M)  # step 2's first waits for step 1's backwards again
 
 
+def test_a_forward_is_held_for_gradients_only_by_that_rule() -> None:
+    schedule = _schedule(index=0, max_staleness=1, staleness_warmup_steps=2, steps=4,
+                         stale_microbatches=1, stale_after_backwards=1)  # fmt: skip
+    for _ in range(M):
+        schedule.produce()
+    assert not schedule.held_for_gradients(None)  # step 1 is in the warm-up: the bound holds it
+    _steps(schedule, 1)
+    for _ in range(M):
+        schedule.produce()
+    assert schedule.held_for_gradients(None)  # step 2's first waits for step 1's first backward
+    assert not schedule.microbatch_done(M)
+    assert not schedule.held_for_gradients(None) and schedule.may_produce()
+    schedule.produce()
+    assert not schedule.held_for_gradients(None)  # the rest of step 2 waits for the update
+    # A later stage asks about the forward it has queued; none queued, nothing held.
+    later = _schedule(max_staleness=1, staleness_warmup_steps=0, stale_after_backwards=1)
+    assert later.held_for_gradients(M) and not later.held_for_gradients(None)
+    assert not later.held_for_gradients(0) and not later.held_for_gradients(2 * M)
+
+
+def test_a_stage_may_stop_waiting_for_the_updates_gradients() -> None:
+    schedule = _schedule(max_staleness=1, staleness_warmup_steps=0,
+                         stale_microbatches=1, stale_after_backwards=1)  # fmt: skip
+    assert not schedule.may_forward(M)
+    schedule.whole_step_ahead(True)
+    assert all(schedule.may_forward(seq) for seq in range(2 * M))  # the whole step, no wait
+    assert not schedule.may_forward(2 * M) and not schedule.held_for_gradients(M)
+    schedule.whole_step_ahead(False)  # (a trial that was not faster)
+    assert not schedule.may_forward(M) and schedule.held_for_gradients(M)
+
+
+def test_ahead_wait_share_is_checked_and_travels_in_the_run_spec() -> None:
+    for share in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="ahead_wait_share"):
+            TrainConfig(model="tiny", batch_size=M * MB, microbatches=M, ahead_wait_share=share)
+    config = TrainConfig(model="tiny", batch_size=M * MB, microbatches=M, ahead_wait_share=0.25)
+    assert TrainConfig.from_proto(config.to_proto("x")).ahead_wait_share == 0.25
+
+
 def test_stale_after_backwards_is_checked_and_travels_in_the_run_spec() -> None:
     with pytest.raises(ConfigError, match="stale_after_backwards"):
         TrainConfig(model="tiny", batch_size=M * MB, microbatches=M, stale_after_backwards=-1)

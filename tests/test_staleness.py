@@ -51,13 +51,14 @@ def test_only_the_first_stale_microbatches_of_a_step_run_ahead(
     slowness keeps the first stage waiting for gradients, so without the setting it runs the
     whole next step ahead (the first assertion of the test above). With stale_after_backwards
     (the defaults, 2 and 2) it still fills that wait with the next step's first microbatches,
-    once the update's first backwards are in (on the weights their gradients predict)."""
+    once the update's first backwards are in (on the weights their gradients predict). (No
+    trial of the whole step ahead here: the next test's.)"""
     microbatches, steps, warmup = 4, 16, 4
     s = _demo(
         tmp_path, "capped", "--steps", str(steps), "--max-staleness", "1",
         "--microbatches", str(microbatches), "--fault-slow-stage", "2", "--fault-slow-ms", "15",
         "--staleness-warmup-steps", str(warmup), "--stale-microbatches", str(ahead),
-        "--stale-after-backwards", str(after),
+        "--stale-after-backwards", str(after), "--ahead-wait-share", "0",
     )  # fmt: skip
     first, middle, last = s["stages"]
     asynchronous = steps - warmup
@@ -68,3 +69,25 @@ def test_only_the_first_stale_microbatches_of_a_step_run_ahead(
         assert stage["max_weight_versions"] <= 2 * 2
     assert (s["stale_microbatches"], s["stale_after_backwards"]) == (ahead, after)
     assert s["final_loss"] < s["initial_loss"]
+
+
+def test_a_stage_kept_waiting_for_gradients_tries_the_whole_step_ahead(tmp_path: Path) -> None:
+    """A first stage that waits for the update's gradients (the last stage is slow) tries the
+    whole next step ahead after its first asynchronous steps (pipeline/ahead.py): for the
+    trial's steps every microbatch of a step runs ahead, more than stale_microbatches allows.
+    Whether it keeps that depends on the steps' times; either way the bound holds. The last
+    stage never waits for gradients and never tries."""
+    microbatches, steps, warmup, window = 4, 20, 4, 5
+    s = _demo(
+        tmp_path, "trial", "--steps", str(steps), "--max-staleness", "1",
+        "--microbatches", str(microbatches), "--fault-slow-stage", "2", "--fault-slow-ms", "15",
+        "--staleness-warmup-steps", str(warmup), "--ahead-wait-share", "0.01",
+    )  # fmt: skip
+    first, _, last = s["stages"]
+    tried = warmup + window
+    assert first["ahead_wait_s"] > 0 and first["ahead_trial_from"] == tried
+    assert first["whole_step_ahead_from"] in (0, tried + 1 + window)
+    assert first["staleness_histogram"][1] > s["stale_microbatches"] * (steps - warmup)
+    assert last["ahead_wait_s"] == last["ahead_trial_from"] == last["whole_step_ahead_from"] == 0
+    assert last["staleness_histogram"] == [steps * microbatches, 0]
+    assert s["ahead_wait_share"] == 0.01 and s["final_loss"] < s["initial_loss"]

@@ -195,3 +195,29 @@ def test_with_the_updates_own_gradients_the_snapshot_is_the_step_they_make(after
     assert any(
         not torch.allclose(snapshots[1][n], v, rtol=0, atol=1e-6) for n, v in landed[1].items()
     )
+
+
+@pytest.mark.parametrize("trial_kept", [True, False])
+def test_a_stage_that_stops_waiting_runs_ahead_on_the_moments(trial_kept: bool) -> None:
+    """Once the stage runs the whole step ahead (pipeline/ahead.py), a step one ahead runs on
+    the moments' prediction even with backwards in, and all its microbatches on that one
+    snapshot; a trial undone predicts from the update's gradients again."""
+    x = torch.randn(4, 6)
+    stage = _weights(2)
+    weights = stage[0]
+    for seq in range(M):
+        _backward(stage, seq, 0, torch.randn(4, 6))
+    weights.step()
+    weights.whole_step_ahead(True)
+    if not trial_kept:
+        weights.whole_step_ahead(False)
+    for seq in range(M, M + 2):
+        _backward(stage, seq, 1, x)
+    expected = weights.snapshot(1) if trial_kept else weights.snapshot(1, with_gradients=True)
+    _, ahead = weights.for_forward(2 * M, version=1)
+    assert all(torch.equal(ahead[n], w) for n, w in expected.items())
+    for seq in range(M + 2, 2 * M):
+        _backward(stage, seq, 1, x)
+    weights.step()
+    later = weights.for_forward(2 * M + 2, version=2)[1]
+    assert (later is ahead) == trial_kept  # (otherwise retaken: a snapshot of the update)

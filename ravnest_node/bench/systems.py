@@ -108,6 +108,7 @@ class SystemRunner:
             "staleness_warmup_steps": t.staleness_warmup_steps,
             "stale_microbatches": t.stale_microbatches,
             "stale_after_backwards": t.stale_after_backwards,
+            "ahead_wait_share": t.ahead_wait_share,
             "weight_prediction": t.weight_prediction,
             "replicas": 1,
             "seed": t.seed,
@@ -334,6 +335,11 @@ def _ours_record(
         "audit_s": sum(s.get("audit_s", 0.0) for s in summary["stages"]),
         "audits_skipped": sum(s.get("audits_skipped", 0) for s in summary["stages"]),
         "stage_compute_s": [s["compute_s"] for s in summary["stages"]],
+        # Each stage's wait for the update's gradients, and whether it tried and kept the
+        # whole step ahead instead (pipeline/ahead.py; the step from which it did, 0 if not).
+        "stage_ahead_wait_s": [s.get("ahead_wait_s", 0.0) for s in summary["stages"]],
+        "ahead_trial_from": [s.get("ahead_trial_from", 0) for s in summary["stages"]],
+        "whole_step_ahead_from": [s.get("whole_step_ahead_from", 0) for s in summary["stages"]],
         # Which codec each stage's frames went in (what `auto` chose, per link and role).
         "codec_frames": link_bound.codec_choice(summary["stages"]),
         "curve": _curve(steps, batch_size),

@@ -79,6 +79,14 @@ class StageMetrics:
         default=0.0, metadata=series("ravnest_idle_seconds_total", _IDLE, neighbour="downstream")
     )
     """Seconds it waited for the next stage: for gradients, or for room in the outbox."""
+    ahead_wait_s: float = 0.0
+    """Of idle_downstream_s, the seconds a forward was held back only by the wait for the
+    current update's gradients (stale_after_backwards)."""
+    ahead_trial_from: int = 0
+    """The step from which the stage tried the whole next step ahead without that wait,
+    because the wait idled it (pipeline/ahead.py); 0: it did not."""
+    whole_step_ahead_from: int = 0
+    """The step from which it kept that, the trial's steps having been shorter; 0: it did not."""
     staleness_histogram: tuple[int, ...] = field(
         default=(),
         metadata=series(

@@ -104,6 +104,13 @@ class TrainConfig:
     training's on the home and internet links, against +1.1-3.0% with the whole step ahead
     (0 and 0), at the same speed within the runs' noise (docs/architecture.md, "How many
     microbatches run ahead, and when")."""
+    ahead_wait_share: float = 0.1
+    """A stage whose wait for the update's gradients (stale_after_backwards) idles it for more
+    than this share of its time over its first 5 asynchronous steps tries the next 5 with the
+    whole step ahead on the moments' prediction (as with 0 and 0), and keeps that if its
+    mean step was at least 20% shorter, else waits again: where a link's latency bounds
+    the pipeline (the bench's mobile link) the wait costs time, where compute does it costs
+    nothing (pipeline/ahead.py). 0: never tries."""
     weight_prediction: bool = True
     """A microbatch that runs forward s optimizer steps before the step its gradient joins
     (staleness s >= 1) uses the weights AdamW's moments predict s steps ahead, and its backward
@@ -283,9 +290,14 @@ class TrainConfig:
                 f"max_staleness={self.max_staleness}: must be 0 to {MAX_STALENESS} (each unit "
                 "keeps one more step of microbatches and one more weight copy in flight)"
             )
-        for name in ("stale_microbatches", "stale_after_backwards"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
+        if self.stale_microbatches < 0:
+            raise ConfigError(f"stale_microbatches={self.stale_microbatches}: must not be negative")
+        if self.stale_after_backwards < 0:
+            raise ConfigError(
+                f"stale_after_backwards={self.stale_after_backwards}: must not be negative"
+            )
+        if not 0 <= self.ahead_wait_share <= 1:
+            raise ConfigError(f"ahead_wait_share={self.ahead_wait_share}: must be 0 to 1")
 
     def _check_replicas(self) -> None:
         """Pipelines side by side, and how their replicas average."""
@@ -362,11 +374,6 @@ class TrainConfig:
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
-    def may_run_ahead(self, seq: int) -> bool:
-        """Whether microbatch `seq` may run forward before the update it follows has landed
-        (one of the first stale_microbatches of its step)."""
-        return not self.stale_microbatches or seq % self.microbatches < self.stale_microbatches
-
     @property
     def ahead_after(self) -> int:
         """Backwards of the current update a stage waits for before it runs a microbatch
@@ -420,6 +427,7 @@ class TrainConfig:
             weight_prediction=self.weight_prediction,
             stale_microbatches=self.stale_microbatches,
             stale_after_backwards=self.stale_after_backwards,
+            ahead_wait_share=self.ahead_wait_share,
             data_fingerprint=data_fingerprint,
             schedule=_SCHEDULE_TO_PB[self.schedule],
             checkpoint_every=self.checkpoint_every,
@@ -475,6 +483,7 @@ class TrainConfig:
             weight_prediction=spec.weight_prediction,
             stale_microbatches=spec.stale_microbatches,
             stale_after_backwards=spec.stale_after_backwards,
+            ahead_wait_share=spec.ahead_wait_share,
             schedule=schedule,
             checkpoint_every=spec.checkpoint_every,
             recompute=spec.recompute,

@@ -159,19 +159,54 @@ class Schedule:
         """Evaluation microbatches admitted and not finished here yet."""
         self.step_done = 0
         """Microbatches of the current step (`version`) whose backward is done."""
+        self.stale_microbatches = run.stale_microbatches
+        """Of a step's microbatches, how many may run ahead of the update they follow (0: all)."""
+        self.ahead_after = run.ahead_after
+        """Backwards of the current update in before a microbatch runs ahead."""
 
     # ----- what the stage may do ---------------------------------------------------------------
     def may_forward(self, seq: int) -> bool:
         """The staleness bound: microbatch seq (of step seq // microbatches) may run forward
         with the current weights only if they are at most max_staleness versions behind (0
         during the synchronous warm-up), and while they are behind at all only if it is one of
-        its step's first `stale_microbatches` and `stale_after_backwards` of the current
-        version's microbatches have run backward here."""
+        its step's first `stale_microbatches` and `ahead_after` of the current version's
+        microbatches have run backward here (both from the run, until
+        `whole_step_ahead`)."""
         step = seq // self.run.microbatches
         behind = step - self.version
         return behind <= self.run.staleness_bound(step) and (
-            behind <= 0 or (self.run.may_run_ahead(seq) and self.step_done >= self.run.ahead_after)
+            behind <= 0 or (self._may_run_ahead(seq) and self.step_done >= self.ahead_after)
         )
+
+    def _may_run_ahead(self, seq: int) -> bool:
+        """Whether microbatch `seq` is one of its step's first `stale_microbatches`."""
+        k = self.stale_microbatches
+        return not k or seq % self.run.microbatches < k
+
+    def held_for_gradients(self, queued: int | None) -> bool:
+        """Whether the next forward (the first stage's next microbatch to feed; elsewhere the
+        `queued` one's seq, None if none is) is held back only by the wait for the current
+        update's gradients (`stale_after_backwards`)."""
+        if self.spec.is_first:
+            queued = (
+                self.produced if self.produced < self.feed_limit * self.run.microbatches else None
+            )
+        if queued is None:
+            return False
+        step = queued // self.run.microbatches
+        behind = step - self.version
+        return (
+            0 < behind <= self.run.staleness_bound(step)
+            and self._may_run_ahead(queued)
+            and self.step_done < self.ahead_after
+        )
+
+    def whole_step_ahead(self, on: bool) -> None:
+        """From now on run every microbatch of the next step ahead without waiting for the
+        update's gradients (`on`, as with stale_microbatches = stale_after_backwards = 0), or
+        as the run says again (ahead.py decides when)."""
+        self.stale_microbatches = 0 if on else self.run.stale_microbatches
+        self.ahead_after = 0 if on else self.run.ahead_after
 
     def may_produce(self) -> bool:
         """GPipe/1F1B feed microbatches as far as the bound allows; the sequential (naive)

@@ -12,6 +12,7 @@ The runtime composes the parts that do this, each in its own module:
 - compute.py and weights.py: the torch work on the compute thread, weight stashing and weight
   prediction; encoder.py: the frames it sends, through the codec choices;
 - replica_rounds.py: averaging with the replica group; counters.py: the metrics it keeps;
+- ahead.py: when the stage stops waiting for the update's gradients before it runs ahead;
 - evaluation.py: the evaluations on held-out data the last stage has finished.
 
 **The schedule** (1F1B): backward work first (it frees memory and unblocks the stages upstream),
@@ -42,6 +43,7 @@ import torch
 from ravnest_node.blocks import BlockWeights
 from ravnest_node.errors import ConfigError, FrameError
 from ravnest_node.models import BlockModel
+from ravnest_node.pipeline.ahead import Ahead, AheadSwitch
 from ravnest_node.pipeline.audit import AuditRecord
 from ravnest_node.pipeline.auditor import Auditor
 from ravnest_node.pipeline.codec_choice import CodecChoice
@@ -125,6 +127,7 @@ class StageRuntime:
         )
         # Metrics; the compute thread keeps its own (compute_s, the encoder's byte counts).
         self._counters = StageCounters(run.max_staleness)
+        self._ahead = AheadSwitch(run)
         self._inbox = Inbox(self._schedule, self._counters.counts)
         self.auditor = auditor
         if auditor is not None:
@@ -433,12 +436,18 @@ class StageRuntime:
     async def _idle(self) -> None:
         """Wait for a frame or a finished send; the time counts against the neighbour that
         would have given us work (upstream when a forward would be allowed now)."""
-        waiting_for_upstream = self._schedule.waiting_for_upstream(bool(self._inbox.forwards))
+        forwards = self._inbox.forwards
+        waiting_for_upstream = self._schedule.waiting_for_upstream(bool(forwards))
+        held = self._schedule.held_for_gradients(forwards[0].seq if forwards else None)
         wake = self._inbox.wake
         wake.clear()
         started = time.monotonic()
         await wake.wait()
-        self._counters.idle(time.monotonic() - started, upstream=waiting_for_upstream)
+        seconds = time.monotonic() - started
+        self._counters.idle(seconds, upstream=waiting_for_upstream)
+        if held:
+            self._counters.counts.ahead_wait_s += seconds
+            self._ahead.waited(seconds)
 
     async def _produce(self, seq: int) -> None:
         assert self._data is not None
@@ -472,6 +481,24 @@ class StageRuntime:
             counters.max_weight_versions = max(counters.max_weight_versions, compute.live_versions)
             assert self.downstream is not None
             await self._send(self.downstream, message, seq, activations=True)
+
+    async def _change_ahead(self, change: Ahead) -> None:
+        """Stop or start waiting for the update's gradients before running ahead (ahead.py)."""
+        on = change is not Ahead.REVERT
+        if change is not Ahead.KEEP:
+            await self._compute.call(self._compute.weights.whole_step_ahead, on)
+            self._schedule.whole_step_ahead(on)
+        counts = self._counters.counts
+        if change is Ahead.TRY:
+            counts.ahead_trial_from = self.version
+        elif change is Ahead.KEEP:
+            counts.whole_step_ahead_from = self.version
+        a = self._ahead
+        log.info(
+            "ahead: %s at step %d (waited %.0f%% of the time; mean step %.3f s waiting, %s)",
+            change.value, self.version, 100 * (a.share or 0.0), a.step_s or 0.0,
+            "-" if a.trial_step_s is None else f"{a.trial_step_s:.3f} s with the whole step ahead",
+        )  # fmt: skip
 
     async def _evaluate(self, step: int) -> None:
         """First stage of pipeline 0, step `step` just applied: the evaluation after it, its
@@ -572,6 +599,9 @@ class StageRuntime:
             return
         loss = await self._compute.call(self._compute.optimizer_step)
         self._schedule.stepped()
+        change = self._ahead.stepped(self.version)
+        if change is not None:
+            await self._change_ahead(change)
         if self._eval_data is not None and self.run_config.evaluates_at(self.version):
             if self.version < self._schedule.stop_step or self.run_done:
                 await self._evaluate(self.version)

@@ -94,6 +94,7 @@ class StageWeights:
         self._prediction = run.weight_prediction
         # With stale_microbatches, a step's later microbatches wait for the update and run
         # with a snapshot of it, not with the one its first ones ran ahead with.
+        self._run = run
         self._refresh = run.stale_microbatches > 0
         # step -> (version it was taken at, weight snapshot) for steps whose microbatches are
         # still running forward (weight stashing), or _THIS_VERSION -> the current version's
@@ -118,56 +119,50 @@ class StageWeights:
             key, ahead = _THIS_VERSION, 0
         held = self._step_weights.get(key)
         if held is None or (self._refresh and held[0] != version):
-            if ahead == 1 and self._with_gradients and self._backwards and self._finite():
-                held = (version, self.step_snapshot())
-            else:
-                held = (version, self.snapshot(ahead))
+            partial = ahead == 1 and self._with_gradients and self._backwards and self._finite()
+            held = (version, self.snapshot(ahead, with_gradients=bool(partial)))
             self._step_weights[key] = held
         if key != _THIS_VERSION and seq % m == m - 1:
             del self._step_weights[key]
         return held
 
-    def snapshot(self, ahead: int) -> Weights:
-        """Copies of the parameters, moved `ahead` AdamW updates along its current moments."""
+    def whole_step_ahead(self, on: bool) -> None:
+        """From now on predict every step that runs ahead from the moments alone, and keep a
+        step's snapshot for all its microbatches (`on`, as with stale_microbatches =
+        stale_after_backwards = 0; pipeline/ahead.py), or as the run says again."""
+        self._refresh = not on and self._run.stale_microbatches > 0
+        self._with_gradients = not on and self._run.ahead_after > 0
+
+    def snapshot(self, ahead: int, *, with_gradients: bool = False) -> Weights:
+        """Copies of the parameters, moved `ahead` AdamW updates along its current moments
+        (decoupled weight decay, then the moments' update with bias correction, as `step`
+        applies it). `with_gradients`: the moments first take in the gradients moved in so
+        far, scaled to the whole step, so that one update ahead is the step those gradients
+        would make (a parameter without a gradient then stays, as AdamW leaves it)."""
         group = self.optimizer.param_groups[0]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
+        scale = self._microbatches / max(self._backwards, 1) / self.loss_scale
         snapshot = {}
         with torch.no_grad():
             for name, p in self.params.items():
                 w = p.detach().clone()
                 state = self.optimizer.state.get(p)
-                if ahead and state:
-                    k = float(state["step"])
-                    m_hat = state["exp_avg"] / (1 - beta1**k)
-                    v_hat = state["exp_avg_sq"] / (1 - beta2**k)
-                    w -= ahead * lr * (m_hat / (v_hat.sqrt() + eps) + wd * w)
-                snapshot[name] = w.requires_grad_(True)
-        return snapshot
-
-    def step_snapshot(self) -> Weights:
-        """Copies of the parameters after the AdamW step that the gradients moved in so far
-        would make, scaled to the whole step (as `step` applies it: decoupled weight decay,
-        then the moments' update with bias correction)."""
-        group = self.optimizer.param_groups[0]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
-        scale = self._microbatches / self._backwards / self.loss_scale
-        snapshot = {}
-        with torch.no_grad():
-            for name, p in self.params.items():
-                w = p.detach().clone()
-                if p.grad is not None:
-                    g = p.grad * scale
-                    state = self.optimizer.state.get(p)
-                    k = float(state["step"]) + 1 if state else 1.0
-                    m = (1 - beta1) * g
-                    v = (1 - beta2) * g * g
-                    if state:
-                        m += beta1 * state["exp_avg"]
-                        v += beta2 * state["exp_avg_sq"]
-                    w.mul_(1 - lr * wd)
-                    w -= lr * (m / (1 - beta1**k)) / ((v / (1 - beta2**k)).sqrt() + eps)
+                moves = p.grad is not None if with_gradients else bool(state)
+                if ahead and moves:
+                    if with_gradients:
+                        assert p.grad is not None
+                        g = p.grad * scale
+                        k = float(state["step"]) + 1 if state else 1.0
+                        m, v = (1 - beta1) * g, (1 - beta2) * g * g
+                        if state:
+                            m += beta1 * state["exp_avg"]
+                            v += beta2 * state["exp_avg_sq"]
+                    else:
+                        assert state  # (moves)
+                        k, m, v = float(state["step"]), state["exp_avg"], state["exp_avg_sq"]
+                    update = (m / (1 - beta1**k)) / ((v / (1 - beta2**k)).sqrt() + eps)
+                    w -= ahead * lr * (update + wd * w)
                 snapshot[name] = w.requires_grad_(True)
         return snapshot
 
@@ -175,11 +170,10 @@ class StageWeights:
         """Whether the gradients moved in so far are finite: always without loss scaling (a
         float32 or bfloat16 run's are, or the run fails anyway); with it (fp16), checked, and a
         step whose gradients overflowed is predicted from the moments instead."""
-        if self.loss_scale == 1.0:
-            return True
-        grads = [p.grad for p in self.params.values() if p.grad is not None]
-        with torch.no_grad():
-            return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        return self.loss_scale == 1.0 or _all_finite(self._grads())
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params.values() if p.grad is not None]
 
     def live_versions(self, held: Iterable[Weights]) -> int:
         """Weight snapshots alive: those of steps still running forward and those `held` by
@@ -222,15 +216,11 @@ class StageWeights:
         loss scaling nothing is checked (an fp32 step is what it always was)."""
         if self.loss_scale == 1.0:
             return True
-        grads = [p.grad for p in self.params.values() if p.grad is not None]
-        if not grads:
-            return True
+        grads = self._grads()
         with torch.no_grad():
             for g in grads:
                 g.mul_(1.0 / self.loss_scale)  # a power of 2: exact
-            # One device-to-host read for the whole stage, not one per parameter.
-            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
-        return bool(finite)
+        return _all_finite(grads)
 
     def begin_round(self) -> torch.Tensor:
         """This replica's delta for an averaging round (`OuterOptimizer.begin_round`)."""
@@ -257,3 +247,10 @@ class StageWeights:
             for p in self.params.values():
                 digest.update(p.detach().cpu().contiguous().numpy().tobytes())
         return digest.hexdigest()
+
+
+def _all_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether every gradient is finite: one device-to-host read for the whole stage, not one
+    per parameter."""
+    with torch.no_grad():
+        return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())

@@ -112,6 +112,7 @@ def _settings(t: TrainConfig, fingerprint: str) -> dict[str, Any]:
         "max_staleness": t.max_staleness,
         "stale_microbatches": t.stale_microbatches,
         "stale_after_backwards": t.stale_after_backwards,
+        "ahead_wait_share": t.ahead_wait_share,
         "weight_prediction": t.weight_prediction,
         "seed": t.seed,
         "lr": t.lr,
