@@ -3,14 +3,15 @@
 By default a stage runs the next step's first microbatches ahead of the update they follow
 only once `stale_after_backwards` of that update's microbatches have run backward on it
 (schedule.py, weights.py): the forward then runs on nearly the weights the update lands, and
-the held-out loss stays within 0.5% of synchronous training's on the bench's home and internet
+the held-out loss stays within 0.6% of synchronous training's on the bench's home and internet
 links. Whether the wait costs time depends on what bounds the pipeline. Where compute does
 (the bench's internet link on its 2 cores) the first stage waits a third of its time and the
 pipeline runs as fast as without the wait; where a link's latency and an uplink do (the mobile
 link: 2 Mbit/s, 80 ms) the wait is a pipeline round trip during which the links carry nothing,
 and the run was 16% slower than with the whole step ahead (docs/benchmarks.md). Neither the
-wait itself nor the stage's own busy share tells the two apart: both are the same on a stage
-whose neighbours are slow and on one whose links are.
+wait itself nor the stage's own busy share tells the two apart: a stage whose neighbour is slow
+waits as long as one whose links are (stage 0 waited 24-35% of the asynchronous phase on home
+and internet, where the wait cost nothing, and 61% on mobile).
 
 So the stage tries it (`AheadSwitch`): over its first `WINDOW_STEPS` asynchronous steps it
 measures how long its loop idled with a forward held back only by that wait. If that is more
