@@ -18,6 +18,8 @@ WARMUP = 3
 class _Clock:
     def __init__(self) -> None:
         self.now = 100.0
+        self.waited = 7.0
+        """The stage's wait in all (its ahead_wait_s), warm-up included."""
 
     def __call__(self) -> float:
         return self.now
@@ -43,9 +45,9 @@ def _steps(
     `wait_s` idle for gradients; the changes asked for, by version."""
     changes = []
     for version in versions:
-        switch.waited(wait_s)
         clock.now += step_s
-        change = switch.stepped(version)
+        clock.waited += wait_s
+        change = switch.stepped(version, clock.waited)
         if change is not None:
             changes.append((version, change))
     return changes

@@ -52,7 +52,7 @@ class AheadSwitch:
     """Measures one stage's wait for the update's gradients and its step times, and decides,
     once, whether the stage stops waiting (`stepped`)."""
 
-    __slots__ = ("_from", "_limit", "_marks", "_trial_from", "_waited", "decided", "share",
+    __slots__ = ("_from", "_limit", "_marks", "_trial_from", "_waited_before", "decided", "share",
                  "step_s", "trial_step_s")  # fmt: skip
 
     def __init__(self, run: TrainConfig) -> None:
@@ -64,7 +64,8 @@ class AheadSwitch:
         """When each step of the window being measured was applied (time.monotonic)."""
         self._trial_from: int | None = None
         """The version from which the trial's window is measured, once it runs."""
-        self._waited = 0.0
+        self._waited_before = 0.0
+        """The stage's wait (`waited_s`) when the first window began."""
         self.decided = not waits
         """Nothing left to decide: the stage never waits, or has decided."""
         self.share: float | None = None
@@ -74,21 +75,20 @@ class AheadSwitch:
         self.trial_step_s: float | None = None
         """The trial's mean step, once measured."""
 
-    def waited(self, seconds: float) -> None:
-        """The loop idled `seconds` with a forward held back only by the wait for gradients."""
-        if self._marks and self._trial_from is None:
-            self._waited += seconds
-
-    def stepped(self, version: int) -> Ahead | None:
-        """The stage has applied `version` steps: what it should change now, if anything."""
+    def stepped(self, version: int, waited_s: float) -> Ahead | None:
+        """The stage has applied `version` steps and has idled `waited_s` seconds in all with
+        a forward held back only by the wait for gradients (its `ahead_wait_s`): what it
+        should change now, if anything."""
         if self.decided or version < self._from:
             return None
         now = time.monotonic()
         if self._trial_from is None:
-            self._marks.append(now)  # (a resumed plan starts its window where it starts)
+            if not self._marks:  # (a resumed plan starts its window where it starts)
+                self._waited_before = waited_s
+            self._marks.append(now)
             if len(self._marks) <= WINDOW_STEPS:
                 return None
-            self.share = self._waited / (now - self._marks[0])
+            self.share = (waited_s - self._waited_before) / (now - self._marks[0])
             self.step_s = _mean_step(self._marks)
             if self.share <= self._limit:
                 self.decided = True

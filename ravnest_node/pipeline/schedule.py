@@ -188,9 +188,7 @@ class Schedule:
         `queued` one's seq, None if none is) is held back only by the wait for the current
         update's gradients (`stale_after_backwards`)."""
         if self.spec.is_first:
-            queued = (
-                self.produced if self.produced < self.feed_limit * self.run.microbatches else None
-            )
+            queued = self.produced if self.produced < self._feed_end else None
         if queued is None:
             return False
         step = queued // self.run.microbatches
@@ -208,11 +206,15 @@ class Schedule:
         self.stale_microbatches = 0 if on else self.run.stale_microbatches
         self.ahead_after = 0 if on else self.run.ahead_after
 
+    @property
+    def _feed_end(self) -> int:
+        """First stage: the seq after the last microbatch this plan may feed."""
+        return min(self.feed_limit, self.stop_step) * self.run.microbatches
+
     def may_produce(self) -> bool:
         """GPipe/1F1B feed microbatches as far as the bound allows; the sequential (naive)
         schedule waits until the previous microbatch's gradient is back."""
-        limit = min(self.feed_limit, self.stop_step) * self.run.microbatches
-        if self.produced >= limit or not self.may_forward(self.produced):
+        if self.produced >= self._feed_end or not self.may_forward(self.produced):
             return False
         return self.run.schedule == "gpipe" or not self.awaiting_grad
 

@@ -447,7 +447,6 @@ class StageRuntime:
         self._counters.idle(seconds, upstream=waiting_for_upstream)
         if held:
             self._counters.counts.ahead_wait_s += seconds
-            self._ahead.waited(seconds)
 
     async def _produce(self, seq: int) -> None:
         assert self._data is not None
@@ -599,7 +598,7 @@ class StageRuntime:
             return
         loss = await self._compute.call(self._compute.optimizer_step)
         self._schedule.stepped()
-        change = self._ahead.stepped(self.version)
+        change = self._ahead.stepped(self.version, self._counters.counts.ahead_wait_s)
         if change is not None:
             await self._change_ahead(change)
         if self._eval_data is not None and self.run_config.evaluates_at(self.version):

@@ -119,8 +119,8 @@ class StageWeights:
             key, ahead = _THIS_VERSION, 0
         held = self._step_weights.get(key)
         if held is None or (self._refresh and held[0] != version):
-            partial = ahead == 1 and self._with_gradients and self._backwards and self._finite()
-            held = (version, self.snapshot(ahead, with_gradients=bool(partial)))
+            partial = ahead == 1 and self._with_gradients and self._backwards > 0 and self._finite()
+            held = (version, self.snapshot(ahead, with_gradients=partial))
             self._step_weights[key] = held
         if key != _THIS_VERSION and seq % m == m - 1:
             del self._step_weights[key]
