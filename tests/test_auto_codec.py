@@ -17,6 +17,8 @@ from ravnest_node.compression import CODECS
 from ravnest_node.compression.auto import (
     AUTO,
     AUTO_LADDER,
+    COARSE,
+    COARSE_SHRINK,
     COMPACT,
     COMPACT_PRIOR_BITS,
     FINE,
@@ -31,16 +33,21 @@ from ravnest_node.compression.auto import (
 from ravnest_node.compression.codecs import (
     BOTTLENECK_BLOCK,
     COARSE_CODES,
+    COARSE_LABEL,
     FINE_LABEL,
     Role,
     encoder,
+    variant_label,
 )
 from ravnest_node.compression.quant import BlockQuant
 from ravnest_node.compression.transform import (
     CODER_COLUMNS,
     KLT,
     KLT_ACTIVATION,
+    KLT_ACTIVATION_COARSE,
     KLT_ACTIVATION_FINE,
+    KLT_GRADIENT,
+    KLT_GRADIENT_COARSE,
     KLTBases,
     KLTState,
 )
@@ -619,14 +626,19 @@ def test_auto_sends_klt_only_to_a_peer_that_decodes_it_and_keeps_its_basis() -> 
             sent = choice.outgoing("hidden", torch.randn(4, 32, 64))
             sent.codec.encode(sent.tensor, sent.state)  # (klt learns its basis as it encodes)
             used.append(sent.codec.name)
-            choice.sent("", nbytes=9000 if 0 < used.count(COMPACT) <= 9 else 2000, coding_s=0.0005)
+            nbytes = 9000 if 0 < used.count(COMPACT) <= 9 else 2000
+            if choice.step == COARSE_LABEL:  # (the link sets the pace: klt's coarser step)
+                nbytes = round(nbytes * COARSE_SHRINK["activation"])
+            choice.sent("", nbytes=nbytes, coding_s=0.0005)
             compute.s += 0.004
         return choice, used
 
     choice, used = run(decodes=True)
     assert used == [COMPACT] * 24  # (from the first frame: the most compact it decodes)
-    # Its first 9 frames (the identity basis, then the first two bases) do not count.
-    assert choice.frame_bytes[COMPACT] == pytest.approx(2000)
+    assert choice.frames == {COMPACT: 8, COARSE: 16}
+    # Its first 9 frames (the identity basis, then the first two bases) do not count; those at
+    # the coarser step count as the default step's.
+    assert choice.frame_bytes[COMPACT] == pytest.approx(2000, abs=2)
     assert choice.coding_s[COMPACT] == pytest.approx(0.0005)
     # An older peer never gets klt.
     assert set(run(decodes=False)[1]) == {"int4-block"}
@@ -645,12 +657,14 @@ def test_auto_sends_klt_only_to_a_peer_that_decodes_it_and_keeps_its_basis() -> 
 def test_klt_comes_after_the_ladder_though_it_errs_less_than_int4_block() -> None:
     ladder = payload_sizes("activation", (4, 32, 64), torch.float32)
     assert [name for name, _ in ranked("activation", ladder, 2000)] == [
-        "none", "bf16", "int8-block", "int4-block", FINE, COMPACT,
+        "none", "bf16", "int8-block", "int4-block", FINE, COMPACT, COARSE,
     ]  # fmt: skip
     assert dict(ranked("activation", ladder, 2000))[FINE] == round(FINE_GROWTH * 2000)
     assert [name for name, _ in ranked("gradient", ladder, 2000)] == [
-        "none", "bf16", "int8-block", "int4-block", COMPACT,
+        "none", "bf16", "int8-block", "int4-block", COMPACT, COARSE,
     ]  # fmt: skip
+    for role in ("activation", "gradient"):
+        assert dict(ranked(role, ladder, 2000))[COARSE] == round(COARSE_SHRINK[role] * 2000)
     # Not for want of fidelity by the norm: on a boundary-like tensor (a few strong
     # directions) klt at its finer step, and klt's gradients, err less than int4-block; under
     # the pipeline's staleness klt's error costs more loss (the rank's docstring).
@@ -690,7 +704,9 @@ def test_auto_gives_klt_activations_the_finer_step_where_the_link_has_room() -> 
             sent.codec.encode(sent.tensor, sent.state)
             codecs.append(sent.codec)
             fine = sent.codec is KLT_ACTIVATION_FINE
-            choice.sent("", nbytes=2700 if fine else 2000, coding_s=0.00005)
+            coarse = sent.codec is KLT_ACTIVATION_COARSE or sent.codec is KLT_GRADIENT_COARSE
+            nbytes = 2700 if fine else 1500 if coarse else 2000
+            choice.sent("", nbytes=nbytes, coding_s=0.00005)
             compute.s += 0.020  # budget 10 ms
         return choice, codecs
 
@@ -708,28 +724,57 @@ def test_auto_gives_klt_activations_the_finer_step_where_the_link_has_room() -> 
     assert run("gradient", 8 * MBIT)[0].frames == {COMPACT: 8, "int8-block": 16}
     older = CodecChoice(AUTO, "activation", compute_s=_Compute(), every=4, what="test")
     assert run("activation", 8 * MBIT, older)[0].frames == {"int4-block": 8, "int8-block": 16}
-    # Gradients keep klt's own step; so do activations on a link where even klt sets the pace.
+    # Gradients keep klt's own step where it fits (5.3 ms of 10).
     assert run("gradient", 3 * MBIT)[0].frames == {COMPACT: 24}
+    # Where even klt sets the pace, both roles take its coarser step: fewer bytes, less time.
     slow, codecs = run("activation", 1 * MBIT)
-    assert codecs[8:] == [KLT_ACTIVATION] * 16 and not slow.fine
-    # The link slows down: back to the default step, with the same sender state (basis).
+    assert codecs[8:] == [KLT_ACTIVATION_COARSE] * 16 and slow.step == COARSE_LABEL
+    assert slow.frames == {COMPACT: 8, COARSE: 16}
+    assert slow.frame_bytes[COMPACT] == pytest.approx(1500 / COARSE_SHRINK["activation"], abs=1)
+    slow, codecs = run("gradient", 1 * MBIT)
+    assert codecs[:8] == [KLT_GRADIENT] * 8 and codecs[8:] == [KLT_GRADIENT_COARSE] * 16
+    # The link slows down: to the coarser step, with the same sender state (basis).
     kept = choice.outgoing("hidden", torch.randn(4, 32, 64)).state
     choice, codecs = run("activation", 1 * MBIT, choice)
-    assert codecs[-4:] == [KLT_ACTIVATION] * 4 and not choice.fine
+    assert codecs[-4:] == [KLT_ACTIVATION_COARSE] * 4 and not choice.fine
     assert choice.outgoing("hidden", torch.randn(4, 32, 64)).state is kept
+    # And speeds up again: back to the finer step once it fits with the margin.
+    choice, codecs = run("activation", 3 * MBIT, choice)
+    assert codecs[-4:] == [KLT_ACTIVATION_FINE] * 4 and choice.fine
+
+
+def _error_and_bytes(codec: KLT, x: torch.Tensor) -> tuple[float, int]:
+    """(mean squared error, payload bytes) of one frame of `codec`, decoded by the registered
+    klt decoder (a frame carries its step: every klt decoder reads every step)."""
+    params, payload = codec.encode(x, codec.new_state())
+    back = CODECS[COMPACT].decode(memoryview(payload), x.shape, x.dtype, params)
+    return float((back - x).square().mean()), len(payload)
 
 
 def test_the_finer_klt_step_is_read_by_every_klt_decoder_and_errs_less() -> None:
     x = torch.randn(4, 32, 64) * torch.linspace(0.1, 3.0, 64)
     assert encoder(COMPACT, "activation", fine=True) is KLT_ACTIVATION_FINE
     assert encoder(COMPACT, "gradient", fine=True) is not KLT_ACTIVATION_FINE
-    errors, sizes = [], []
-    for codec in (KLT_ACTIVATION, KLT_ACTIVATION_FINE):
-        params, payload = codec.encode(x, codec.new_state())
-        back = CODECS[COMPACT].decode(memoryview(payload), x.shape, x.dtype, params)
-        errors.append(float((back - x).square().mean()))
-        sizes.append(len(payload))
-    assert errors[1] < 0.6 * errors[0] and sizes[1] > sizes[0]
+    (error, size), (fine_error, fine_size) = (
+        _error_and_bytes(codec, x) for codec in (KLT_ACTIVATION, KLT_ACTIVATION_FINE)
+    )
+    assert fine_error < 0.6 * error and fine_size > size
+
+
+def test_the_coarser_klt_step_is_read_by_every_klt_decoder_and_takes_fewer_bytes() -> None:
+    assert encoder(COMPACT, "activation", coarse=True) is KLT_ACTIVATION_COARSE
+    assert encoder(COMPACT, "gradient", coarse=True) is KLT_GRADIENT_COARSE
+    assert encoder("int4-block", "gradient", coarse=True).name == "int4-block"
+    for codec in (KLT_ACTIVATION_COARSE, KLT_GRADIENT_COARSE):
+        assert variant_label(codec) == COARSE_LABEL
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, 8) @ torch.randn(8, 64) + 0.3 * torch.randn(8, 64, 64)
+    for default, coarse in ((KLT_ACTIVATION, KLT_ACTIVATION_COARSE),
+                            (KLT_GRADIENT, KLT_GRADIENT_COARSE)):  # fmt: skip
+        (error, size), (coarse_error, coarse_size) = (
+            _error_and_bytes(codec, x) for codec in (default, coarse)
+        )
+        assert coarse_size < 0.9 * size and coarse_error > error
 
 
 def test_auto_without_a_measured_link_keeps_the_most_compact_codec_its_peer_decodes() -> None:
@@ -782,20 +827,22 @@ def test_a_slow_link_gets_a_lighter_codec_than_a_fast_one(tmp_path: Path) -> Non
     first, middle, last = s["stages"]
     assert (s["codec"], s["gradient_codec"]) == (AUTO, AUTO)
     candidates = {*AUTO_LADDER, COMPACT}
+    frame_labels = {*candidates, FINE, COARSE}
     # Every link reports a registered codec per role, and what it measured.
     for stage, role in ((first, "activation"), (middle, "activation"), (middle, "gradient"),
                         (last, "gradient")):  # fmt: skip
         assert stage[f"{role}_codec"] in candidates
         assert sum(stage[f"{role}_codec_frames"].values()) == steps * 4
-        assert set(stage[f"{role}_codec_frames"]) <= candidates
+        assert set(stage[f"{role}_codec_frames"]) <= frame_labels
     assert first["gradient_codec"] == "" and last["activation_codec"] == ""
     # The slow link: measured near its pace; klt both ways from the first frame (while nothing
-    # is measured, the most compact codec the peer decodes; then the measured choice), never
-    # deflated (its payloads are entropy-coded already).
+    # is measured, the most compact codec the peer decodes), at its coarser step from the
+    # first decision on (even klt sets the pace there), never deflated (its payloads are
+    # entropy-coded already).
     assert 0.5 * MBIT < first["downstream_bandwidth_bps"] < 1.1 * MBIT
     assert 0.5 * MBIT < middle["upstream_bandwidth_bps"] < 1.1 * MBIT
-    assert first["activation_codec_frames"] == {COMPACT: steps * 4}
-    assert middle["gradient_codec_frames"] == {COMPACT: steps * 4}
+    assert first["activation_codec_frames"] == {COMPACT: 8, COARSE: steps * 4 - 8}
+    assert middle["gradient_codec_frames"] == {COMPACT: 8, COARSE: steps * 4 - 8}
     assert first["activation_deflated_frames"] == 0 == middle["gradient_deflated_frames"]
     # The loopback link: far faster, and a more faithful codec once measured.
     assert middle["downstream_bandwidth_bps"] > 50 * MBIT

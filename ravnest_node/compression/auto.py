@@ -43,7 +43,7 @@ from math import prod
 
 import torch
 
-from ravnest_node.compression.codecs import FINE_LABEL, Role, encoder
+from ravnest_node.compression.codecs import COARSE_LABEL, FINE_LABEL, Role, encoder
 
 AUTO = "auto"
 """The setting that lets each link choose its codec (never a wire codec)."""
@@ -56,6 +56,9 @@ COMPACT = "klt"
 """The most compact codec, after the ladder, towards a peer that decodes it."""
 FINE = COMPACT + FINE_LABEL
 """klt activations at the finer step, as `ranked` and `choose_codec` name that candidate."""
+COARSE = COMPACT + COARSE_LABEL
+"""klt at the coarser step (compression/transform.py KLT_ACTIVATION_COARSE,
+KLT_GRADIENT_COARSE), as `ranked` and `choose_codec` name that candidate."""
 COMPACT_PRIOR_BITS: dict[str, float] = {"activation": 2.0, "gradient": 3.0}
 """Bits per element klt is assumed to take before a frame of it was measured on the link: above
 what it took on bench-small's boundaries (1.1-1.5 for activations, 1.8-2.2 for gradients,
@@ -70,6 +73,12 @@ HYSTERESIS = 0.2
 FINE_GROWTH = 1.35
 """klt activation frames at the fine step over those at the default step: 1.30 measured on the
 internet link (14.2 against 10.9 KB a sample, docs/benchmarks.md), rounded up."""
+
+COARSE_SHRINK: dict[str, float] = {"activation": 0.76, "gradient": 0.81}
+"""klt frames at the coarse step over those at the default step: on bench-small's four boundary
+streams of a 60-step run (docs/compression.md), 0.75-0.76 for activations (0.7 against 0.5 of
+the row's rms) and 0.78-0.81 for gradients (0.5 against 0.35 of the tensor's rms), the larger
+taken."""
 
 Sizes = Sequence[tuple[str, int]]
 """(codec name, payload bytes of one tensor) pairs, most faithful first."""
@@ -156,8 +165,12 @@ def choose_codec(
 def ranked(role: Role, ladder: Sizes, klt_bytes: int) -> list[tuple[str, int]]:
     """The candidates towards a peer that decodes klt, most faithful first: the `ladder`'s
     (payload_sizes), then klt at its finer step (activations: FINE_GROWTH times `klt_bytes`,
-    klt's frames at its default step), then klt. So klt is taken only where int4-block does
-    not fit the link.
+    klt's frames at its default step), then klt, then klt at its coarser step (COARSE_SHRINK
+    times `klt_bytes`). So klt is taken only where int4-block does not fit the link, and its
+    coarser step only where nothing fits (`choose_codec` takes the cheapest then): where the
+    link sets the pipeline's pace, a fifth to a quarter fewer bytes is as much time, at about
+    int4-block's error (klt's gradients at the coarse step err 0.160 against int4-block's
+    0.151, activations 0.136-0.156 against 0.099-0.104).
 
     By relative error alone klt would come before int4-block: on bench-small's boundaries
     (docs/bench/codec_error.py, 60 steps, frames 9-240) int4-block errs 0.099-0.104 on
@@ -167,9 +180,10 @@ def ranked(role: Role, ladder: Sizes, klt_bytes: int) -> list[tuple[str, int]]:
     where both fit on the middle stage's links) gave +1.90% mean (+1.00% to +2.69%) with klt
     first against +1.23% (+1.01% to +1.76%) with int4-block first, and 0.936 against 0.947
     of compute-bound (docs/benchmarks.md, "a node takes no probes while it measures")."""
+    coarse = (COARSE, round(COARSE_SHRINK[role] * klt_bytes))
     if role == "activation":
-        return [*ladder, (FINE, round(FINE_GROWTH * klt_bytes)), (COMPACT, klt_bytes)]
-    return [*ladder, (COMPACT, klt_bytes)]
+        return [*ladder, (FINE, round(FINE_GROWTH * klt_bytes)), (COMPACT, klt_bytes), coarse]
+    return [*ladder, (COMPACT, klt_bytes), coarse]
 
 
 def link_bound(

@@ -23,8 +23,10 @@ from ravnest_node.compression.sparse import TopK
 from ravnest_node.compression.transform import (
     KLT,
     KLT_ACTIVATION,
+    KLT_ACTIVATION_COARSE,
     KLT_ACTIVATION_FINE,
     KLT_GRADIENT,
+    KLT_GRADIENT_COARSE,
 )
 from ravnest_node.errors import ConfigError, FrameError
 
@@ -211,20 +213,27 @@ def get_codec(name: str) -> Codec:
 Role = Literal["activation", "gradient"]
 
 
-def encoder(name: str, role: Role, *, bottleneck: bool = False, fine: bool = False) -> Codec:
+def encoder(
+    name: str, role: Role, *, bottleneck: bool = False, fine: bool = False, coarse: bool = False
+) -> Codec:
     """The codec a sender uses for `name` in `role`: the registered one, or a variant that
     any decoder of that codec reads but that encodes better for the role (stochastic rounding
     for gradients, which keeps them unbiased). With `bottleneck` (a link that sets the
     pipeline's pace, where payloads are packed with deflate), int4-block takes fewer bytes:
     activations with one scale per BOTTLENECK_BLOCK elements, gradients with codes
     -COARSE_CODES..COARSE_CODES only. With `fine` (a link with room for it), klt activations
-    take the finer step of KLT_ACTIVATION_FINE. ConfigError for an unknown name."""
+    take the finer step of KLT_ACTIVATION_FINE; with `coarse` (a link where even klt sets the
+    pace), klt takes the coarser step of KLT_ACTIVATION_COARSE or KLT_GRADIENT_COARSE.
+    ConfigError for an unknown name."""
     codec = get_codec(name)
     if role == "activation" and name in GRADIENT_ONLY:
         raise ConfigError(f"codec {name} is for gradients only; it would destroy activations")
     if role == "gradient" and name in ACTIVATION_ONLY:
         raise ConfigError(f"codec {name} is for activations only (it needs per-sample references)")
-    if role == "gradient":
+    variant: Codec | None
+    if coarse and codec is KLT_ACTIVATION:
+        variant = KLT_GRADIENT_COARSE if role == "gradient" else KLT_ACTIVATION_COARSE
+    elif role == "gradient":
         variant = (_BOTTLENECK_GRADIENT if bottleneck else _GRADIENT_VARIANTS).get(name)
     elif fine and codec is KLT_ACTIVATION:
         variant = KLT_ACTIVATION_FINE
@@ -260,13 +269,19 @@ _BOTTLENECK_GRADIENT: dict[str, Codec] = {
 
 FINE_LABEL = ", fine step"
 """How logs, tables and frame counts name klt activations at KLT_ACTIVATION_FINE's step."""
+COARSE_LABEL = ", coarse step"
+"""How logs, tables and frame counts name klt at KLT_ACTIVATION_COARSE's or
+KLT_GRADIENT_COARSE's step."""
 
 
 def variant_label(codec: Codec) -> str:
     """How an int4-block bottleneck variant or klt's fine step differs from the registered
-    codec ("" otherwise), for logs and tables: ", codes -3..3", ", block 256", ", fine step"."""
+    codec ("" otherwise), for logs and tables: ", codes -3..3", ", block 256", ", fine step",
+    ", coarse step"."""
     if isinstance(codec, KLT):
-        return FINE_LABEL if codec is KLT_ACTIVATION_FINE else ""
+        if codec is KLT_ACTIVATION_FINE:
+            return FINE_LABEL
+        return COARSE_LABEL if codec in (KLT_ACTIVATION_COARSE, KLT_GRADIENT_COARSE) else ""
     if not isinstance(codec, BlockQuant) or codec.name != "int4-block":
         return ""
     if codec.codes:

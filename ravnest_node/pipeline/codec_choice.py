@@ -30,7 +30,9 @@ here, twice (the peer decodes it), counts against the budget, for every codec: `
 measures both. klt's sender state (its learned basis) is kept when `auto` moves away from it
 and back, and its frames count from its tenth on
 (`_learning`). Activations at the finer step are counted as "klt, fine step"; their bytes enter
-klt's running mean divided by FINE_GROWTH, as the default step's.
+klt's running mean divided by FINE_GROWTH, as the default step's. Where nothing fits, not even
+klt, klt takes its coarser step ("klt, coarse step", both roles; its bytes enter the mean
+divided by COARSE_SHRINK): the link sets the pace there, and fewer bytes are less time.
 
 When int4-block is chosen and still does not fit (`link_bound`) and the peer unpacks deflate
 (its plan entry says so), the payloads are also packed with deflate;
@@ -55,6 +57,8 @@ from ravnest_node.compression import Codec, encoder, get_codec
 from ravnest_node.compression.auto import (
     AUTO,
     AUTO_LADDER,
+    COARSE,
+    COARSE_SHRINK,
     COMPACT,
     COMPACT_PRIOR_CODING_S_PER_ELEMENT,
     DEFLATES,
@@ -67,13 +71,8 @@ from ravnest_node.compression.auto import (
     payload_sizes,
     ranked,
 )
-from ravnest_node.compression.codecs import FINE_LABEL, Role, variant_label
-from ravnest_node.compression.transform import (
-    CODER_COLUMNS,
-    KLT_ACTIVATION_FINE,
-    REFRESH_FIRST,
-    KLTState,
-)
+from ravnest_node.compression.codecs import COARSE_LABEL, FINE_LABEL, Role, variant_label
+from ravnest_node.compression.transform import CODER_COLUMNS, REFRESH_FIRST, KLTState
 from ravnest_node.transport.frames import Outgoing
 
 log = logging.getLogger(__name__)
@@ -152,14 +151,27 @@ class CodecChoice:
         return self._current[0].name
 
     @property
+    def step(self) -> str:
+        """klt's step of the next frame where it is not the default one (auto): FINE_LABEL (a
+        link with room for it), COARSE_LABEL (a link where even klt sets the pace), else ""."""
+        codec = self._current[0]
+        return variant_label(codec) if codec.name == COMPACT else ""
+
+    @property
     def fine(self) -> bool:
         """Whether klt activations take the finer step (auto, a link with room for it)."""
-        return self._current[0] is KLT_ACTIVATION_FINE
+        return self.step == FINE_LABEL
 
     def _make(
-        self, name: str, bottleneck: bool = False, fine: bool = False
+        self, name: str, bottleneck: bool = False, step: str = ""
     ) -> tuple[Codec, object | None]:
-        codec = encoder(name, self.role, bottleneck=bottleneck, fine=fine)
+        codec = encoder(
+            name,
+            self.role,
+            bottleneck=bottleneck,
+            fine=step == FINE_LABEL,
+            coarse=step == COARSE_LABEL,
+        )
         if name == COMPACT:
             return codec, self._kept.setdefault(name, codec.new_state())
         return codec, codec.new_state()
@@ -172,7 +184,7 @@ class CodecChoice:
         codec, state = self._current
         if isinstance(state, KLTState):  # what the peer decodes (its plan entry)
             state.columns = self.peer_klt_coder >= CODER_COLUMNS
-        key = codec.name + (FINE_LABEL if self.fine else "")
+        key = codec.name + self.step
         self.frames = {**self.frames, key: self.frames.get(key, 0) + 1}
         return Outgoing(tensor_name, tensor, codec, state, deflate=self.deflate)
 
@@ -194,10 +206,10 @@ class CodecChoice:
         self.deflated += packing == "deflate"
         name = self.name
         if nbytes is not None and not self._learning(name):
-            if self.fine:  # (klt's running mean is of frames at its default step)
-                nbytes = round(nbytes / FINE_GROWTH)
+            if self.step:  # (klt's running mean is of frames at its default step)
+                nbytes = round(nbytes / self._growth(self.step))
             self.frame_bytes = {**self.frame_bytes, name: _mean(self.frame_bytes.get(name), nbytes)}
-        made = self.frames.get(name, 0) + self.frames.get(name + FINE_LABEL, 0)
+        made = sum(self.frames.get(name + step, 0) for step in ("", FINE_LABEL, COARSE_LABEL))
         if coding_s is not None and made > 1:  # (the first frame of a codec holds set-up)
             self.coding_s = {**self.coding_s, name: _mean(self.coding_s.get(name), coding_s)}
 
@@ -226,12 +238,13 @@ class CodecChoice:
             sizes,
             bandwidth_bps=self.bandwidth_bps,
             compute_s=estimate,
-            current=(FINE if self.fine else self.name) if self._decided else None,
+            current=self.name + self.step if self._decided else None,
             share=self.share,
             coding_s=coding,
         )
         self._decided = True
-        fine, chosen = chosen == FINE, COMPACT if chosen == FINE else chosen
+        step = chosen[len(COMPACT) :] if chosen in (FINE, COARSE) else ""
+        chosen = COMPACT if step else chosen
         smallest = self._sizes[-1][1]  # int4-block's (sizes are in ladder order)
         deflate = (
             self.packs
@@ -245,9 +258,9 @@ class CodecChoice:
                 share=self.share,
             )
         )
-        if chosen != self.name or deflate != self.deflate or fine != self.fine:
+        if chosen != self.name or deflate != self.deflate or step != self.step:
             before = self._label()
-            self._current = self._make(chosen, bottleneck=deflate, fine=fine)
+            self._current = self._make(chosen, bottleneck=deflate, step=step)
             self.deflate = deflate
             log.info(
                 "%s: codec %s -> %s (link %.1f Mbit/s, compute %.1f ms per microbatch)",
@@ -268,12 +281,16 @@ class CodecChoice:
 
     def _coding_estimates(self, numel: int) -> dict[str, float]:
         """Seconds each codec's frame costs to encode here and decode at the peer (twice the
-        measured encode time; klt's prior before its first frame; klt's at the finer step as
-        klt's)."""
+        measured encode time; klt's prior before its first frame; klt's at the finer and the
+        coarser step as klt's)."""
         coding = {name: 2 * s for name, s in self.coding_s.items()}
         coding.setdefault(COMPACT, 2 * numel * COMPACT_PRIOR_CODING_S_PER_ELEMENT)
-        coding[FINE] = coding[COMPACT]
+        coding[FINE] = coding[COARSE] = coding[COMPACT]
         return coding
+
+    def _growth(self, step: str) -> float:
+        """klt's frames at `step` over those at its default step (auto.py)."""
+        return FINE_GROWTH if step == FINE_LABEL else COARSE_SHRINK[self.role]
 
     def _label(self) -> str:
         """The current codec as logs name it: "int4-block, codes -3..3 + deflate"."""
