@@ -12,9 +12,12 @@ the cheapest one when none fits:
 The ladder is AUTO_LADDER (sizes known from the shape: `payload_sizes`). Towards a peer that
 decodes klt, klt joins it after the ladder (compression/auto.py, COMPACT; its size depends on
 the values: `compact_estimate`, from the frames it made on this link or a prior), activations
-first at klt's finer step (transform.py KLT_ACTIVATION_FINE), then at its default step
-(`ranked`): klt errs less than int4-block in a third of its bytes, but under the pipeline's
-staleness its error costs more loss, so it is taken where int4-block does not fit. `coding_s`
+first at klt's finer step (transform.py KLT_ACTIVATION_FINE), then at its default step, then
+(both roles) at a coarser step (KLT_ACTIVATION_COARSE, KLT_GRADIENT_COARSE: a fifth to a
+quarter fewer bytes, about int4-block's error) that only the rule's "least cost" reaches, where
+nothing else fits (`ranked`): klt errs less than int4-block in a third of its bytes, but under
+the pipeline's staleness its error costs more loss, so it is taken where int4-block does not
+fit. `coding_s`
 is what encoding and the peer's decoding cost per frame (the caller measures its own encode
 time; the peer's decode is taken as equal): coding time counts against the compute budget the
 way link time does, so a compact codec whose coder is slow on this machine loses to one that

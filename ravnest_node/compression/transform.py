@@ -401,10 +401,10 @@ and int4-block does not (compression/auto.py, `ranked`)."""
 KLT_GRADIENT = KLT(alpha=0.35, per_row=False, stochastic=True, drop_below=0.5)
 KLT_ACTIVATION_COARSE = KLT(alpha=0.7)
 """Activations at a step of 0.7 of the row's rms: about 25% fewer bytes than at 0.5 on
-bench-small's boundaries (2,906 against 3,878 KB for the middle stage's 240 frames of a 60-step
+bench-small's boundaries (2.9 against 3.9 MB for the middle stage's 240 frames of a 60-step
 run, relative error 0.136 against 0.111; docs/compression.md). `auto` sends it only where even
 klt at its default step sets the pipeline's pace (compression/auto.py, `ranked`)."""
 KLT_GRADIENT_COARSE = KLT(alpha=0.5, per_row=False, stochastic=True, drop_below=0.5)
-"""Gradients at a step of 0.5 of the tensor's rms: about 20% fewer bytes than at 0.35 (5,214
-against 6,702 KB for the middle stage's 240 frames, relative error 0.160 against 0.125: about
+"""Gradients at a step of 0.5 of the tensor's rms: about 20% fewer bytes than at 0.35 (5.2
+against 6.7 MB for the middle stage's 240 frames, relative error 0.160 against 0.125: about
 int4-block's, 0.151), sent where even klt at its default step sets the pace."""

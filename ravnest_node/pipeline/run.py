@@ -71,7 +71,8 @@ class TrainConfig:
     auto. auto (the default): each link picks none, bf16, int8-block, int4-block or (towards a
     node that decodes it) klt from its measured bandwidth and the stage's compute time, so a
     fast link sends fp32 and a slow one int4-block or klt, klt's activations at a finer step
-    where the link has room (docs/compression.md); int4-block: 4.5 bits per element, 0.2%
+    where the link has room and klt at a coarser step where even it sets the pace
+    (docs/compression.md); int4-block: 4.5 bits per element, 0.2%
     loss at 40 steps of bench-small; klt (transform coding in a learned basis): 17-22x fewer
     bytes than fp32 on bench-small, for about 6 ms of one core per microbatch to encode and
     decode."""
