@@ -17,11 +17,10 @@ first at klt's finer step (transform.py KLT_ACTIVATION_FINE), then at its defaul
 quarter fewer bytes, about int4-block's error) that only the rule's "least cost" reaches, where
 nothing else fits (`ranked`): klt errs less than int4-block in a third of its bytes, but under
 the pipeline's staleness its error costs more loss, so it is taken where int4-block does not
-fit. `coding_s`
-is what encoding and the peer's decoding cost per frame (the caller measures its own encode
-time; the peer's decode is taken as equal): coding time counts against the compute budget the
-way link time does, so a compact codec whose coder is slow on this machine loses to one that
-is larger but cheap.
+fit. `coding_s` is what encoding and the peer's decoding cost per frame (the caller measures
+its own encode time; the peer's decode is taken as equal): coding time counts against the
+compute budget the way link time does, so a compact codec whose coder is slow on this machine
+loses to one that is larger but cheap.
 
 When the chosen codec is int4-block and even it does not fit, the link is the pipeline's
 bottleneck, and `auto` also packs its payloads with deflate (transport/frames.py): 1.1-1.4x

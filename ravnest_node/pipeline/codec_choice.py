@@ -79,6 +79,8 @@ log = logging.getLogger(__name__)
 
 SMOOTHING = 0.5
 """Weight of the newest compute-time estimate against the previous one."""
+_STEPS = {FINE: FINE_LABEL, COARSE: COARSE_LABEL}
+"""`choose_codec`'s names of klt at another step than its default one: the step's label."""
 FRAME_SMOOTHING = 0.1
 """Weight of the newest frame in the running means of a codec's frame bytes and coding time."""
 
@@ -243,7 +245,7 @@ class CodecChoice:
             coding_s=coding,
         )
         self._decided = True
-        step = chosen[len(COMPACT) :] if chosen in (FINE, COARSE) else ""
+        step = _STEPS.get(chosen, "")
         chosen = COMPACT if step else chosen
         smallest = self._sizes[-1][1]  # int4-block's (sizes are in ladder order)
         deflate = (
